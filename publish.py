@@ -1,0 +1,234 @@
+"""Package the backend (code only) and publish it to InferenceKey as a custom backend.
+
+    python publish.py                       # version from pyproject.toml, publish
+    python publish.py --version 0.2.0       # explicit version
+    python publish.py --dry-run             # package and list the archive, upload nothing
+
+Environment: ``IK_TENANT_ID`` and ``INFERENCEKEY_SDK_TOKEN`` (``ik_sdk_`` with workload:write);
+``INFERENCEKEY_BASE_URL`` overrides the control plane (tests point it at a local stand-in).
+
+The archive holds only the backend's code: ``deepinfer_backend.py``, the ``server``, ``protocol``,
+``cache`` and ``rank`` packages, ``requirements.txt`` and a ``BUILD_INFO.json`` stamp. Tests,
+caches, weights, virtual environments, ``.env`` files and anything token-like are excluded, and
+the finished archive is listed and checked again before anything is uploaded.
+
+A version is published once: the control plane answers a second publish of the same slug and
+version with 409, which this script reports as such (bump ``--version`` or pyproject's version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent
+DEFAULT_NAME = "deepinfer-v41-flash"
+ENTRYPOINT = "deepinfer_backend:DeepInferBackend"
+CODE_MODULES = ("deepinfer_backend.py",)
+CODE_PACKAGES = ("server", "protocol", "cache", "rank")
+# Data files a package may legitimately carry next to its code.
+CODE_SUFFIXES = frozenset({".py", ".json", ".txt", ".jinja", ".md"})
+EXCLUDED_DIR_NAMES = frozenset(
+    {"tests", "test", "__pycache__", ".venv", "venv", ".git", "dist", "build", ".cache",
+     ".pytest_cache", ".hypothesis", "node_modules", "weights", "checkpoints"}
+)
+# Names that must never reach an archive: env files, weights, compiled files, tests.
+FORBIDDEN_NAME_RE = re.compile(
+    r"(^\.env)|(\.(safetensors|bin|pt|pth|gguf|ckpt|npy|npz|pyc|so)$)"
+    r"|(^test_.*\.py$)|(_test\.py$)|(^conftest\.py$)",
+    re.IGNORECASE,
+)
+# Data (non-.py) files whose names suggest a secret.
+SECRET_NAME_RE = re.compile(r"token|secret|credential|password|api[_-]?key", re.IGNORECASE)
+# Content that looks like a real InferenceKey or API credential (placeholders like ik_live_... pass).
+SECRET_CONTENT_RE = re.compile(rb"(ik_(sdk|live)_[A-Za-z0-9]{16,})|(sk-[A-Za-z0-9]{20,})")
+BUILD_INFO_NAME = "BUILD_INFO.json"
+EXIT_CONFLICT = 3
+EXIT_AUTH = 4
+EXIT_FAILED = 5
+
+
+class PublishError(RuntimeError):
+    """A problem that stops the publish, with a message meant for the operator."""
+
+
+@dataclass(frozen=True, slots=True)
+class StagedFile:
+    source: Path
+    arcname: str
+
+
+def project_version(pyproject: Path = REPO_ROOT / "pyproject.toml") -> str:
+    """``[project].version`` of pyproject.toml (tomllib on 3.11+, a strict regex on 3.10)."""
+    text = pyproject.read_text(encoding="utf-8")
+    try:
+        import tomllib
+
+        return str(tomllib.loads(text)["project"]["version"])
+    except ModuleNotFoundError:  # Python 3.10
+        match = re.search(r'^\[project\][^\[]*?^version\s*=\s*"([^"]+)"', text, re.M | re.S)
+        if not match:
+            raise PublishError(f"no [project].version in {pyproject}") from None
+        return match.group(1)
+
+
+def is_code_file(rel: Path) -> bool:
+    if any(part in EXCLUDED_DIR_NAMES or part.startswith(".") for part in rel.parts[:-1]):
+        return False
+    name = rel.name
+    if rel.suffix != ".py" and SECRET_NAME_RE.search(name):
+        return False
+    return rel.suffix in CODE_SUFFIXES and not FORBIDDEN_NAME_RE.search(name)
+
+
+def collect_code(root: Path = REPO_ROOT) -> list[StagedFile]:
+    """The files that make up the backend at runtime, in a deterministic order."""
+    files = [StagedFile(root / name, name) for name in CODE_MODULES]
+    for package in CODE_PACKAGES:
+        for path in sorted((root / package).rglob("*")):
+            rel = path.relative_to(root)
+            if path.is_file() and is_code_file(rel):
+                files.append(StagedFile(path, rel.as_posix()))
+    missing = [f.arcname for f in files if not f.source.is_file()]
+    if missing:
+        raise PublishError(f"missing backend files: {', '.join(missing)}")
+    return files
+
+
+def git_commit(root: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def stage(files: list[StagedFile], version: str, root: Path, staging: Path) -> None:
+    for item in files:
+        dest = staging / item.arcname
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(item.source, dest)
+    info = {"version": version, "git_commit": git_commit(root), "built_at_unix_s": int(time.time())}
+    (staging / BUILD_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+
+
+def check_archive(path: str) -> list[str]:
+    """List the archive and refuse anything that is not code (the last line of defence)."""
+    bad: list[str] = []
+    with tarfile.open(path, "r:gz") as tar:
+        members = tar.getmembers()
+        names = sorted(m.name for m in members)
+        for member in members:
+            fh = tar.extractfile(member) if member.isfile() else None
+            if fh is not None and SECRET_CONTENT_RE.search(fh.read()):
+                bad.append(f"{member.name} (contains a credential-like string)")
+    bad += [n for n in names if n not in ("manifest.json", "requirements.txt", BUILD_INFO_NAME)
+            and not is_code_file(Path(n))]
+    if bad:
+        raise PublishError(f"archive {path} holds files that are not backend code: {bad}")
+    if "deepinfer_backend.py" not in names:
+        raise PublishError(f"archive {path} lacks deepinfer_backend.py")
+    return names
+
+
+def build_package(version: str, name: str, out_dir: str, requires_python: str,
+                  root: Path = REPO_ROOT) -> tuple[object, list[str]]:
+    """Stage the code in a temporary directory, package it with the SDK and check the archive."""
+    from inferencekey.backend import package_backend
+
+    files = collect_code(root)
+    with tempfile.TemporaryDirectory(prefix="deepinfer-pkg-") as tmp:
+        staging = Path(tmp) / "src"
+        staging.mkdir()
+        stage(files, version, root, staging)
+        kwargs: dict[str, object] = dict(
+            src=str(staging), entrypoint=ENTRYPOINT, requirements=str(root / "requirements.txt"),
+            name=name, version=version, task_type="text2text", requires_python=requires_python,
+            out_dir=out_dir, description="DeepSeek-V4.1-Flash on DeepInfer with L0/L1 prefix cache",
+        )
+        # SDK 0.260725.739 has no ``api`` keyword; newer releases take it (the seed guide uses it).
+        if "api" in inspect.signature(package_backend).parameters:
+            kwargs["api"] = "openai-chat"
+        pkg = package_backend(**kwargs)
+    return pkg, check_archive(pkg.path)
+
+
+def publish(tenant_id: str, path: str, token: str, base_url: str | None) -> dict:
+    from inferencekey import publish_custom_backend
+    from inferencekey.errors import ApiError, AuthError, PermissionDenied, ValidationError
+
+    try:
+        return publish_custom_backend(tenant_id, path, token=token, base_url=base_url)
+    except (AuthError, PermissionDenied) as exc:
+        raise PublishRejected(EXIT_AUTH, f"the control plane refused the SDK token ({exc}); "
+                              "check INFERENCEKEY_SDK_TOKEN (ik_sdk_ with workload:write) "
+                              "and IK_TENANT_ID") from None
+    except ValidationError as exc:
+        raise PublishRejected(EXIT_FAILED, f"the control plane rejected the package: {exc}") from None
+    except ApiError as exc:
+        if str(exc).startswith("409"):
+            raise PublishRejected(EXIT_CONFLICT, f"this slug and version are already published "
+                                  f"(409 Conflict: {exc}). Versions are immutable: bump the "
+                                  "version (--version or pyproject.toml) and publish again."
+                                  ) from None
+        raise PublishRejected(EXIT_FAILED, f"upload failed: {exc}") from None
+
+
+class PublishRejected(PublishError):
+    def __init__(self, exit_code: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python publish.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", default=None, help="backend version (default: pyproject.toml)")
+    parser.add_argument("--name", default=DEFAULT_NAME, help="backend name and slug")
+    parser.add_argument("--out-dir", default=str(REPO_ROOT / "dist"))
+    parser.add_argument("--requires-python", default="3.12",
+                        help="Python of the worker venv; must match the DeepInfer venv (3.12)")
+    parser.add_argument("--tenant", default=os.environ.get("IK_TENANT_ID"))
+    parser.add_argument("--base-url", default=None, help="default: $INFERENCEKEY_BASE_URL or the SDK's")
+    parser.add_argument("--dry-run", action="store_true", help="package and list; do not upload")
+    args = parser.parse_args(argv)
+
+    try:
+        version = args.version or project_version()
+        pkg, names = build_package(version, args.name, args.out_dir, args.requires_python)
+        print(f"packaged {args.name} {version}: {pkg.path} sha256 {pkg.sha256[:12]} "
+              f"{pkg.size_bytes / 1024:.0f} KiB, {len(names)} files")
+        for name in names:
+            print(f"  {name}")
+        if args.dry_run:
+            print("dry run: nothing uploaded")
+            return 0
+        token = os.environ.get("INFERENCEKEY_SDK_TOKEN")
+        if not args.tenant or not token:
+            raise PublishRejected(EXIT_AUTH, "set IK_TENANT_ID (or --tenant) and INFERENCEKEY_SDK_TOKEN")
+        record = publish(args.tenant, pkg.path, token, args.base_url)
+    except PublishRejected as exc:
+        print(f"publish failed: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - one clear line for the operator, not a traceback
+        print(f"publish failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"published {record.get('slug', args.name)} {record.get('version', version)} "
+          f"(id {record.get('id', '?')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Small shared pieces of the checks: units, the rank processes' environment, engine traits."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server.config import WorkloadConfig
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+def rank_env(config: WorkloadConfig, base_env: Mapping[str, str]) -> dict[str, str]:
+    """The environment a rank process sees: the backend's, then ``env``, then ``deepinfer_env``."""
+    merged = dict(base_env)
+    merged.update(config.env)
+    merged.update(config.deepinfer_env)
+    return merged
+
+
+def is_deepinfer(config: WorkloadConfig) -> bool:
+    return config.engine == "deepinfer"
+
+
+def uses_gpu(config: WorkloadConfig) -> bool:
+    """True when the ranks need CUDA devices (DeepInfer always; the reference engine on cuda)."""
+    return is_deepinfer(config) or (
+        config.engine == "reference" and config.reference_device.startswith("cuda")
+    )
+
+
+def env_flag_off(env: Mapping[str, str], key: str) -> bool:
+    return env.get(key, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def env_flag_on(env: Mapping[str, str], key: str) -> bool:
+    return env.get(key, "").strip().lower() in ("1", "true", "yes", "on")

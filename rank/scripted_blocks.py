@@ -4,7 +4,8 @@ The scripted engine has no KV tensors; instead each block records the token ids 
 hold. That keeps the block contract of ``rank/engine.py`` exact (same ids, same counts, same
 kept-block lists as a real engine) and lets the engine check that a prefix handed over by the
 cache layer really holds the prompt's tokens, including after a round trip through the L1 host
-pool (``export_blocks`` writes the ids into the host slots, ``import_blocks`` reads them back).
+pool (``cache.l1_pool.HostPool``: a slot holds one block's int32 ids as ``block_size * 4`` bytes;
+``export_blocks`` writes them, ``import_blocks`` reads them back, on any rank of the group).
 
 Ids and reference counts are the reference engine's ``rank.block_manager.BlockManager`` (same
 invariants: block 0 scratch, count == cache refs + live block-table occurrences, free exactly at
@@ -18,12 +19,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import torch
 
 from rank.block_manager import BlockManager
 from rank.engine import CapacityExhausted, EngineMisuse
 
 _UNWRITTEN = -1
-_UNKNOWN = -2  # imported from a host slot this engine cannot read: content not checked
 
 
 class BlockPool:
@@ -34,7 +35,11 @@ class BlockPool:
         self.block_size = block_size
         self._bm = BlockManager(num_blocks)
         self._tokens = np.full((num_blocks, block_size), _UNWRITTEN, dtype=np.int32)
-        self._host = _HostStore(host_pool, block_size)
+        # The same memory as uint8 rows: what the L1 host pool copies (one slot = one block row).
+        self._rows = torch.from_numpy(self._tokens).view(torch.uint8)
+        self.host_pool = host_pool
+        if host_pool is not None:
+            host_pool.open(block_size * 4)
 
     @property
     def num_free(self) -> int:
@@ -63,8 +68,6 @@ class BlockPool:
         """(block, position) of the first prefix token that differs from the prompt, or None."""
         for i, block in enumerate(prefix):
             stored = self._tokens[block]
-            if stored[0] == _UNKNOWN:
-                continue
             expect = np.asarray(prompt[i * self.block_size : (i + 1) * self.block_size], dtype=np.int32)
             diff = np.nonzero(stored != expect)[0]
             if len(diff):
@@ -110,21 +113,32 @@ class BlockPool:
         self._bm.decref(blocks, cache_ref=True)
 
     def export_blocks(self, blocks: list[int], host_slot: int) -> None:
+        pool = self._check_slots(host_slot, len(blocks))
         self._bm.validate_held(blocks, what="export_blocks", need_cache_ref=False)
-        self._host.check_slots(host_slot, len(blocks))
-        for i, block in enumerate(blocks):
-            self._host.write(host_slot + i, self._tokens[block])
+        pool.copy_from_device(self._rows, blocks, host_slot)
 
     def import_blocks(self, host_slot: int, num: int) -> list[int]:
-        if num < 0:
-            raise EngineMisuse(f"import of {num} blocks")
-        self._host.check_slots(host_slot, num)
+        pool = self._check_slots(host_slot, num)
         if not self._bm.can_allocate(num):
             raise CapacityExhausted(f"import needs {num} blocks, {self._bm.num_free_blocks} free")
         blocks = self._bm.allocate(num, cache_ref=True)
-        for i, block in enumerate(blocks):
-            self._tokens[block] = self._host.read(host_slot + i)
+        pool.copy_to_device(self._rows, blocks, host_slot)
         return blocks
+
+    def _check_slots(self, host_slot: int, num: int) -> Any:
+        if self.host_pool is None:
+            raise EngineMisuse("this engine has no L1 host pool")
+        if num < 1:
+            raise EngineMisuse(f"need at least one block, got {num}")
+        if not 0 <= host_slot <= self.host_pool.num_slots - num:
+            raise EngineMisuse(
+                f"host slots [{host_slot}, {host_slot + num}) outside 0..{self.host_pool.num_slots}"
+            )
+        return self.host_pool
+
+    def close(self) -> None:
+        if self.host_pool is not None:
+            self.host_pool.close()
 
     # ---- checks --------------------------------------------------------------------------------
 
@@ -133,42 +147,3 @@ class BlockPool:
         for table in tables:
             seq_refs.update(table)
         self._bm.check(dict(seq_refs))
-
-
-class _HostStore:
-    """Where exported token ids go: the shared L1 host pool if given, else a private dict.
-
-    In the shared pool, a slot's first ``block_size * 4`` bytes hold the block's int32 ids.
-    """
-
-    def __init__(self, host_pool: Any, block_size: int) -> None:
-        self._pool = host_pool
-        self._block_size = block_size
-        self._local: dict[int, np.ndarray] = {}
-
-    def check_slots(self, first: int, num: int) -> None:
-        if first < 0:
-            raise EngineMisuse(f"host slot {first} < 0")
-        limit = getattr(self._pool, "num_slots", None)
-        if limit is not None and first + num > limit:
-            raise EngineMisuse(f"host slots {first}..{first + num - 1} beyond the pool's {limit}")
-
-    def write(self, slot: int, tokens: np.ndarray) -> None:
-        if self._pool is None:
-            self._local[slot] = tokens.copy()
-            return
-        view = _slot_bytes(self._pool, slot)
-        view[: tokens.nbytes] = np.frombuffer(tokens.tobytes(), dtype=np.uint8)
-
-    def read(self, slot: int) -> np.ndarray:
-        if self._pool is None:
-            found = self._local.get(slot)
-            return found.copy() if found is not None else np.full(self._block_size, _UNKNOWN, np.int32)
-        view = _slot_bytes(self._pool, slot)
-        return np.frombuffer(bytes(view[: self._block_size * 4]), dtype=np.int32).copy()
-
-
-def _slot_bytes(host_pool: Any, slot: int) -> np.ndarray:
-    """A writable uint8 numpy view of one host slot (pool API adapted in one place)."""
-    view = host_pool.slot(slot)
-    return view.numpy() if hasattr(view, "numpy") else np.asarray(view)

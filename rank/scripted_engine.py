@@ -368,6 +368,7 @@ class ScriptedEngine(Engine):
     def close(self) -> None:
         for seq in list(self._by_id.values()):
             self._finish(seq, FinishReason.ABORT, keep=False)
+        self._pool.close()
 
 
 __all__ = ["CapacityExhausted", "ScriptedEngine", "load_tokenizer"]

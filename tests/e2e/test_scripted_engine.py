@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache.l1_pool import HostPool
 from rank.engine import EngineMisuse, EngineRequest, FinishReason, RequestOutput, SamplingParams
 from rank.scripted_engine import (
     ASSISTANT_ID,
@@ -265,8 +266,10 @@ def test_no_capacity_alone_is_error_but_waits_behind_running(tok):
     assert outs["a"][-1].finish_reason is FinishReason.STOP and outs["b"][-1].finish_reason is FinishReason.STOP
 
 
-def test_export_import_round_trip_keeps_content(tok):
-    eng = make_engine(tok)
+def test_export_import_round_trip_keeps_content(tok, tmp_path):
+    pool = HostPool(str(tmp_path / "l1"), budget_bytes=32 * BS * 4, pin=False)
+    eng = make_engine(tok, host_pool=pool)
+    other = make_engine(tok, host_pool=HostPool(str(tmp_path / "l1"), budget_bytes=32 * BS * 4, pin=False))
     p1 = prompt_ids(tok, ["What is in README.md?"])
     eng.add(req("t1", p1))
     kept = run(eng)["t1"][-1].kept_blocks
@@ -278,6 +281,20 @@ def test_export_import_round_trip_keeps_content(tok):
     assert run(eng)["t2"][-1].finish_reason is FinishReason.STOP  # content check passed
     eng.release(restored)
     eng.check_accounting()
+    # Another rank maps the same file: it restores the blocks too, and a wrong slot is caught.
+    moved = other.import_blocks(10, 3)
+    other.add(req("t3", p1, prefix_blocks=moved[:2], num_cached_tokens=2 * BS))
+    assert run(other)["t3"][-1].finish_reason is FinishReason.STOP
+    wrong = other.import_blocks(11, 2)
+    other.add(req("t4", p1, prefix_blocks=wrong, num_cached_tokens=2 * BS))
+    out = run(other)["t4"][-1]
+    assert out.finish_reason is FinishReason.ERROR and "differ from the prompt" in out.error
+    with pytest.raises(EngineMisuse):
+        other.import_blocks(31, 2)  # past the pool's 32 slots
+    with pytest.raises(EngineMisuse):
+        make_engine(tok).export_blocks(moved[:1], 0)  # no host pool
+    eng.close()
+    other.close()
 
 
 def test_chunked_prefill_takes_several_steps(tok):

@@ -1,0 +1,176 @@
+"""The L1 host pool: one shared ``/dev/shm`` file that every rank process maps.
+
+Layout: ``[num_slots, bytes_per_block]`` uint8, one slot = one KV block row of the engines'
+device pools. Because the file is shared (``MAP_SHARED``) and named after the rank group, any
+rank can restore blocks another rank exported, which is what moving a session off an
+overloaded rank needs. On CUDA the mapping is page-locked with ``cudaHostRegister`` so copies are
+real DMA (pageable memory runs at a third of the link; see shared/reference/measurements.md).
+
+Copies are shaped for the link, not per block: an export gathers the block rows on the device
+into one contiguous staging tensor and moves it with one copy into consecutive slots; an import
+moves consecutive slots with one copy into a device staging buffer and scatters it into the block
+rows with ``index_copy_``. Both synchronize before returning, so an exported slot is readable by
+every process, an imported block is in place before any later step reads it, and the slots may
+be reused as soon as the call returns.
+
+Lifecycle: the supervisor picks the path (``host_pool_path``) and the byte budget
+(``plan_host_pool_bytes``), passes both to every rank, and unlinks the file when the group stops
+or restarts (a new epoch starts empty). Each rank constructs ``HostPool(path, budget_bytes)`` and
+the engine calls ``open(bytes_per_block)`` once it knows its row size; every rank computes the
+same ``num_slots = budget_bytes // bytes_per_block``, so ranks can create/size the file
+concurrently without a handshake (O_CREAT + ftruncate to the same size are idempotent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+SHM_DIR = "/dev/shm"
+
+
+def host_pool_path(group_name: str, shm_dir: str = SHM_DIR) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group_name)
+    return os.path.join(shm_dir, f"dib-l1-{safe}")
+
+
+def plan_host_pool_bytes(l1_host_gb: float, num_ranks: int, shm_dir: str = SHM_DIR) -> tuple[int, str]:
+    """The shared pool's size: ``l1_host_gb`` per rank, lowered to what the machine can spare.
+
+    Returns (bytes, reason). Limits: 90% of the free space of ``shm_dir`` (tmpfs: writing past it
+    kills the writer with SIGBUS) and 75% of available RAM (pinned pages cannot be swapped).
+    """
+    wanted = int(l1_host_gb * GIB) * num_ranks
+    stat = os.statvfs(shm_dir)
+    shm_free = int(stat.f_bavail * stat.f_frsize * 0.9)
+    mem_free = int(_mem_available_bytes() * 0.75)
+    budget = min(wanted, shm_free, mem_free)
+    reason = (
+        f"L1 host pool {budget / GIB:.2f} GiB (asked {wanted / GIB:.2f} GiB = {l1_host_gb} GiB x "
+        f"{num_ranks} ranks; {shm_dir} allows {shm_free / GIB:.2f}, RAM allows {mem_free / GIB:.2f})"
+    )
+    return budget, reason
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class HostPool:
+    """A rank's view of the shared L1 pool (see the module docstring).
+
+    Invariants: ``tensor`` exists exactly while open; ``num_slots * bytes_per_block`` bytes of the
+    file are mapped; when pinned, the mapping is registered with CUDA exactly once and
+    unregistered before it is unmapped.
+    """
+
+    def __init__(self, path: str, budget_bytes: int, *, pin: bool | None = None) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.path = path
+        self.budget_bytes = budget_bytes
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.bytes_per_block = 0
+        self.num_slots = 0
+        self.tensor: torch.Tensor | None = None
+        self._registered_ptr: int | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.tensor is not None
+
+    def open(self, bytes_per_block: int) -> None:
+        if bytes_per_block <= 0:
+            raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
+        if self.tensor is not None:
+            if bytes_per_block != self.bytes_per_block:
+                raise ValueError(f"host pool already open with {self.bytes_per_block} bytes/block")
+            return
+        num_slots = self.budget_bytes // bytes_per_block
+        nbytes = num_slots * bytes_per_block
+        self.bytes_per_block, self.num_slots = bytes_per_block, num_slots
+        if num_slots == 0:
+            self.tensor = torch.empty(0, bytes_per_block, dtype=torch.uint8)
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        flat = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
+        self.tensor = flat.view(num_slots, bytes_per_block)
+        if self.pin:
+            self._register()
+        log.info("L1 host pool %s: %d slots x %d bytes (%.2f GiB)%s", self.path, num_slots,
+                 bytes_per_block, nbytes / GIB, ", pinned" if self._registered_ptr else "")
+
+    def _register(self) -> None:
+        assert self.tensor is not None
+        ptr, size = self.tensor.data_ptr(), self.tensor.numel()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the L1 host pool ({size} bytes) failed: error {int(err)}")
+        self._registered_ptr = ptr
+
+    def slot(self, host_slot: int) -> torch.Tensor:
+        """One slot's bytes (a writable view into the shared mapping)."""
+        return self._slots(host_slot, 1)[0]
+
+    def _slots(self, host_slot: int, num_blocks: int) -> torch.Tensor:
+        if self.tensor is None:
+            raise RuntimeError("host pool is not open")
+        if num_blocks < 1 or host_slot < 0 or host_slot + num_blocks > self.num_slots:
+            raise ValueError(f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.num_slots}")
+        return self.tensor[host_slot : host_slot + num_blocks]
+
+    def copy_from_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:
+        """Export: gather rows on the device, one copy into consecutive slots, then wait."""
+        dst = self._slots(host_slot, len(block_ids))
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=device_pool.device)
+        if device_pool.device.type == "cpu":
+            torch.index_select(device_pool, 0, idx, out=dst)
+            return
+        staging = device_pool.index_select(0, idx)
+        dst.copy_(staging, non_blocking=self._registered_ptr is not None)
+        torch.cuda.current_stream(device_pool.device).synchronize()
+
+    def copy_to_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:
+        """Import: one copy of consecutive slots to a device staging buffer, a scatter, then wait."""
+        src = self._slots(host_slot, len(block_ids))
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=device_pool.device)
+        if device_pool.device.type == "cpu":
+            device_pool.index_copy_(0, idx, src)
+            return
+        staging = src.to(device_pool.device, non_blocking=self._registered_ptr is not None)
+        device_pool.index_copy_(0, idx, staging)
+        # Same-stream order already puts the data before the next step's kernels; waiting here
+        # also lets the caller reuse the host slots as soon as the call returns.
+        torch.cuda.current_stream(device_pool.device).synchronize()
+
+    def close(self) -> None:
+        if self._registered_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            self._registered_ptr = None
+        self.tensor = None  # the storage unmaps when the last reference goes
+
+    @staticmethod
+    def unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,106 @@
+"""Reference-counted KV block pool bookkeeping (ids only; the bytes live in the engine's pool)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from rank.engine import CapacityExhausted, EngineMisuse
+
+
+class BlockManager:
+    """Hands out block ids ``1 .. num_blocks-1`` with reference counts.
+
+    Invariants:
+    * block 0 is scratch: never in the free list, never handed out, count always 0;
+    * a block is in the free list exactly when its count is 0 (and it is not block 0);
+    * ``cache_refs[b] <= ref_counts[b]``: the cache's share of a block's references (the rest
+      belong to live sequences, which the engine checks in ``check_accounting``).
+    Freed blocks go to the *front* of the free list in reverse order, so a chain's tail is
+    reused first and a recently used prefix survives longest in the bytes (nothing relies on it).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is scratch), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.cache_refs = [0] * num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(1 for n in self.cache_refs if n)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int, *, cache_ref: bool = False) -> list[int]:
+        """Take ``num_blocks`` free blocks with one ref each (a cache ref if ``cache_ref``)."""
+        if num_blocks > len(self._free):
+            raise CapacityExhausted(f"need {num_blocks} KV blocks, {len(self._free)} free")
+        ids = [self._free.popleft() for _ in range(num_blocks)]
+        for block_id in ids:
+            self.ref_counts[block_id] = 1
+            if cache_ref:
+                self.cache_refs[block_id] = 1
+        return ids
+
+    def validate_held(self, block_ids: Sequence[int], *, what: str, need_cache_ref: bool) -> None:
+        """Raise EngineMisuse unless every id is a valid, distinct, allocated (cache-held) block."""
+        seen: set[int] = set()
+        for block_id in block_ids:
+            if not isinstance(block_id, int) or isinstance(block_id, bool):
+                raise EngineMisuse(f"{what}: block id {block_id!r} is not an int")
+            if not 1 <= block_id < self.num_blocks:
+                raise EngineMisuse(f"{what}: block id {block_id} outside 1..{self.num_blocks - 1}")
+            if block_id in seen:
+                raise EngineMisuse(f"{what}: block id {block_id} given twice")
+            seen.add(block_id)
+            if self.ref_counts[block_id] <= 0:
+                raise EngineMisuse(f"{what}: block {block_id} is free")
+            if need_cache_ref and self.cache_refs[block_id] <= 0:
+                raise EngineMisuse(f"{what}: block {block_id} holds no cache reference")
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            assert self.ref_counts[block_id] > 0, f"incref of free block {block_id}"
+            self.ref_counts[block_id] += 1
+
+    def to_cache(self, block_ids: Iterable[int]) -> None:
+        """Turn one sequence ref on each block into a cache ref (count unchanged)."""
+        for block_id in block_ids:
+            self.cache_refs[block_id] += 1
+            assert self.cache_refs[block_id] <= self.ref_counts[block_id]
+
+    def decref(self, block_ids: Sequence[int], *, cache_ref: bool = False) -> None:
+        """Drop one ref on each block; blocks reaching 0 return to the free list."""
+        for block_id in reversed(block_ids):
+            assert block_id != 0 and self.ref_counts[block_id] > 0, f"double free of {block_id}"
+            if cache_ref:
+                assert self.cache_refs[block_id] > 0, f"cache ref underflow on {block_id}"
+                self.cache_refs[block_id] -= 1
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self._free.appendleft(block_id)
+
+    def check(self, seq_refs: dict[int, int]) -> None:
+        """Assert the full bookkeeping, given how many refs live sequences hold per block."""
+        assert self.ref_counts[0] == 0 and self.cache_refs[0] == 0, "scratch block 0 is referenced"
+        free = list(self._free)
+        assert len(free) == len(set(free)), "a block is in the free list twice"
+        assert 0 not in free, "scratch block 0 is in the free list"
+        free_set = set(free)
+        for block_id in range(1, self.num_blocks):
+            count = self.ref_counts[block_id]
+            expected = self.cache_refs[block_id] + seq_refs.get(block_id, 0)
+            assert count == expected, (
+                f"block {block_id}: count {count} != cache {self.cache_refs[block_id]} + "
+                f"sequences {seq_refs.get(block_id, 0)}"
+            )
+            assert (count == 0) == (block_id in free_set), f"block {block_id}: free list mismatch"
+        assert len(free) + sum(1 for n in self.ref_counts if n) == self.num_blocks - 1

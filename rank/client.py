@@ -1,0 +1,139 @@
+"""What ``cache/`` and ``server/`` see of the rank layer: the ``RankClient`` protocol.
+
+Two implementations: ``rank.group.RankGroup`` (rank processes over zmq, supervised) and
+``rank.local_group.LocalRankGroup`` (engines in-process, for tests and the simulator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from rank.engine import EngineRequest, EngineStats, RequestOutput
+from rank.errors import RankFailed, RankUnavailable
+
+__all__ = ["GroupState", "RankClient", "RankFailed", "RankUnavailable", "RequestStream"]
+
+
+class GroupState(str, enum.Enum):
+    STARTING = "starting"  # ranks launching / loading weights
+    READY = "ready"  # accepting requests
+    RESTARTING = "restarting"  # a rank died or stalled; the whole group is being replaced
+    STOPPED = "stopped"  # close() was called (or never started)
+    FAILED = "failed"  # could not (re)start; gives up until restarted by hand
+
+
+@runtime_checkable
+class RankClient(Protocol):
+    """A group of ``num_ranks`` engines that step in lockstep.
+
+    Block ids are per rank and valid only within one ``epoch``; when the group restarts, every
+    block id, host-slot content and in-flight request of the old epoch is gone, and restart
+    listeners are told the new epoch before any new request can be submitted.
+    """
+
+    num_ranks: int
+    block_size: int
+    num_blocks: int  # per rank, including scratch block 0
+    bytes_per_block: int  # bytes of one KV block row (= one L1 host slot)
+    num_host_slots: int  # slots of the shared L1 host pool (0 when there is none)
+    epoch: int
+    state: GroupState
+
+    def submit(self, rank: int, request: EngineRequest) -> RequestStream:
+        """Queue a request on ``rank``. Raises RankUnavailable unless READY."""
+        ...
+
+    def abort(self, rank: int, request_id: str) -> None:
+        """Fire and forget; the stream then ends with finish_reason ABORT (if not done yet)."""
+        ...
+
+    async def release(self, rank: int, block_ids: list[int]) -> None: ...
+
+    async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None: ...
+
+    async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]: ...
+
+    def stats(self, rank: int) -> EngineStats: ...
+
+    def add_restart_listener(self, fn: Callable[[int], None]) -> None: ...
+
+
+class RequestStream:
+    """Async iterator over one request's ``RequestOutput``s; the last has ``finished=True``.
+
+    Producers call ``push`` (outputs, in order) and ``fail`` (the group failed); consumers
+    iterate. Iteration raises the failure (``RankFailed``, or ``EngineMisuse`` when the engine
+    rejected the request) after any outputs that arrived before it. ``abort()`` asks the engine
+    to stop the request (the stream then ends with an ABORT output). Not thread-safe: producer
+    and consumer share one event loop.
+    """
+
+    __slots__ = ("request_id", "rank", "epoch", "_outputs", "_error", "_waiter", "_done", "_abort_fn")
+
+    def __init__(
+        self, request_id: str, rank: int, epoch: int, abort_fn: Callable[[], None] | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.rank = rank
+        self.epoch = epoch
+        self._outputs: deque[RequestOutput] = deque()
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False  # a finished output or an error was pushed
+        self._abort_fn = abort_fn
+
+    @property
+    def done(self) -> bool:
+        """True once the terminal output (or a failure) has been produced."""
+        return self._done
+
+    def push(self, output: RequestOutput) -> None:
+        if self._done:
+            return  # a late output after a failure; the invariant says none follow a finish
+        self._outputs.append(output)
+        if output.finished:
+            self._done = True
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if self._done:
+            return
+        self._error = error
+        self._done = True
+        self._wake()
+
+    def abort(self) -> None:
+        if not self._done and self._abort_fn is not None:
+            self._abort_fn()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._outputs:
+                return self._outputs.popleft()
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def drain_nowait(self) -> list[RequestOutput]:
+        """Take every output already buffered (lets a consumer batch several steps' tokens)."""
+        outputs = list(self._outputs)
+        self._outputs.clear()
+        return outputs

@@ -1,0 +1,30 @@
+"""Build a rank's engine from the workload config (engine modules are imported lazily, so a
+rank process only imports what it runs: DeepInfer's stack is heavy and B200-only)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rank.engine import Engine
+
+if TYPE_CHECKING:
+    from cache.l1_pool import HostPool
+
+
+def make_engine(config: Any, rank: int, host_pool: HostPool | None) -> Engine:
+    """``config`` is a ``server.config.WorkloadConfig`` (or an object with the same fields)."""
+    if config.engine == "reference":
+        from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
+
+        engine_config = ReferenceEngineConfig.from_workload(config)
+        # Same seed on every rank: one model, so any rank gives the same answer for a prompt.
+        return ReferenceEngine(engine_config, host_pool)
+    if config.engine == "scripted":
+        from rank.scripted_engine import ScriptedEngine  # issue 8
+
+        return ScriptedEngine.from_config(config, rank, host_pool)
+    if config.engine == "deepinfer":
+        from rank.deepinfer_adapter import make_deepinfer_engine  # issue 3 item 5
+
+        return make_deepinfer_engine(config, rank, host_pool)
+    raise ValueError(f"unknown engine {config.engine!r}; use reference, scripted or deepinfer")

@@ -1,0 +1,195 @@
+"""``LocalRankGroup``: the ``RankClient`` protocol over engines in this process.
+
+For cache tests and the capacity simulator: same semantics as ``RankGroup`` (streams, epochs,
+restart listeners, block ids per rank) without processes or sockets. One asyncio task steps
+every engine that has work, round-robin, and yields to the event loop after each round; it
+sleeps on an event while all engines are idle. Engines run on the event-loop thread (they are
+not thread-safe), so with a compute model a step blocks the loop for its duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from rank.client import GroupState, RequestStream
+from rank.engine import Engine, EngineMisuse, EngineRequest, EngineStats, RequestOutput
+from rank.errors import RankFailed, RankUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class LocalRankGroup:
+    """In-process rank group. Invariant: ``_streams[rank]`` holds exactly the requests submitted
+    to that rank in this epoch whose terminal output has not been delivered yet."""
+
+    def __init__(
+        self, engine_factory: Callable[[int], Engine], num_ranks: int, *, host_pool: Any = None,
+        host_pool_path: str | None = None,
+    ) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self._factory = engine_factory
+        self.num_ranks = num_ranks
+        self.host_pool = host_pool
+        self._host_pool_path = host_pool_path  # unlinked on close when we created the file
+        self.engines: list[Engine] = []
+        self.block_size = 0
+        self.num_blocks = 0
+        self.bytes_per_block = 0
+        self.num_host_slots = 0
+        self.epoch = 0
+        self.state = GroupState.STOPPED
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self._streams: list[dict[str, RequestStream]] = []
+        self._listeners: list[Callable[[int], None]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: Any, *, num_ranks: int | None = None, host_pool_bytes: int = 0, name: str | None = None
+    ) -> LocalRankGroup:
+        """Engines from ``make_engine``; a shared host pool of ``host_pool_bytes`` if > 0."""
+        from rank.engines import make_engine
+
+        host_pool = None
+        path = None
+        if host_pool_bytes > 0:
+            from cache.l1_pool import HostPool, host_pool_path
+
+            path = host_pool_path(name or f"local-{os.getpid()}-{id(config):x}")
+            HostPool.unlink(path)
+            host_pool = HostPool(path, host_pool_bytes)
+        n = num_ranks if num_ranks is not None else config.ep
+        return cls(lambda rank: make_engine(config, rank, host_pool), n, host_pool=host_pool, host_pool_path=path)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.state == GroupState.READY:
+            return
+        self.state = GroupState.STARTING
+        self._build()
+        self._task = asyncio.create_task(self._run(), name="local-rank-group")
+
+    def _build(self) -> None:
+        self.engines = [self._factory(rank) for rank in range(self.num_ranks)]
+        first = self.engines[0]
+        self.block_size, self.num_blocks = first.block_size, first.num_blocks
+        self.bytes_per_block = int(getattr(first, "bytes_per_block", 0))
+        pool = self.host_pool
+        if pool is not None and not pool.is_open and self.bytes_per_block:
+            pool.open(self.bytes_per_block)
+        self.num_host_slots = pool.num_slots if pool is not None and pool.is_open else 0
+        self._streams = [{} for _ in range(self.num_ranks)]
+        self.epoch += 1
+        self.state = GroupState.READY
+
+    async def restart(self, reason: str) -> None:
+        """Simulate a group failure: fail in-flight work, drop every engine, start fresh."""
+        self.state = GroupState.RESTARTING
+        self.last_failure = reason
+        self.restarts += 1
+        self._fail_all(reason)
+        for engine in self.engines:
+            engine.close()
+        self._build()
+        for fn in list(self._listeners):
+            fn(self.epoch)
+
+    async def close(self) -> None:
+        self.state = GroupState.STOPPED
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._fail_all("rank group closed")
+        for engine in self.engines:
+            engine.close()
+        self.engines = []
+        if self.host_pool is not None:
+            self.host_pool.close()
+        if self._host_pool_path is not None:
+            from cache.l1_pool import HostPool
+
+            HostPool.unlink(self._host_pool_path)
+
+    def _fail_all(self, reason: str) -> None:
+        for streams in self._streams:
+            for stream in streams.values():
+                stream.fail(RankFailed(f"rank group epoch {self.epoch} failed: {reason}"))
+            streams.clear()
+
+    # ------------------------------------------------------------------ RankClient
+
+    def _check(self, rank: int) -> Engine:
+        if self.state != GroupState.READY:
+            raise RankUnavailable(f"rank group is {self.state.value}")
+        if not 0 <= rank < self.num_ranks:
+            raise EngineMisuse(f"rank {rank} outside 0..{self.num_ranks - 1}")
+        return self.engines[rank]
+
+    def submit(self, rank: int, request: EngineRequest) -> RequestStream:
+        engine = self._check(rank)
+        engine.add(request)  # raises EngineMisuse with nothing changed
+        stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id))
+        self._streams[rank][request.request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, rank: int, request_id: str) -> None:
+        if self.state == GroupState.READY and 0 <= rank < self.num_ranks:
+            self.engines[rank].abort([request_id])
+            self._wake.set()
+
+    async def release(self, rank: int, block_ids: list[int]) -> None:
+        self._check(rank).release(block_ids)
+
+    async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None:
+        self._check(rank).export_blocks(block_ids, host_slot)
+
+    async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]:
+        return self._check(rank).import_blocks(host_slot, num_blocks)
+
+    def stats(self, rank: int) -> EngineStats:
+        return self.engines[rank].stats()
+
+    def add_restart_listener(self, fn: Callable[[int], None]) -> None:
+        self._listeners.append(fn)
+
+    def check_accounting(self) -> None:
+        for engine in self.engines:
+            engine.check_accounting()
+
+    # ------------------------------------------------------------------ stepping
+
+    async def _run(self) -> None:
+        while True:
+            busy = False
+            for rank, engine in enumerate(self.engines):
+                if engine.has_work():
+                    busy = True
+                    self._dispatch(rank, engine.step())
+            if busy:
+                await asyncio.sleep(0)
+            else:
+                self._wake.clear()
+                await self._wake.wait()
+
+    def _dispatch(self, rank: int, outputs: list[RequestOutput]) -> None:
+        streams = self._streams[rank]
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            stream.push(out)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
 DEFAULT_SLUG = "deepinfer-v41-flash"
+HTTP_MODES = ("native", "sdk")
 
 
 class ConfigError(ValueError):
@@ -35,8 +36,10 @@ class WorkloadConfig(BaseModel):
     )
     env: dict[str, str] = Field(
         default_factory=dict,
-        description="Environment of the backend (CUDA_VISIBLE_DEVICES, DEEPINFER_HF_MODEL_DIR, "
-        "IK_BACKEND_HTTP).",
+        description="Environment of the backend and its ranks (CUDA_VISIBLE_DEVICES, "
+        "DEEPINFER_HF_MODEL_DIR, DeepInfer's JIT cache dirs). IK_BACKEND_HTTP: 'native' (default) "
+        "serves /v1/messages and /v1/chat/completions on host:port; 'sdk' serves only the SDK's "
+        "/process.",
     )
     ep: int = Field(4, ge=1, le=8, description="Expert parallel size = number of rank processes.")
     deepinfer_venv: str | None = Field(
@@ -47,7 +50,9 @@ class WorkloadConfig(BaseModel):
     max_model_len: int = Field(1_064_960, ge=256, description="Longest prompt + output, tokens.")
     max_num_seqs: int = Field(128, ge=1, le=4096, description="Running sequences per rank.")
     max_num_batched_tokens: int = Field(16384, ge=128, description="Prefill tokens per step per rank.")
-    gpu_memory_utilization: float = Field(0.90, gt=0.0, le=0.99)
+    gpu_memory_utilization: float = Field(
+        0.90, gt=0.0, le=0.99, description="Share of GPU memory DeepInfer may use (weights + KV pool)."
+    )
     load_timeout_seconds: float = Field(3600, gt=0, description="Limit for the ranks to load.")
     prefix_cache: bool = Field(True, description="L0 GPU prefix cache and session routing.")
     l1_cache: bool = Field(True, description="L1 pinned host-RAM tier for idle sessions.")
@@ -91,6 +96,14 @@ class WorkloadConfig(BaseModel):
     def _string_values(cls, value: dict[str, Any]) -> dict[str, str]:
         return {str(k): str(v) for k, v in value.items()}
 
+    @field_validator("env")
+    @classmethod
+    def _http_mode(cls, value: dict[str, str]) -> dict[str, str]:
+        mode = value.get("IK_BACKEND_HTTP", "native")
+        if mode not in HTTP_MODES:
+            raise ValueError(f"env.IK_BACKEND_HTTP must be one of {', '.join(HTTP_MODES)}, got {mode!r}")
+        return value
+
     @model_validator(mode="after")
     def _engine_requirements(self) -> WorkloadConfig:
         if self.engine == "deepinfer" and not self.deepinfer_venv:
@@ -120,6 +133,21 @@ def load_config(raw: dict[str, Any] | None) -> WorkloadConfig:
         return WorkloadConfig.model_validate(raw or {})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+
+
+def config_table_markdown() -> str:
+    """Markdown table of every key (name, type, default, description); README embeds it."""
+    rows = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+    for name, info in WorkloadConfig.model_fields.items():
+        annotation = str(info.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        annotation = annotation.replace("|", "\\|")
+        if info.default_factory is not None:
+            default = repr(info.default_factory())
+        else:
+            default = repr(info.default)
+        text = (info.description or "").replace("|", "\\|")
+        rows.append(f"| `{name}` | `{annotation}` | `{default}` | {text} |")
+    return "\n".join(rows) + "\n"
 
 
 def format_validation_error(exc: ValidationError) -> str:

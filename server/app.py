@@ -1,0 +1,323 @@
+"""The HTTP surface: Starlette routes served by uvicorn, orjson bodies, SSE streams.
+
+Routes: ``POST /v1/messages`` (``?beta=true`` accepted), ``POST /v1/messages/count_tokens``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` and
+``HEAD``/``GET /`` (Claude Code preconnects with ``HEAD /``).
+
+Every error reaches the caller in its own API's shape (Anthropic for ``/v1/messages*``, OpenAI
+otherwise), from ``protocol.errors``; nothing else escapes (an unexpected exception is logged
+with its traceback and answered as a generic 500). Prompts and outputs are never logged.
+
+Streams: the response headers go out with the first bytes the service writes, so an error that
+happens before (auth, model, prompt too long, ranks restarting) is still a proper HTTP error.
+A watcher task waits for ``http.disconnect`` and cancels the request's task, whose ``finally``
+aborts the engine request and releases its cache references (see ``server/service.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from protocol.errors import (
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    ProtocolError,
+    RequestTooLarge,
+    error_from_exception,
+)
+from server.auth import ApiKeyCheck
+from server.config import WorkloadConfig
+from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("deepinfer.server")
+
+Write = Callable[[bytes], Awaitable[None]]
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+LOADING_RETRY_AFTER_S = 5.0
+
+
+@dataclass(slots=True)
+class HealthReport:
+    status: str  # "ready" | "loading" | "degraded" | "failed"
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.status in ("ready", "degraded") else 503
+
+
+@dataclass(slots=True)
+class AppState:
+    """What the routes need; the runtime fills ``protocol`` and ``service`` once they exist."""
+
+    config: WorkloadConfig
+    metrics: ServerMetrics
+    health: Callable[[], HealthReport]
+    protocol: Any = None  # protocol.api.Protocol
+    service: Any = None  # server.service.ChatService
+    request_ids: Callable[[], str] = field(default_factory=lambda: RequestIds())
+
+
+class RequestIds:
+    """Unique request ids without a global: a random per-process prefix plus a counter."""
+
+    __slots__ = ("_prefix", "_next")
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(6).hex()
+        self._next = 0
+
+    def __call__(self) -> str:
+        self._next += 1
+        return f"{self._prefix}{self._next:010x}"
+
+
+def api_of_path(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def error_response(exc: ProtocolError, api: str) -> Response:
+    return json_response(exc.http_status, exc.body(api), exc.headers())
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The whole body, refusing (413) anything over ``limit_bytes`` before buffering it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            declared_bytes = int(declared)
+        except ValueError:
+            raise InvalidRequest("invalid Content-Length header") from None
+        if declared_bytes > limit_bytes:
+            raise RequestTooLarge(f"request body is {declared_bytes} bytes; the limit is {limit_bytes}")
+    chunks: list[bytes] = []
+    num_bytes = 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > limit_bytes:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class StreamResponse(Response):
+    """Runs ``run(write)``; headers go out with the first write. Cancels ``run`` on disconnect.
+
+    If ``run`` raises before writing anything, a JSON error in ``api``'s shape is sent instead.
+    """
+
+    def __init__(self, run: Callable[[Write], Awaitable[None]], api: str, headers: list[tuple[bytes, bytes]],
+                 on_disconnect: Callable[[], None]) -> None:
+        self._run = run
+        self._api = api
+        self._start = {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers}
+        self._on_disconnect = on_disconnect
+        self.status_code = 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def write(data: bytes) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send(self._start)
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        work = asyncio.ensure_future(self._run(write))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():  # the client went away (or we are being cancelled)
+                work.cancel()
+                self._on_disconnect()
+            watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await watcher
+        try:
+            await work
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:  # noqa: BLE001 - answered in the caller's shape
+            perr = _log_unexpected(exc)
+            if not started:
+                self.status_code = perr.http_status
+                await error_response(perr, self._api)(scope, receive, send)
+                return
+            await send({"type": "http.response.body", "body": perr.sse(self._api), "more_body": True})
+        if started:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:  # nothing was produced at all: still answer
+            await error_response(InternalError("empty response"), self._api)(scope, receive, send)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _log_unexpected(exc: BaseException) -> ProtocolError:
+    perr = error_from_exception(exc)
+    if not isinstance(exc, ProtocolError):
+        log.error("unexpected error while serving a request", exc_info=exc)
+    return perr
+
+
+class Routes:
+    """The route handlers, bound to one ``AppState`` (no module-level state)."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.auth = ApiKeyCheck(state.config.api_key)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _check_auth(self, request: Request) -> None:
+        headers = request.headers
+        self.auth.check(headers.get("x-api-key"), headers.get("authorization"))
+
+    def _ready_parts(self) -> tuple[Any, Any]:
+        protocol, service = self.state.protocol, self.state.service
+        if protocol is None or service is None:
+            raise Overloaded("the model is still loading", retry_after_s=LOADING_RETRY_AFTER_S)
+        return protocol, service
+
+    # -- chat routes -----------------------------------------------------------------------------
+    async def messages(self, request: Request) -> Response:
+        return await self._chat(request, "anthropic", "messages")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._chat(request, "openai", "chat_completions")
+
+    async def _chat(self, request: Request, api: str, route: str) -> Response:
+        arrival_s = time.perf_counter()
+        metrics = self.state.metrics
+        try:
+            self._check_auth(request)
+            body = await read_body(request, self.state.config.max_body_bytes)
+            protocol, service = self._ready_parts()
+            headers = request.headers
+            prepared = (protocol.prepare_anthropic(body, headers) if api == "anthropic"
+                        else protocol.prepare_openai(body, headers))
+            request_id = self.state.request_ids()
+            if prepared.stream:
+                async def run(write: Write) -> None:
+                    await service.stream(prepared, request_id, write, arrival_s)
+
+                metrics.count_request(route, 200)
+                return StreamResponse(run, api, [(b"x-request-id", request_id.encode())],
+                                      metrics.disconnects.inc)
+            result = await service.complete(prepared, request_id, arrival_s)
+            metrics.count_request(route, 200)
+            return Response(orjson.dumps(result), media_type="application/json",
+                            headers={"x-request-id": request_id})
+        except Exception as exc:  # noqa: BLE001 - every error in the caller's shape
+            perr = _log_unexpected(exc)
+            metrics.count_request(route, perr.http_status)
+            return error_response(perr, api)
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+            body = await read_body(request, self.state.config.max_body_bytes)
+            protocol, _ = self._ready_parts()
+            num_tokens = protocol.count_tokens_anthropic(body, request.headers)
+            self.state.metrics.count_request("count_tokens", 200)
+            return json_response(200, {"input_tokens": int(num_tokens)})
+        except Exception as exc:  # noqa: BLE001
+            perr = _log_unexpected(exc)
+            self.state.metrics.count_request("count_tokens", perr.http_status)
+            return error_response(perr, "anthropic")
+
+    # -- metadata routes -------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        is_anthropic = "anthropic-version" in request.headers
+        api = "anthropic" if is_anthropic else "openai"
+        try:
+            self._check_auth(request)
+        except ProtocolError as exc:
+            return error_response(exc, api)
+        cfg = self.state.config
+        names = [cfg.model_name, cfg.slug, "default"]
+        if is_anthropic:
+            data = [{"type": "model", "id": n, "display_name": n, "created_at": "2026-10-17T00:00:00Z"}
+                    for n in names]
+            return json_response(200, {"data": data, "has_more": False, "first_id": names[0],
+                                       "last_id": names[-1]})
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "deepinfer",
+                 "max_model_len": cfg.max_model_len} for n in names]
+        return json_response(200, {"object": "list", "data": data})
+
+    async def healthz(self, request: Request) -> Response:
+        report = self.state.health()
+        body = {"status": report.status, "reasons": report.reasons, "warnings": report.warnings,
+                **report.details}
+        return json_response(report.http_status, body)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    async def root(self, request: Request) -> Response:
+        if request.method == "HEAD":
+            return Response(b"", status_code=200)
+        return json_response(200, {"service": "deepinfer-backend", "model": self.state.config.model_name,
+                                   "status": self.state.health().status})
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    api = api_of_path(request.url.path)
+    if exc.status_code == 405:
+        perr: ProtocolError = InvalidRequest(f"method {request.method} is not allowed on {request.url.path}")
+        return json_response(405, perr.body(api), {"allow": exc.headers.get("allow", "") if exc.headers else ""})
+    if exc.status_code == 404:
+        perr = NotFound(f"no route {request.method} {request.url.path}")
+    else:
+        perr = InternalError(str(exc.detail))
+    return json_response(exc.status_code, perr.body(api))
+
+
+def create_app(state: AppState) -> Starlette:
+    r = Routes(state)
+    routes = [
+        Route("/v1/messages", r.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", r.count_tokens, methods=["POST"]),
+        Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
+        Route("/v1/models", r.models, methods=["GET"]),
+        Route("/healthz", r.healthz, methods=["GET"]),
+        Route("/metrics", r.metrics, methods=["GET"]),
+        Route("/", r.root, methods=["GET", "HEAD"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})

@@ -1,0 +1,50 @@
+"""API-key check for the HTTP routes (``x-api-key`` or ``Authorization: Bearer``).
+
+Claude Code sends ``x-api-key`` (``ANTHROPIC_API_KEY``) or ``Authorization: Bearer``
+(``ANTHROPIC_AUTH_TOKEN``); OpenAI clients send Bearer. A request that carries both, with
+different values, is refused (401), as the hosted endpoint does: which one was meant cannot be
+known. Comparison is constant-time, and the key never appears in a message or a log line.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from protocol.errors import AuthenticationError
+
+
+class ApiKeyCheck:
+    """Invariant: ``check`` returns only when the request carries exactly the configured key."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, api_key: str | None) -> None:
+        self._key = api_key.encode() if api_key else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def check(self, x_api_key: str | None, authorization: str | None) -> None:
+        """Raise ``AuthenticationError`` unless the request is authorised."""
+        if self._key is None:
+            return
+        bearer: str | None = None
+        if authorization is not None:
+            scheme, _, value = authorization.strip().partition(" ")
+            if scheme.lower() != "bearer" or not value.strip():
+                raise AuthenticationError("Authorization header must be 'Bearer <api key>'")
+            bearer = value.strip()
+        if x_api_key is not None and bearer is not None and not hmac.compare_digest(
+            x_api_key.encode(), bearer.encode()
+        ):
+            raise AuthenticationError(
+                "two different API keys were sent (x-api-key and Authorization: Bearer); send one"
+            )
+        presented = x_api_key if x_api_key is not None else bearer
+        if presented is None:
+            raise AuthenticationError(
+                "missing API key: send it as x-api-key or Authorization: Bearer"
+            )
+        if not hmac.compare_digest(presented.encode(), self._key):
+            raise AuthenticationError("invalid API key")

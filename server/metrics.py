@@ -1,0 +1,112 @@
+"""Prometheus metrics of the serving layer, on an explicit ``CollectorRegistry``.
+
+Nothing here is module-global: the runtime creates one ``ServerMetrics`` and passes it to the
+service and the app, so two servers in one process (tests) never share counters.
+
+Cost matters on the hot path (512 streams x tens of tokens/s): counters are bumped once per
+request, and the inter-token histogram is observed once per *write* to the client, not per token.
+Under load one write carries several tokens, so the histogram reports the gap between writes a
+client actually sees (which is the delay that matters for a streaming client).
+
+Rank and cache state are read at scrape time by ``StateCollector`` from a snapshot callable, so
+the hot path never updates gauges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300)
+_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1, 2, 5)
+_QUEUE_BUCKETS_S = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
+
+
+@dataclass(slots=True)
+class StateSnapshot:
+    """What the runtime reports at scrape time."""
+
+    rank_group_state: str  # GroupState value, or "loading" before the group exists
+    rank_stats: list[dict[str, float]] = field(default_factory=list)  # per rank, EngineStats fields
+    cache: dict[str, float] = field(default_factory=dict)  # flat cache gauges (blocks, slots, ...)
+
+
+RANK_STATES = ("loading", "starting", "ready", "restarting", "stopped", "failed")
+
+
+class StateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], StateSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        snap = self._snapshot()
+        state = GaugeMetricFamily(
+            "deepinfer_rank_group_state", "1 for the rank group's current state", labels=["state"]
+        )
+        for name in RANK_STATES:
+            state.add_metric([name], 1.0 if snap.rank_group_state == name else 0.0)
+        yield state
+        per_rank: dict[str, GaugeMetricFamily] = {}
+        for rank, stats in enumerate(snap.rank_stats):
+            for key, value in stats.items():
+                family = per_rank.get(key)
+                if family is None:
+                    family = GaugeMetricFamily(f"deepinfer_rank_{key}", f"EngineStats.{key} per rank",
+                                               labels=["rank"])
+                    per_rank[key] = family
+                family.add_metric([str(rank)], float(value))
+        yield from per_rank.values()
+        for key, value in snap.cache.items():
+            yield GaugeMetricFamily(f"deepinfer_cache_{key}", f"cache state: {key}", value=float(value))
+
+
+class ServerMetrics:
+    """Counters and histograms the service and the app update."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("deepinfer_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.in_flight = Gauge("deepinfer_requests_in_flight", "Requests being served", registry=r)
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.output_tokens = Counter("deepinfer_output_tokens", "Generated tokens streamed or returned",
+                                     registry=r)
+        self.cached_tokens = Counter("deepinfer_cached_tokens", "Prompt tokens served from cache",
+                                     ["tier"], registry=r)
+        self.finished = Counter("deepinfer_requests_finished", "Engine requests by finish reason",
+                                ["reason"], registry=r)
+        self.ttft = Histogram("deepinfer_time_to_first_token_seconds",
+                              "Arrival to first streamed token", ["api"], buckets=_TTFT_BUCKETS_S,
+                              registry=r)
+        self.inter_token = Histogram("deepinfer_inter_token_seconds",
+                                     "Gap between consecutive token writes to one client",
+                                     buckets=_GAP_BUCKETS_S, registry=r)
+        self.queue_time = Histogram("deepinfer_queue_time_seconds", "Admission wait before submit",
+                                    buckets=_QUEUE_BUCKETS_S, registry=r)
+        self.request_seconds = Histogram("deepinfer_request_duration_seconds", "Whole request",
+                                         ["api"], buckets=_TTFT_BUCKETS_S, registry=r)
+        self.disconnects = Counter("deepinfer_client_disconnects", "Streams the client dropped",
+                                   registry=r)
+        self.timeouts = Counter("deepinfer_request_timeouts", "Requests cut by request_timeout_secs",
+                                registry=r)
+        self._state: StateCollector | None = None
+
+    def attach_state(self, snapshot: Callable[[], StateSnapshot]) -> None:
+        """Register the scrape-time collector (once)."""
+        assert self._state is None, "state collector already attached"
+        self._state = StateCollector(snapshot)
+        self.registry.register(self._state)
+
+    def count_request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

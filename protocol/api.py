@@ -12,103 +12,70 @@ Use::
         if data: yield data
         if stream.stop_hit: abort the engine request; break
     yield stream.finish(reason, num_prompt, num_cached, num_output)  # also records the ledger
-    # non-streaming: feed()/finish() return b""; then return stream.response_body()
+    # non-streaming: start()/feed()/finish() return b""; then return stream.response_body()
+    # errors after the stream started: yield stream.error(exc)
 
-Every method raises only ``ProtocolError`` subclasses for bad input. ``ResponseStream`` is not
-thread-safe: one stream is driven by one task.
+Every ``prepare_*``/``count_*`` method raises only ``ProtocolError`` subclasses for bad input.
+``ResponseStream`` is not thread-safe: one stream is driven by one task.
 
-The ledger: ``ResponseStream.finish`` records the turn's output ids in the ``OutputLedger`` the
-stream was created with (no call needed from the server). Anthropic thinking blocks carry the
-ledger handle as their ``signature``.
+The ledger: ``ResponseStream.finish`` records the turn's output ids in the ``OutputLedger``
+(no call needed from the server; turns cut by a stop sequence or aborted are not recorded).
+Anthropic thinking blocks carry the ledger handle as their ``signature``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+import orjson
+import xxhash
+from pydantic import ValidationError
 
-from protocol.errors import InternalError, ProtocolError
+from protocol import anthropic_schema as A
+from protocol import openai_schema as O
+from protocol.api_types import PreparedRequest
+from protocol.conversation import Conversation, anthropic_conversation, openai_conversation
+from protocol.detokenize import TokenTable
+from protocol.errors import InvalidRequest, ModelNotAvailable, PromptTooLong, ProtocolError, lower_headers
+from protocol.ledger import OutputLedger
+from protocol.render import render
+from protocol.stream import ResponseStream
+from protocol.tokenize import PromptTokenizer
 
 __all__ = ["PreparedRequest", "Protocol", "ResponseStream", "ProtocolError"]
 
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """One validated request, rendered and tokenized; everything the engine and stream need.
-
-    Invariants: ``prompt_ids`` is a 1-D int32 array with ``len == num_prompt_tokens >= 1``;
-    ``max_tokens >= 1`` and ``num_prompt_tokens + max_tokens <= max_model_len``.
-    """
-
-    api: str  # "openai" | "anthropic"
-    model: str
-    stream: bool
-    prompt_ids: np.ndarray
-    num_prompt_tokens: int
-    session_key: str  # X-Claude-Code-Session-Id, else a hash of the conversation head
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    thinking: bool = False
-    reasoning_effort: int | None = None  # 1..100 in thinking mode, None in chat mode
-    tool_names: tuple[str, ...] = ()
-    tool_choice: str = "auto"  # "auto" | "none" | "required" | "named"
-    tool_choice_name: str | None = None
-    include_usage: bool = False  # OpenAI stream_options.include_usage
-    num_ledger_hits: int = 0  # assistant turns rendered from the ledger
-    num_ledger_divergences: int = 0  # turns whose client view differed from the ledger
-    # internal, for the stream: tool name -> declared parameter names (wrapper collapse)
-    tool_params: dict[str, frozenset[str]] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+SESSION_HEADER = "x-claude-code-session-id"
 
 
-class ResponseStream:
-    """Turns one request's generated token ids into SSE bytes (or a response body)."""
+def _load_body(body: bytes | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(body, dict):
+        return body
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return data
 
-    output_ids: list[int]
-    stop_hit: bool
 
-    def start(self, num_cached_tokens: int = 0) -> bytes:
-        """Opening frames (Anthropic message_start, OpenAI role chunk); b"" if not streaming.
-        Idempotent; ``feed`` calls it implicitly."""
-        raise InternalError("not implemented")
-
-    def feed(self, token_ids: list[int]) -> bytes:
-        """Consume newly generated ids; return SSE bytes to send now (may be b"")."""
-        raise InternalError("not implemented")
-
-    def finish(
-        self,
-        finish_reason: str,
-        num_prompt_tokens: int,
-        num_cached_tokens: int,
-        num_output_tokens: int,
-    ) -> bytes:
-        """Final SSE bytes (closing blocks, usage, stop). Records the turn in the ledger."""
-        raise InternalError("not implemented")
-
-    def error(self, exc: BaseException) -> bytes:
-        """An error frame in this stream's format (after the stream started)."""
-        raise InternalError("not implemented")
-
-    def response_body(self) -> dict[str, Any]:
-        """Non-streaming body; valid after ``finish``."""
-        raise InternalError("not implemented")
+def _parse_args(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+    return arguments
 
 
 class Protocol:
-    """Stateless per request; holds the tokenizer (with its segment cache) and the ledger."""
+    """Holds the tokenizer (with its piece cache), the token table and the ledger."""
 
     def __init__(
         self,
-        tokenizer: Any,
-        ledger: Any,
+        tokenizer: PromptTokenizer,
+        ledger: OutputLedger,
         served_model_names: Iterable[str],
         max_model_len: int,
     ) -> None:
@@ -116,15 +83,163 @@ class Protocol:
         self.ledger = ledger
         self.served_model_names = frozenset(served_model_names)
         self.max_model_len = max_model_len
+        self.table = TokenTable(tokenizer.full)
 
-    def prepare_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str]) -> PreparedRequest:
-        raise InternalError("not implemented")
+    # --- requests ----------------------------------------------------------------------------------
+    def prepare_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
+        data = _load_body(body)
+        try:
+            req = A.MessagesRequest.model_validate(data)
+        except ValidationError as exc:
+            raise InvalidRequest.from_validation(exc) from None
+        self._check_model(req.model)
+        conv = anthropic_conversation(req, data.get("tools"))
+        hits, divergences = self._match_ledger(conv, strict_parts=True)
+        ids = self._tokenize(conv)
+        max_tokens = self._max_tokens(len(ids), req.max_tokens)
+        tool_choice, tool_name = "auto", None
+        if req.tool_choice is not None:
+            tool_choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[req.tool_choice.type]
+            tool_name = req.tool_choice.name
+        return PreparedRequest(
+            api="anthropic",
+            model=req.model,
+            stream=req.stream,
+            prompt_ids=ids,
+            num_prompt_tokens=len(ids),
+            session_key=self._session_key(headers, conv, req.metadata),
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if not req.top_k else req.top_k,
+            seed=None,
+            stop=tuple(req.stop_sequences or ()),
+            thinking=conv.thinking,
+            reasoning_effort=conv.effort if conv.thinking else None,
+            tool_names=tuple(t["name"] for t in conv.tools),
+            tool_choice=tool_choice,
+            tool_choice_name=tool_name,
+            include_usage=True,
+            num_ledger_hits=hits,
+            num_ledger_divergences=divergences,
+            tool_params=_tool_params(conv),
+        )
 
-    def prepare_openai(self, body: bytes | dict[str, Any], headers: Mapping[str, str]) -> PreparedRequest:
-        raise InternalError("not implemented")
+    def prepare_openai(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
+        data = _load_body(body)
+        try:
+            req = O.ChatCompletionRequest.model_validate(data)
+        except ValidationError as exc:
+            raise InvalidRequest.from_validation(exc) from None
+        self._check_model(req.model)
+        conv = openai_conversation(req, data.get("tools"))
+        hits, divergences = self._match_ledger(conv, strict_parts=False)
+        ids = self._tokenize(conv)
+        requested = req.max_completion_tokens or req.max_tokens
+        max_tokens = self._max_tokens(len(ids), requested)
+        tool_choice, tool_name = "auto", None
+        if isinstance(req.tool_choice, str):
+            tool_choice = req.tool_choice
+        elif req.tool_choice is not None:
+            tool_choice, tool_name = "named", req.tool_choice.function["name"]
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        return PreparedRequest(
+            api="openai",
+            model=req.model,
+            stream=req.stream,
+            prompt_ids=ids,
+            num_prompt_tokens=len(ids),
+            session_key=self._session_key(headers, conv, req.metadata),
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None or req.top_k == 0 else req.top_k,
+            seed=req.seed,
+            stop=stop,
+            thinking=conv.thinking,
+            reasoning_effort=conv.effort if conv.thinking else None,
+            tool_names=tuple(t.get("name", "") for t in conv.tools),
+            tool_choice=tool_choice,
+            tool_choice_name=tool_name,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage) or not req.stream,
+            num_ledger_hits=hits,
+            num_ledger_divergences=divergences,
+            tool_params=_tool_params(conv),
+        )
 
     def count_tokens_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> int:
-        raise InternalError("not implemented")
+        """Exact prompt length of an Anthropic count_tokens body (same rendering as a request)."""
+        data = _load_body(body)
+        try:
+            req = A.CountTokensRequest.model_validate(data)
+        except ValidationError as exc:
+            raise InvalidRequest.from_validation(exc) from None
+        conv = anthropic_conversation(req, data.get("tools"))
+        self._match_ledger(conv, strict_parts=True)
+        return len(self._tokenize(conv))
 
     def new_stream(self, prepared: PreparedRequest, request_id: str) -> ResponseStream:
-        raise InternalError("not implemented")
+        return ResponseStream(prepared, request_id, self.table, self.ledger)
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if self.served_model_names and model not in self.served_model_names:
+            raise ModelNotAvailable(model)
+
+    def _tokenize(self, conv: Conversation) -> Any:
+        segments = render(conv, self.table.end_think_id, self.table.eos_id)
+        ids = self.tokenizer.encode_segments(segments)
+        if len(ids) > self.max_model_len - 1:
+            raise PromptTooLong(len(ids), self.max_model_len - 1)
+        return ids
+
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        return max(1, min(requested, room) if requested else room)
+
+    def _match_ledger(self, conv: Conversation, strict_parts: bool) -> tuple[int, int]:
+        hits = divergences = 0
+        if self.ledger is None:
+            return 0, 0
+        before = self.ledger.stats.num_divergences
+        for m in conv.messages:
+            if m.role != "assistant":
+                continue
+            calls = [(c.name, _parse_args(c.arguments)) for c in m.tool_calls]
+            m.ledger_entry = self.ledger.match(m.signature, m.reasoning, m.text_parts, calls, strict_parts)
+            hits += m.ledger_entry is not None
+        divergences = self.ledger.stats.num_divergences - before  # approximate under concurrency
+        return hits, max(0, divergences)
+
+    @staticmethod
+    def _session_key(headers: Mapping[str, str] | None, conv: Conversation, metadata: dict[str, Any] | None) -> str:
+        h = lower_headers(headers)
+        sid = h.get(SESSION_HEADER)
+        if sid:
+            return sid
+        if metadata and isinstance(metadata.get("user_id"), str):
+            try:
+                uid = orjson.loads(metadata["user_id"])
+                if isinstance(uid, dict) and isinstance(uid.get("session_id"), str) and uid["session_id"]:
+                    return uid["session_id"]
+            except orjson.JSONDecodeError:
+                pass
+        # the conversation head: system text + first user turn (stable across a session's turns)
+        hasher = xxhash.xxh3_64()
+        for m in conv.messages[:3]:
+            hasher.update(m.role.encode())
+            hasher.update(m.content.encode("utf-8", "surrogatepass"))
+            for b in m.blocks or ():
+                hasher.update(b.text.encode("utf-8", "surrogatepass"))
+            if m.role == "user":
+                break
+        return "h:" + hasher.hexdigest()
+
+
+def _tool_params(conv: Conversation) -> dict[str, frozenset[str]]:
+    out: dict[str, frozenset[str]] = {}
+    for t in conv.tools:
+        params = t.get("parameters") or {}
+        props = params.get("properties") if isinstance(params, dict) else None
+        out[str(t.get("name", ""))] = frozenset(props) if isinstance(props, dict) else frozenset()
+    return out

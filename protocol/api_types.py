@@ -1,0 +1,41 @@
+"""PreparedRequest: the record passed from the facade to the engine side and the stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """One validated request, rendered and tokenized; everything the engine and stream need.
+
+    Invariants: ``prompt_ids`` is a 1-D int32 array with ``len == num_prompt_tokens >= 1``;
+    ``max_tokens >= 1`` and ``num_prompt_tokens + max_tokens <= max_model_len``.
+    """
+
+    api: str  # "openai" | "anthropic"
+    model: str
+    stream: bool
+    prompt_ids: np.ndarray
+    num_prompt_tokens: int
+    session_key: str  # X-Claude-Code-Session-Id, else a hash of the conversation head
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    thinking: bool = False
+    reasoning_effort: int | None = None  # 1..100 in thinking mode, None in chat mode
+    tool_names: tuple[str, ...] = ()
+    tool_choice: str = "auto"  # "auto" | "none" | "required" | "named"
+    tool_choice_name: str | None = None
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+    num_ledger_hits: int = 0  # assistant turns rendered from the ledger
+    num_ledger_divergences: int = 0  # turns whose client view differed from the ledger
+    # internal, for the stream: tool name -> declared parameter names (wrapper collapse)
+    tool_params: dict[str, frozenset[str]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)

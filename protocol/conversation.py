@@ -1,0 +1,268 @@
+"""The canonical conversation both APIs convert into, and the one pinned reasoning-effort map.
+
+A ``Conversation`` is what ``render.py`` turns into a V4.1 prompt. Conversion keeps client text
+verbatim (nothing is escaped or trimmed); the only thing dropped is Claude Code's per-request
+``x-anthropic-billing-header`` system block (it changes every request and would break the
+prefix cache; reference/claude-code-client.md section 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol import anthropic_schema as A
+from protocol import openai_schema as O
+from protocol.errors import InvalidRequest
+
+# --- reasoning effort -------------------------------------------------------------------------
+# Pinned mapping (docs/protocol.md explains the choice). Anchored on the checkpoint's own
+# encoder (low=50, high=75, max=100, default high); the other names sit between those anchors.
+EFFORT_LEVELS: dict[str, int] = {
+    "minimal": 25,
+    "low": 50,
+    "medium": 62,
+    "high": 75,
+    "xhigh": 88,
+    "max": 100,
+}
+DEFAULT_EFFORT = EFFORT_LEVELS["high"]
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+IMAGE_TEXT = "[Unsupported image]"  # no vision path on this deployment; see docs/protocol.md
+
+
+@dataclass(slots=True)
+class Block:
+    """One user-turn block: ``text`` (client text), ``tool_result`` (``parts`` are
+    (is_client_text, text) pairs joined by "\\n\\n") or ``other`` (rendered as ours text)."""
+
+    kind: str
+    text: str = ""
+    tool_use_id: str = ""
+    parts: list[tuple[bool, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: Any  # dict (Anthropic input / parsed) or the raw OpenAI string
+
+
+@dataclass(slots=True)
+class Message:
+    role: str  # system | developer | user | assistant | tool
+    content: str = ""
+    blocks: list[Block] | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str = ""
+    text_parts: list[str] = field(default_factory=list)  # assistant text blocks as received
+    signature: str | None = None  # first thinking signature (Anthropic)
+    ledger_entry: Any = None  # ledger.LedgerEntry when the client's view matched
+
+
+@dataclass(slots=True)
+class Conversation:
+    messages: list[Message]
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI ``function`` objects
+    thinking: bool = False
+    effort: int = DEFAULT_EFFORT
+    response_format: Any = None
+
+
+def effort_value(name: str | int | None) -> int:
+    if name is None:
+        return DEFAULT_EFFORT
+    if isinstance(name, bool):
+        raise InvalidRequest("reasoning effort must be a name or an integer 1-100", param="reasoning_effort")
+    if isinstance(name, int):
+        if 1 <= name <= 100:
+            return name
+        raise InvalidRequest("reasoning effort must be within 1-100", param="reasoning_effort")
+    try:
+        return EFFORT_LEVELS[name]
+    except KeyError:
+        raise InvalidRequest(
+            f"unknown reasoning effort {name!r}; use one of {', '.join(EFFORT_LEVELS)}",
+            param="reasoning_effort",
+        ) from None
+
+
+# --- Anthropic ----------------------------------------------------------------------------------
+def _tool_result_parts(content: str | list[Any] | None) -> list[tuple[bool, str]]:
+    if content is None:
+        return [(True, "")]
+    if isinstance(content, str):
+        return [(True, content)]
+    parts: list[tuple[bool, str]] = []
+    for p in content:
+        if p.type == "text":
+            parts.append((True, p.text))
+        elif p.type == "image":
+            parts.append((False, IMAGE_TEXT))
+        else:
+            parts.append((False, f"[Unsupported {p.type}]"))
+    return parts or [(True, "")]
+
+
+def _anthropic_system_text(system: str | list[A.TextBlock] | None) -> str | None:
+    if system is None:
+        return None
+    if isinstance(system, str):
+        return system
+    texts = [b.text for b in system if not b.text.startswith(BILLING_HEADER_PREFIX)]
+    return "\n\n".join(texts)
+
+
+def anthropic_conversation(
+    req: A.MessagesRequest | A.CountTokensRequest, raw_tools: list[dict[str, Any]] | None
+) -> Conversation:
+    msgs: list[Message] = []
+    sys_text = _anthropic_system_text(req.system)
+    if sys_text is not None and (sys_text or req.tools):
+        msgs.append(Message(role="system", content=sys_text))
+    for i, m in enumerate(req.messages):
+        if m.role == "assistant":
+            msgs.append(_anthropic_assistant(m.content))
+        elif m.role == "system":
+            if isinstance(m.content, str):
+                text = m.content
+            else:
+                text = "\n\n".join(b.text for b in m.content if b.type == "text")
+            msgs.append(Message(role="system", content=text))
+        else:
+            msgs.append(Message(role="user", blocks=_anthropic_user_blocks(m.content, i)))
+    tools = [_anthropic_tool(t, (raw_tools or [None] * len(req.tools))[k]) for k, t in enumerate(req.tools or [])]
+    thinking = req.thinking is not None and req.thinking.type != "disabled"
+    effort = effort_value(req.output_config.effort if req.output_config else None)
+    fmt = req.output_config.format if req.output_config else None
+    return Conversation(messages=msgs, tools=tools, thinking=thinking, effort=effort, response_format=fmt)
+
+
+def _anthropic_user_blocks(content: str | list[Any], msg_index: int) -> list[Block]:
+    if isinstance(content, str):
+        return [Block(kind="text", text=content)]
+    blocks: list[Block] = []
+    for b in content:
+        t = b.type
+        if t == "text":
+            blocks.append(Block(kind="text", text=b.text))
+        elif t == "tool_result":
+            blocks.append(Block(kind="tool_result", tool_use_id=b.tool_use_id, parts=_tool_result_parts(b.content)))
+        elif t == "image":
+            blocks.append(Block(kind="other", text=IMAGE_TEXT))
+        elif t in ("thinking", "redacted_thinking", "tool_use"):
+            raise InvalidRequest(
+                f"messages.{msg_index}: a user message cannot contain {t} blocks", param=f"messages.{msg_index}"
+            )
+        else:
+            blocks.append(Block(kind="other", text=f"[Unsupported {t}]"))
+    return blocks
+
+
+def _anthropic_assistant(content: str | list[Any]) -> Message:
+    if isinstance(content, str):
+        return Message(role="assistant", content=content, text_parts=[content] if content else [])
+    reasoning: list[str] = []
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    signature: str | None = None
+    saw_thinking = False
+    for b in content:
+        t = b.type
+        if t == "thinking":
+            saw_thinking = True
+            reasoning.append(b.thinking)
+            if signature is None and b.signature:
+                signature = b.signature
+        elif t == "redacted_thinking":
+            saw_thinking = True  # opaque to us; cannot be rendered
+        elif t == "text":
+            texts.append(b.text)
+        elif t == "tool_use":
+            calls.append(ToolCall(id=b.id, name=b.name, arguments=b.input))
+        # images/other blocks in assistant turns have no V4.1 rendering; they are skipped
+    return Message(
+        role="assistant",
+        content="\n\n".join(texts),
+        text_parts=texts,
+        reasoning="".join(reasoning) if saw_thinking else None,
+        tool_calls=calls,
+        signature=signature,
+    )
+
+
+def _anthropic_tool(tool: A.Tool, raw: dict[str, Any] | None) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": tool.name}
+    desc = raw.get("description") if isinstance(raw, dict) else tool.description
+    if desc is not None:
+        fn["description"] = desc
+    schema = raw.get("input_schema") if isinstance(raw, dict) else None
+    fn["parameters"] = schema if isinstance(schema, dict) else tool.input_schema
+    return fn
+
+
+# --- OpenAI ---------------------------------------------------------------------------------------
+def _openai_text(content: str | list[Any] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out: list[str] = []
+    for p in content:
+        if p.type in ("text", "input_text"):
+            out.append(p.text)
+        elif p.type in ("image_url", "input_image"):
+            out.append(IMAGE_TEXT)
+        else:
+            raise InvalidRequest(f"unsupported content part type {p.type!r}", param="messages")
+    return "\n\n".join(out)
+
+
+def openai_thinking(req: O.ChatCompletionRequest) -> tuple[bool, int]:
+    """vLLM's switch: thinking is on unless turned off by any of the accepted controls."""
+    kwargs = req.chat_template_kwargs or {}
+    thinking = True
+    for key in ("thinking", "enable_thinking"):
+        if key in kwargs and not kwargs[key]:
+            thinking = False
+    if isinstance(req.thinking, dict) and req.thinking.get("type") == "disabled":
+        thinking = False
+    effort: Any = req.reasoning_effort
+    if effort is None:
+        effort = kwargs.get("reasoning_effort")
+    if effort == "none":
+        return False, DEFAULT_EFFORT
+    return thinking, effort_value(effort)
+
+
+def openai_conversation(req: O.ChatCompletionRequest, raw_tools: list[dict[str, Any]] | None) -> Conversation:
+    msgs: list[Message] = []
+    for m in req.messages:
+        role = m.role
+        if role in ("system", "developer"):
+            # "developer" is OpenAI's newer name for the system role (not V4.1's developer turn,
+            # which drop_thinking would delete from history)
+            msgs.append(Message(role="system", content=_openai_text(m.content)))
+        elif role == "user":
+            msgs.append(Message(role="user", blocks=[Block(kind="text", text=_openai_text(m.content))]))
+        elif role in ("tool", "function"):
+            tcid = m.tool_call_id if role == "tool" else (m.name or "")
+            msgs.append(Message(role="tool", tool_call_id=tcid or "", content=_openai_text(m.content)))
+        else:
+            text = _openai_text(m.content)
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or []]
+            msgs.append(
+                Message(role="assistant", content=text, text_parts=[text] if text else [], reasoning=reasoning, tool_calls=calls)
+            )
+    tools: list[dict[str, Any]] = []
+    for k, t in enumerate(req.tools or []):
+        raw = raw_tools[k].get("function") if raw_tools and isinstance(raw_tools[k], dict) else None
+        tools.append(raw if isinstance(raw, dict) else t.function.model_dump(exclude_none=True))
+    thinking, effort = openai_thinking(req)
+    fmt = None
+    if req.response_format is not None and req.response_format.type != "text":
+        fmt = req.response_format.model_dump(exclude_none=True)
+    return Conversation(messages=msgs, tools=tools, thinking=thinking, effort=effort, response_format=fmt)

@@ -1,0 +1,242 @@
+"""Output ledger: the exact token ids each turn generated, so history re-renders byte-exact.
+
+Why: with tools on, V4.1 keeps reasoning in history, so the next prompt's prefix matches the
+KV cache only if the assistant turn re-renders to exactly the ids the model produced
+(reference section 2). Re-encoding the parsed view loses that (whitespace, JSON formatting,
+parameter order, non-canonical token splits). The ledger keeps the ids and hands them back.
+
+Handles: an Anthropic thinking block's ``signature`` is ``base64url(entry_id[16] ||
+HMAC-SHA256(key, entry_id)[:16])``; a forged or foreign signature fails the MAC and is ignored
+(the turn falls back to rendering). Turns without a signature (OpenAI, chat mode) are found by a
+hash of their content view. Either way the client's view must equal the recorded view, or the
+turn is rendered from the client's view and counted as a divergence.
+
+Invariant: an entry is used only when the client-visible view it recorded equals the client's
+view of that turn; memory is bounded by ``max_bytes`` (LRU).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import xxhash
+
+log = logging.getLogger(__name__)
+
+_ID_BYTES = 16
+_MAC_BYTES = 16
+_ENTRY_OVERHEAD_BYTES = 512
+
+
+@dataclass(slots=True)
+class LedgerEntry:
+    """One generated turn. ``think_end`` is the index of the first ``</think>`` id in
+    ``output_ids`` (-1 if none); ``thinking`` says the prompt ended with ``<think>``."""
+
+    entry_id: bytes
+    output_ids: np.ndarray
+    thinking: bool
+    think_end: int
+    reasoning: str
+    text_parts: tuple[str, ...]
+    calls: tuple[tuple[str, Any], ...]  # (name, parsed arguments)
+
+    def render_ids(self, with_reasoning: bool, end_think_id: int, eos_id: int) -> np.ndarray | None:
+        """Ids standing in for the assistant message's rendering, or None if they cannot."""
+        ids = self.output_ids
+        if self.thinking:
+            if self.think_end < 0:
+                return None  # reasoning never closed: the template cannot hold it
+            part = ids if with_reasoning else ids[self.think_end + 1 :]
+        else:
+            if with_reasoning:
+                part = np.concatenate([np.asarray([end_think_id], dtype=np.int32), ids])
+            else:
+                part = ids
+        if len(part) == 0 or int(part[-1]) != eos_id:
+            part = np.concatenate([part, np.asarray([eos_id], dtype=np.int32)])
+        return part
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.output_ids.nbytes) + sum(len(t) for t in self.text_parts) + len(self.reasoning) + _ENTRY_OVERHEAD_BYTES
+
+
+def content_key(text: str, calls: tuple[tuple[str, Any], ...]) -> int:
+    """Hash of the content view (text + calls); reasoning is checked separately because
+    OpenAI clients often drop ``reasoning_content``."""
+    h = xxhash.xxh3_128()
+    h.update(text.encode("utf-8", "surrogatepass"))
+    for name, args in calls:
+        h.update(b"\x00")
+        h.update(name.encode("utf-8", "surrogatepass"))
+        h.update(b"\x01")
+        try:
+            h.update(orjson.dumps(args, option=orjson.OPT_SORT_KEYS))
+        except TypeError:
+            h.update(repr(args).encode())
+    return h.intdigest()
+
+
+@dataclass(slots=True)
+class LedgerStats:
+    num_recorded: int = 0
+    num_hits: int = 0
+    num_divergences: int = 0  # entry found but the client's view differed
+    num_bad_signatures: int = 0
+    num_evictions: int = 0
+    num_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Index:
+    by_id: OrderedDict[bytes, LedgerEntry] = field(default_factory=OrderedDict)
+    by_content: dict[int, bytes] = field(default_factory=dict)
+
+
+class OutputLedger:
+    """Bounded store of generated turns, shared by all sessions. Thread-safe."""
+
+    def __init__(self, key: bytes | None = None, max_bytes: int = 512 << 20) -> None:
+        self._key = key if key is not None else os.urandom(32)
+        self.max_bytes = max_bytes
+        self._idx = _Index()
+        self._lock = threading.Lock()
+        self.stats = LedgerStats()
+
+    # --- handles -----------------------------------------------------------------------------
+    def new_entry_id(self) -> bytes:
+        return os.urandom(_ID_BYTES)
+
+    def signature(self, entry_id: bytes) -> str:
+        mac = hmac.new(self._key, entry_id, hashlib.sha256).digest()[:_MAC_BYTES]
+        return base64.urlsafe_b64encode(entry_id + mac).decode("ascii")
+
+    def verify_signature(self, signature: str) -> bytes | None:
+        """The entry id of a genuine signature; None for forged, foreign or malformed ones."""
+        try:
+            raw = base64.urlsafe_b64decode(signature.encode("ascii"))
+        except (ValueError, UnicodeEncodeError):
+            return None
+        if len(raw) != _ID_BYTES + _MAC_BYTES:
+            return None
+        entry_id, mac = raw[:_ID_BYTES], raw[_ID_BYTES:]
+        good = hmac.new(self._key, entry_id, hashlib.sha256).digest()[:_MAC_BYTES]
+        return entry_id if hmac.compare_digest(mac, good) else None
+
+    # --- record / lookup ---------------------------------------------------------------------------
+    def record(self, entry: LedgerEntry) -> None:
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
+        ckey = content_key("".join(entry.text_parts), entry.calls)
+        with self._lock:
+            idx = self._idx
+            idx.by_id[entry.entry_id] = entry
+            idx.by_content[ckey] = entry.entry_id
+            self.stats.num_bytes += size
+            self.stats.num_recorded += 1
+            while self.stats.num_bytes > self.max_bytes and idx.by_id:
+                old_id, old = idx.by_id.popitem(last=False)
+                self.stats.num_bytes -= old.nbytes
+                self.stats.num_evictions += 1
+                okey = content_key("".join(old.text_parts), old.calls)
+                if idx.by_content.get(okey) == old_id:
+                    del idx.by_content[okey]
+
+    def _get(self, entry_id: bytes) -> LedgerEntry | None:
+        with self._lock:
+            entry = self._idx.by_id.get(entry_id)
+            if entry is not None:
+                self._idx.by_id.move_to_end(entry_id)
+            return entry
+
+    def match(
+        self,
+        signature: str | None,
+        reasoning: str | None,
+        text_parts: list[str],
+        calls: list[tuple[str, Any]],
+        strict_parts: bool,
+    ) -> LedgerEntry | None:
+        """The entry for a client's assistant turn, if the client's view equals it.
+
+        ``reasoning`` None means the client sent no reasoning (then it is not compared).
+        ``strict_parts``: compare text blocks one by one (Anthropic) instead of joined (OpenAI).
+        """
+        entry: LedgerEntry | None = None
+        if signature:
+            entry_id = self.verify_signature(signature)
+            if entry_id is None:
+                with self._lock:
+                    self.stats.num_bad_signatures += 1
+            else:
+                entry = self._get(entry_id)
+        calls_t = tuple(calls)
+        if entry is None:
+            ckey = content_key("".join(text_parts), calls_t)
+            with self._lock:
+                eid = self._idx.by_content.get(ckey)
+            if eid is None:
+                return None
+            entry = self._get(eid)
+            if entry is None:
+                return None
+        same = (
+            (reasoning is None or reasoning == entry.reasoning)
+            and (tuple(text_parts) == entry.text_parts if strict_parts else "".join(text_parts) == "".join(entry.text_parts))
+            and _same_calls(calls_t, entry.calls)
+        )
+        with self._lock:
+            if same:
+                self.stats.num_hits += 1
+            else:
+                self.stats.num_divergences += 1
+        if not same:
+            log.debug("ledger divergence for entry %s: %s", entry.entry_id.hex(), _first_difference(entry, reasoning, text_parts, calls_t))
+            return None
+        return entry
+
+
+def _same_calls(a: tuple[tuple[str, Any], ...], b: tuple[tuple[str, Any], ...]) -> bool:
+    if len(a) != len(b):
+        return False
+    return all(na == nb and _args_equal(xa, xb) for (na, xa), (nb, xb) in zip(a, b))
+
+
+def _args_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, str) and not isinstance(b, str):
+        try:
+            a = orjson.loads(a)
+        except orjson.JSONDecodeError:
+            return False
+    return bool(a == b)
+
+
+def _first_difference(entry: LedgerEntry, reasoning: str | None, parts: list[str], calls: tuple[Any, ...]) -> str:
+    if reasoning is not None and reasoning != entry.reasoning:
+        return f"reasoning differs at char {_diff_pos(reasoning, entry.reasoning)}"
+    a, b = "".join(parts), "".join(entry.text_parts)
+    if a != b:
+        return f"text differs at char {_diff_pos(a, b)}"
+    if tuple(parts) != entry.text_parts:
+        return "text blocks split differently"
+    return f"tool calls differ ({len(calls)} vs {len(entry.calls)})"
+
+
+def _diff_pos(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,361 @@
+"""Streaming parser: detokenized output text (with control sentinels) -> events.
+
+Events are tuples, cheap on the hot path:
+
+* ``(REASONING, text)``: reasoning delta (inside ``<think>``...``</think>``).
+* ``(TEXT, text)``: content delta.
+* ``(TOOL, ParsedCall)``: one complete tool call.
+
+Behaviour (reference/deepseek-v41-protocol.md section 1.5, numbers refer to it):
+
+1. Holds back any suffix that may begin a tag (``<`` before ``｜DSML｜``, trailing whitespace
+   before a block), so every split of the output gives the same events (merged per kind).
+2. A redundant ``<think>`` or a stray ``</think>`` is absorbed.
+3. A DSML block opening inside reasoning ends the reasoning and is parsed as calls.
+4. Whitespace before a block (the ``\\n\\n`` separator) is never emitted; whitespace-only content
+   is never emitted (no whitespace-only Anthropic text block).
+5./6./7. Parameters: ``string="true"`` raw text; ``string="false"`` JSON, kept as a string when
+   invalid or non-finite (``NaN``, ``1e999``); missing ``string``: JSON if valid, else string;
+   a missing ``</｜DSML｜ parameter>`` before the next parameter is tolerated; duplicate
+   parameters keep the first.
+8. Wrapper collapse: a lone ``arguments``/``input`` parameter that is not declared, whose
+   object keys are all declared, is unwrapped.
+9. An ``invoke`` without the ``calls`` wrapper is recovered only for a declared tool name and
+   only once its ``</｜DSML｜ invoke>`` arrived; otherwise it stays text. ASCII look-alikes
+   (``|DSML|`` spelled with BPE pieces) are never tags: tags are control *tokens*.
+10. A call is emitted only when its invoke is complete; an unterminated invoke (max_tokens,
+   EOS) is dropped, never turned into ``{}``.
+11. Text after ``</｜DSML｜ calls>`` is kept as content (a new text run).
+12. With tools disabled (no tools, ``tool_choice: none``), blocks are parsed and suppressed.
+Calls are buffered per invoke (not streamed argument by argument): a cut-off call can then
+never leak half its arguments, and wrapper collapse and JSON validation see the whole call.
+The V4 spelling (``tool_calls``, no space before ``invoke``/``parameter``) and V3.2
+``function_calls`` are accepted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from protocol.detokenize import S_DSML, S_END_THINK, S_EOS, S_THINK
+
+REASONING = 0
+TEXT = 1
+TOOL = 2
+
+_ST_REASONING = 0
+_ST_CONTENT = 1
+_ST_BLOCK = 2
+_ST_END = 3
+
+_SENTINEL_RE = re.compile(f"[{S_THINK}{S_END_THINK}{S_DSML}{S_EOS}]")
+_WS = " \t\r\n"
+_BLOCK_TAILS = (" calls>", "calls>", " tool_calls>", "tool_calls>", " function_calls>", "function_calls>")
+_INVOKE_TAILS = (" invoke", "invoke")
+_CLOSE_CALLS = tuple("</" + S_DSML + t for t in _BLOCK_TAILS)
+_OPEN_INVOKE = tuple("<" + S_DSML + t for t in _INVOKE_TAILS)
+_CLOSE_INVOKE_RE = re.compile("</" + S_DSML + " ?invoke>")
+_NAME_RE = re.compile(r'\s*name="([^"]*)"[^>]*>')
+_PARAM_OPEN_RE = re.compile("<" + S_DSML + " ?parameter")
+_PARAM_ATTR_RE = re.compile(r'\s*name="([^"]*)"(?:\s+string="([^"]*)")?[^>]*>')
+_PARAM_CLOSE_RE = re.compile("</" + S_DSML + " ?parameter>")
+_SENTINEL_TEXT = {S_THINK: "<think>", S_END_THINK: "</think>", S_DSML: "｜DSML｜", S_EOS: ""}
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    index: int
+    name: str
+    arguments: dict[str, Any]
+    arguments_json: str
+
+
+def restore_text(text: str) -> str:
+    """Sentinels back to their literal text (for text that turned out not to be a tag)."""
+    if _SENTINEL_RE.search(text) is None:
+        return text
+    return _SENTINEL_RE.sub(lambda m: _SENTINEL_TEXT[m.group(0)], text)
+
+
+def _parse_json_value(raw: str) -> tuple[bool, Any]:
+    try:
+        return True, orjson.loads(raw)
+    except orjson.JSONDecodeError:  # invalid, NaN/Infinity, or out of double range (1e999)
+        return False, None
+
+
+def _dumps(value: Any) -> str:
+    try:
+        return orjson.dumps(value).decode("utf-8")
+    except TypeError:  # integers beyond 64 bits
+        import json
+
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class StreamParser:
+    """One generation's parser. ``feed`` text as it is detokenized; ``finish`` at the end."""
+
+    __slots__ = ("_buf", "_state", "_text_started", "_after_block", "_tool_params", "_tools_enabled", "num_calls", "_bare")
+
+    def __init__(self, thinking: bool, tool_params: dict[str, frozenset[str]] | None = None, tools_enabled: bool = True) -> None:
+        self._buf = ""
+        self._state = _ST_REASONING if thinking else _ST_CONTENT
+        self._text_started = False
+        self._after_block = False
+        self._tool_params = tool_params or {}
+        self._tools_enabled = tools_enabled
+        self._bare = False  # inside a recovered invoke that had no calls wrapper
+        self.num_calls = 0
+
+    @property
+    def done(self) -> bool:
+        return self._state == _ST_END
+
+    def feed(self, text: str) -> list[tuple[int, Any]]:
+        if self._state == _ST_END or not text:
+            return []
+        self._buf += text
+        events: list[tuple[int, Any]] = []
+        self._run(events, final=False)
+        return events
+
+    def finish(self) -> list[tuple[int, Any]]:
+        events: list[tuple[int, Any]] = []
+        if self._state != _ST_END:
+            self._run(events, final=True)
+            self._state = _ST_END
+        self._buf = ""
+        return events
+
+    # --- driver ---------------------------------------------------------------------------------
+    def _run(self, events: list[tuple[int, Any]], final: bool) -> None:
+        while self._state != _ST_END:
+            if self._state == _ST_BLOCK:
+                progressed = self._scan_block(events, final)
+            else:
+                progressed = self._scan_text(events, final)
+            if not progressed:
+                return
+
+    def _emit(self, events: list[tuple[int, Any]], kind: int, text: str) -> None:
+        if not text:
+            return
+        if kind == TEXT:
+            self._text_started = True
+        if events and events[-1][0] == kind:
+            events[-1] = (kind, events[-1][1] + text)
+        else:
+            events.append((kind, text))
+
+    def _kind(self) -> int:
+        return REASONING if self._state == _ST_REASONING else TEXT
+
+    def _emit_run(self, events: list[tuple[int, Any]], text: str, final: bool) -> str:
+        """Emit the safe part of ``text`` (no sentinel inside); return what must be held."""
+        kind = self._kind()
+        if final:
+            if kind == TEXT:
+                if self._after_block and not self._text_started:
+                    text = text.lstrip(_WS)
+                if not self._text_started and not text.strip(_WS):
+                    return ""
+            self._emit(events, kind, text)
+            return ""
+        # hold a trailing "<" (may open a DSML tag) and the whitespace before it / at the end
+        cut = len(text)
+        if cut and text[cut - 1] == "<":
+            cut -= 1
+        while cut and text[cut - 1] in _WS:
+            cut -= 1
+        head = text[:cut]
+        if kind == TEXT and not self._text_started:
+            if not head.strip(_WS):
+                return text  # whitespace-only so far: hold all of it
+            if self._after_block:
+                head = head.lstrip(_WS)  # a text run after a block starts at its first non-space
+        self._emit(events, kind, head)
+        return text[cut:]
+
+    # --- reasoning / content --------------------------------------------------------------------
+    def _scan_text(self, events: list[tuple[int, Any]], final: bool) -> bool:
+        buf = self._buf
+        m = _SENTINEL_RE.search(buf)
+        if m is None:
+            self._buf = self._emit_run(events, buf, final)
+            return False
+        i = m.start()
+        s = buf[i]
+        if s == S_THINK or (s == S_END_THINK and self._state == _ST_CONTENT):
+            self._buf = buf[:i] + buf[i + 1 :]  # absorbed (2)
+            return True
+        if s == S_END_THINK:  # reasoning ends; its trailing whitespace is kept
+            self._emit(events, REASONING, buf[:i])
+            self._state = _ST_CONTENT
+            self._buf = buf[i + 1 :]
+            return True
+        if s == S_EOS:
+            self._emit_run(events, buf[:i], final=True)
+            self._state = _ST_END
+            self._buf = ""
+            return False
+        # S_DSML: a block opening, a bare invoke, or literal text
+        lt = i - 1 if i > 0 and buf[i - 1] == "<" else -1
+        rest = buf[i + 1 :]
+        if lt >= 0:
+            for tail in _BLOCK_TAILS:
+                if rest.startswith(tail):
+                    self._emit_run(events, buf[:lt].rstrip(_WS), final=True)  # (3)(4)
+                    self._state = _ST_BLOCK
+                    self._bare = False
+                    self._buf = rest[len(tail) :]
+                    return True
+            if any(rest.startswith(t) for t in _INVOKE_TAILS) and self._tool_params:
+                end = _CLOSE_INVOKE_RE.search(buf, i)
+                if end is None and not final and S_EOS not in rest:
+                    self._buf = self._emit_run(events, buf[:lt], final=False) + buf[lt:]
+                    return False
+                if end is not None:
+                    call = self._parse_invoke(buf[i + 1 + len(_invoke_tail(rest)) : end.start()])
+                    if call is not None and call[0] in self._tool_params:  # (9) declared names only
+                        self._emit_run(events, buf[:lt].rstrip(_WS), final=True)
+                        self._emit_call(events, call)
+                        self._state = _ST_BLOCK
+                        self._bare = True
+                        self._buf = buf[end.end() :]
+                        return True
+            elif not final and any(t.startswith(rest) for t in _BLOCK_TAILS + _INVOKE_TAILS):
+                self._buf = self._emit_run(events, buf[:lt], final=False) + buf[lt:]
+                return False
+        # not a tag: literal text up to and including the sentinel
+        self._emit_run(events, buf[:i] + _SENTINEL_TEXT[S_DSML], final=True)
+        self._buf = buf[i + 1 :]
+        return True
+
+    # --- DSML block -------------------------------------------------------------------------------
+    def _scan_block(self, events: list[tuple[int, Any]], final: bool) -> bool:
+        buf = self._buf
+        eos = buf.find(S_EOS)
+        if eos >= 0:
+            buf = buf[:eos]
+            final = True
+        j = 0
+        n = len(buf)
+        while j < n and buf[j] in _WS:
+            j += 1
+        rest = buf[j:]
+        for close in _CLOSE_CALLS:
+            if rest.startswith(close):
+                self._buf = rest[len(close) :] + (S_EOS if eos >= 0 else "")
+                self._leave_block()
+                return True
+        for opener in _OPEN_INVOKE:
+            if rest.startswith(opener):
+                end = _CLOSE_INVOKE_RE.search(rest)
+                if end is None:
+                    if final:  # unterminated invoke: dropped (10)
+                        self._state = _ST_END
+                        self._buf = ""
+                    else:
+                        self._buf = rest
+                    return False
+                call = self._parse_invoke(rest[len(opener) : end.start()])
+                if call is not None and (not self._bare or call[0] in self._tool_params):
+                    self._emit_call(events, call)
+                self._buf = rest[end.end() :] + (S_EOS if eos >= 0 else "")
+                return True
+        if self._bare and rest and not any(o.startswith(rest) or rest.startswith(o) for o in _OPEN_INVOKE):
+            # a recovered bare invoke is followed by something else: back to content
+            self._buf = rest + (S_EOS if eos >= 0 else "")
+            self._leave_block()
+            return True
+        if not final and rest and any(c.startswith(rest) for c in _CLOSE_CALLS + _OPEN_INVOKE):
+            self._buf = rest
+            return False
+        if final:
+            self._state = _ST_END
+            self._buf = ""
+            return False
+        # junk inside the block: skip to the next tag start, keep a possible partial "<" / "</"
+        k = rest.find("<" + S_DSML, 1)
+        k2 = rest.find("</" + S_DSML, 1)
+        cands = [x for x in (k, k2) if x > 0]
+        if cands:
+            self._buf = rest[min(cands) :]
+            return True
+        self._buf = rest[-2:] if rest.endswith("</") else (rest[-1:] if rest.endswith("<") else "")
+        return False
+
+    def _leave_block(self) -> None:
+        self._state = _ST_CONTENT
+        self._bare = False
+        self._after_block = True
+        self._text_started = False
+
+    def _emit_call(self, events: list[tuple[int, Any]], call: tuple[str, dict[str, Any]]) -> None:
+        if not self._tools_enabled:
+            return  # (12) suppressed
+        name, args = call
+        events.append((TOOL, ParsedCall(self.num_calls, name, args, _dumps(args))))
+        self.num_calls += 1
+
+    def _parse_invoke(self, body: str) -> tuple[str, dict[str, Any]] | None:
+        m = _NAME_RE.match(body)
+        if m is None:
+            return None
+        name = restore_text(m.group(1)).strip()
+        if not name:
+            return None
+        pos = m.end()
+        args: dict[str, Any] = {}
+        while True:
+            po = _PARAM_OPEN_RE.search(body, pos)
+            if po is None:
+                break
+            am = _PARAM_ATTR_RE.match(body, po.end())
+            if am is None:
+                pos = po.end()
+                continue
+            vstart = am.end()
+            pc = _PARAM_CLOSE_RE.search(body, vstart)
+            nxt = _PARAM_OPEN_RE.search(body, vstart)
+            if pc is not None and (nxt is None or pc.start() < nxt.start()):
+                raw, pos = body[vstart : pc.start()], pc.end()
+            elif nxt is not None:  # missing close before the next parameter (7)
+                raw, pos = body[vstart : nxt.start()].rstrip("\n"), nxt.start()
+            else:  # missing close before </invoke>
+                raw, pos = body[vstart:].rstrip("\n"), len(body)
+            key = restore_text(am.group(1))
+            if key in args:
+                continue  # duplicate parameter: first wins
+            raw = raw.replace(S_DSML, "")
+            raw = restore_text(raw)
+            args[key] = self._param_value(raw, am.group(2))
+        return name, self._collapse(name, args)
+
+    @staticmethod
+    def _param_value(raw: str, string_attr: str | None) -> Any:
+        if string_attr == "true":
+            return raw
+        ok, value = _parse_json_value(raw)
+        return value if ok else raw
+
+    def _collapse(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
+        declared = self._tool_params.get(name)
+        if not declared or len(args) != 1:
+            return args
+        (key, value), = args.items()
+        if key in ("arguments", "input") and key not in declared and isinstance(value, dict) and set(value) <= declared:
+            return value
+        return args
+
+
+def _invoke_tail(rest: str) -> str:
+    for t in _INVOKE_TAILS:
+        if rest.startswith(t):
+            return t
+    return ""

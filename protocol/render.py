@@ -1,0 +1,273 @@
+"""Conversation -> the exact DeepSeek-V4.1 prompt, as a list of segments.
+
+Follows the format facts of reference/deepseek-v41-protocol.md section 1.2 (the checkpoint's
+encoder). A segment is ``(kind, payload)``:
+
+* ``OURS``: template text; it may contain special-token strings, which the tokenizer matches.
+* ``CLIENT``: client text (messages, tool results, tool schemas, tool names and arguments);
+  the tokenizer never turns any of it into control tokens.
+* ``IDS``: token ids taken verbatim from the output ledger (an assistant turn the model
+  generated and the client echoed back unchanged).
+
+Deliberate deviation from vLLM's wrapper: tools always attach to the system message at index 0
+(inserting an empty one), never to a later inline system message, so an inline system message
+cannot move the tools block (a cache breaker, section 2).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from protocol.conversation import Block, Conversation, Message, ToolCall
+
+OURS = 0
+CLIENT = 1
+IDS = 2
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+SYSTEM = "<｜System｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+END_THINK = "</think>"
+DSML = "｜DSML｜"
+
+EFFORT_TEMPLATE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+RESPONSE_FORMAT_HEAD = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+
+TOOLS_HEAD = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user's question. You can invoke tools by "
+    f'writing a "<{DSML} calls>" block like the following:\n\n'
+    f"<{DSML} calls>\n"
+    f'<{DSML} invoke name="$TOOL_NAME">\n'
+    f'<{DSML} parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML} parameter>\n'
+    "...\n"
+    f"</{DSML} invoke>\n"
+    f'<{DSML} invoke name="$TOOL_NAME2">\n'
+    "...\n"
+    f"</{DSML} invoke>\n"
+    f"</{DSML} calls>\n\n"
+    'String parameters should be specified as is and set `string="true"`. For all other types '
+    '(numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
+    f"If thinking_mode is enabled (triggered by {THINK}), you MUST output your complete reasoning "
+    f"inside {THINK}...{END_THINK} BEFORE any tool calls or final response.\n\n"
+    f"Otherwise, output directly after {END_THINK} with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n"
+)
+TOOLS_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+
+Segment = tuple[int, Any]
+
+
+def to_json(value: Any) -> str:
+    """The encoder's JSON: ``json.dumps(ensure_ascii=False)`` (", " and ": " separators)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return json.dumps(value, ensure_ascii=True, default=str)
+
+
+def tools_schema_text(tools: list[dict[str, Any]]) -> str:
+    return "\n".join(to_json(t) for t in tools)
+
+
+def arguments_dict(arguments: Any) -> dict[str, Any]:
+    """The encoder's rule: a dict as is; a string parsed as JSON (twice for double encoding);
+    anything that is still not a dict becomes ``{"arguments": raw}``."""
+    if isinstance(arguments, dict):
+        return arguments
+    value = arguments
+    for _ in range(2):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                break
+        else:
+            break
+    if isinstance(value, dict):
+        return value
+    return {"arguments": arguments}
+
+
+# --- preprocessing -----------------------------------------------------------------------------
+def _preprocess(messages: list[Message]) -> list[Message]:
+    """Tool messages become user turns with a tool_result block; a user or tool message after a
+    user turn merges into it; tool results are re-sorted into the preceding calls' order."""
+    merged: list[Message] = []
+    for m in messages:
+        if m.role == "tool":
+            block = Block(kind="tool_result", tool_use_id=m.tool_call_id, parts=[(True, m.content)])
+            if merged and merged[-1].role == "user":
+                merged[-1].blocks.append(block)  # type: ignore[union-attr]
+            else:
+                merged.append(Message(role="user", blocks=[block]))
+        elif m.role == "user":
+            blocks = list(m.blocks) if m.blocks is not None else [Block(kind="text", text=m.content)]
+            if merged and merged[-1].role == "user":
+                merged[-1].blocks.extend(blocks)  # type: ignore[union-attr]
+            else:
+                merged.append(Message(role="user", blocks=blocks))
+        else:
+            merged.append(m)
+    order: dict[str, int] = {}
+    for m in merged:
+        if m.role == "assistant" and m.tool_calls:
+            order = {tc.id: k for k, tc in enumerate(m.tool_calls) if tc.id}
+        elif m.role == "user" and m.blocks and order:
+            results = [b for b in m.blocks if b.kind == "tool_result"]
+            if len(results) > 1:
+                it = iter(sorted(results, key=lambda b: order.get(b.tool_use_id, 0)))
+                m.blocks = [next(it) if b.kind == "tool_result" else b for b in m.blocks]
+    return merged
+
+
+def _last_user_index(messages: list[Message]) -> int:
+    for idx in range(len(messages) - 1, -1, -1):
+        role = messages[idx].role
+        if role in ("user", "developer") or (role == "system" and idx > 0):
+            return idx
+    return -1
+
+
+def _drop_thinking(messages: list[Message]) -> list[Message]:
+    last_user = _last_user_index(messages)
+    out: list[Message] = []
+    for idx, m in enumerate(messages):
+        if m.role in ("user", "system") or idx >= last_user:
+            out.append(m)
+        elif m.role == "assistant":
+            out.append(m)  # its reasoning is not rendered (render_assistant checks the index)
+        # developer turns before the last user turn are dropped
+    return out
+
+
+# --- rendering ------------------------------------------------------------------------------------
+def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | None = None) -> list[Segment]:
+    """Segments of the whole prompt, BOS first, generation header last.
+
+    ``end_think_id`` / ``eos_id`` are needed only to splice ledger ids (IDS segments)."""
+    msgs = _preprocess(conv.messages)
+    if conv.tools or conv.response_format is not None:
+        if not msgs or msgs[0].role != "system":
+            msgs.insert(0, Message(role="system", content=""))
+    drop = not conv.tools
+    thinking = conv.thinking
+    if thinking and drop:
+        msgs = _drop_thinking(msgs)
+    last_user = _last_user_index(msgs)
+    out: list[Segment] = [(OURS, BOS)]
+    n = len(msgs)
+    for i, m in enumerate(msgs):
+        if i == 0 and (thinking or m.role == "system"):
+            out.append((OURS, SYSTEM))
+        if i == 0 and thinking:
+            out.append((OURS, EFFORT_TEMPLATE.format(conv.effort)))
+        role = m.role
+        if role == "system":
+            if i > 0:
+                out.append((OURS, SYSTEM))
+            out.append((CLIENT, m.content))
+            if i == 0 and conv.tools:
+                out.append((OURS, "\n\n" + TOOLS_HEAD))
+                out.append((CLIENT, tools_schema_text(conv.tools)))
+                out.append((OURS, TOOLS_TAIL))
+            if i == 0 and conv.response_format is not None:
+                out.append((OURS, "\n\n" + RESPONSE_FORMAT_HEAD))
+                out.append((CLIENT, to_json(conv.response_format)))
+        elif role == "developer":
+            out.append((OURS, USER))
+            out.append((CLIENT, m.content))
+        elif role == "user":
+            out.append((OURS, USER))
+            _render_user_blocks(m.blocks or [], out)
+        elif role == "assistant":
+            with_reasoning = thinking and (not drop or i > last_user)
+            _render_assistant(m, with_reasoning, out, end_think_id, eos_id)
+        else:  # pragma: no cover - conversion never produces other roles
+            raise AssertionError(f"unexpected role {role}")
+        # generation header
+        if i + 1 < n and msgs[i + 1].role != "assistant":
+            continue
+        is_last = i == n - 1
+        if role in ("user", "developer") or (role == "system" and i > 0) or (is_last and role in ("system", "assistant")):
+            open_think = thinking and (not drop or i >= last_user)
+            out.append((OURS, ASSISTANT + (THINK if open_think else END_THINK)))
+    return out
+
+
+def _render_user_blocks(blocks: list[Block], out: list[Segment]) -> None:
+    first = True
+    for b in blocks:
+        if not first:
+            out.append((OURS, "\n\n"))
+        first = False
+        if b.kind == "text":
+            out.append((CLIENT, b.text))
+        elif b.kind == "tool_result":
+            out.append((OURS, "<tool_result>"))
+            first_part = True
+            for is_client, text in b.parts:
+                if not first_part:
+                    out.append((OURS, "\n\n"))
+                first_part = False
+                out.append((CLIENT if is_client else OURS, text))
+            out.append((OURS, "</tool_result>"))
+        else:
+            out.append((OURS, b.text))
+
+
+def _render_assistant(
+    m: Message, with_reasoning: bool, out: list[Segment], end_think_id: int | None, eos_id: int | None
+) -> None:
+    entry = m.ledger_entry
+    if entry is not None and end_think_id is not None and eos_id is not None:
+        ids = entry.render_ids(with_reasoning, end_think_id, eos_id)
+        if ids is not None:
+            out.append((IDS, ids))
+            return
+    if with_reasoning:
+        out.append((CLIENT, m.reasoning or ""))
+        out.append((OURS, END_THINK))
+    out.append((CLIENT, m.content))
+    if m.tool_calls:
+        out.append((OURS, f"\n\n<{DSML} calls>\n"))
+        for k, tc in enumerate(m.tool_calls):
+            if k:
+                out.append((OURS, "\n"))
+            _render_call(tc, out)
+        out.append((OURS, f"\n</{DSML} calls>"))
+    out.append((OURS, EOS))
+
+
+def _render_call(tc: ToolCall, out: list[Segment]) -> None:
+    out.append((OURS, f'<{DSML} invoke name="'))
+    out.append((CLIENT, tc.name))
+    out.append((OURS, '">\n'))
+    for k, (key, value) in enumerate(arguments_dict(tc.arguments).items()):
+        is_str = isinstance(value, str)
+        out.append((OURS, f'\n<{DSML} parameter name="' if k else f'<{DSML} parameter name="'))
+        out.append((CLIENT, str(key)))
+        out.append((OURS, '" string="true">' if is_str else '" string="false">'))
+        out.append((CLIENT, value if is_str else to_json(value)))
+        out.append((OURS, f"</{DSML} parameter>"))
+    out.append((OURS, f"\n</{DSML} invoke>"))
+
+
+def segments_text(segments: list[Segment]) -> str:
+    """The prompt as one string (IDS segments are not representable and raise)."""
+    parts: list[str] = []
+    for kind, payload in segments:
+        if kind == IDS:
+            raise ValueError("ledger ids have no text form")
+        parts.append(payload)
+    return "".join(parts)
+
+
+def ids_array(ids: Any) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int32)

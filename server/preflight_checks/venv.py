@@ -124,8 +124,10 @@ def check_venv(config: WorkloadConfig, facts: dict[str, Any] | None) -> CheckRes
 
 def check_prefix_api(config: WorkloadConfig, facts: dict[str, Any] | None) -> CheckResult:
     name = "prefix_cache_api"
-    if facts is None or "api" not in facts:
-        return skipped(name, "deepinfer not importable; patch API not checked" if facts else "no deepinfer venv")
+    if facts is None:
+        return skipped(name, "no deepinfer venv")
+    if "error" in facts or "import_error" in facts or not facts.get("api"):
+        return skipped(name, "deepinfer not importable; patch API not checked")
     api: dict[str, bool | None] = facts["api"]
     present = [k for k, v in api.items() if v]
     absent = [k for k, v in api.items() if not v]

@@ -1,0 +1,75 @@
+"""The cache tiers' own settings (``CacheConfig``), built from the workload config.
+
+Only ``prefix_cache``, ``l1_cache`` and ``l1_host_gb`` come from the seed guide's keys; the
+rest are tuning knobs with defaults taken from the workload research
+(``../shared/reference/agent-workload.md``) and documented in ``docs/cache.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cache.admission import AdmissionConfig
+from cache.router import RouterConfig
+
+
+class CacheConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefix_cache: bool = Field(True, description="L0 prefix cache + session routing; off = every turn cold.")
+    l1_cache: bool = Field(True, description="L1 host tier (needs an engine with export/import and a pool).")
+    l1_host_gb: float = Field(128, ge=0, description="L1 budget per rank, GiB (see cache/l1_budget.py).")
+    hash_salt: str = Field("", description="Mixed into the root block hash (model / KV format name).")
+    protect_s: float = Field(
+        30.0, ge=0, description="A session expected back within this many seconds is not evicted "
+        "to admit another turn (until that turn has queued force_after_s)."
+    )
+    reserve_blocks: int = Field(
+        2, ge=0, description="Blocks per rank kept out of admission (slack for decode overrun)."
+    )
+    l1_write_watermark: float = Field(
+        0.5, ge=0, le=1, description="Write a finished turn's session through to L1 once the rank's "
+        "pool is this full (cached + reserved blocks / usable blocks)."
+    )
+    l1_headroom_fraction: float = Field(0.125, ge=0, le=4, description="Extra L1 slots per session extent.")
+    l1_min_headroom_blocks: int = Field(16, ge=0, description="Minimum extra L1 slots per extent.")
+    home_horizon_s: float = Field(
+        900.0, gt=0, description="Idle sessions expected back within this count toward their rank's load."
+    )
+    session_forget_s: float = Field(7200.0, gt=0, description="Idle sessions holding nothing are forgotten after this.")
+    queue_force_after_s: float = Field(5.0, ge=0, description="Queued head may evict protected sessions after this.")
+    queue_fail_after_s: float = Field(120.0, gt=0, description="Queued turn fails with 503 after this.")
+    queue_recheck_s: float = Field(0.25, gt=0, description="Queued head re-check period.")
+    max_queue_depth: int = Field(1024, ge=1, description="Turns waiting per rank before new ones get 503.")
+    overload_ratio: float = Field(1.5, ge=1, description="Move sessions off a rank this much above the lightest.")
+    move_min_tokens: int = Field(65_536, ge=0, description="...and at least this many tokens above it.")
+    move_cooldown_s: float = Field(60.0, ge=0, description="A session moves at most once per this period.")
+
+    @classmethod
+    def from_workload(cls, workload: Any, **overrides: Any) -> CacheConfig:
+        """From a ``server.config.WorkloadConfig`` (duck-typed: cache does not import server)."""
+        values: dict[str, Any] = {
+            "prefix_cache": workload.prefix_cache,
+            "l1_cache": workload.l1_cache,
+            "l1_host_gb": workload.l1_host_gb,
+            "hash_salt": f"{workload.engine}:{workload.model_name}",
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(
+            force_after_s=self.queue_force_after_s,
+            fail_after_s=self.queue_fail_after_s,
+            recheck_s=self.queue_recheck_s,
+            max_queue_depth=self.max_queue_depth,
+        )
+
+    def router(self) -> RouterConfig:
+        return RouterConfig(
+            overload_ratio=self.overload_ratio,
+            move_min_tokens=self.move_min_tokens,
+            move_cooldown_s=self.move_cooldown_s,
+        )

@@ -1,0 +1,111 @@
+"""Which rank a turn runs on.
+
+Rules, in order:
+
+1. A known session goes to its *home* rank (sticky): the rank that holds its prefix. Turns of
+   one session are never spread over ranks, whatever the loads, so ties cannot scatter it.
+2. Unless its home is overloaded and the session is idle (no turn in flight) and L1 can carry
+   it: then the whole session moves to the least-loaded rank (export to the shared host pool on
+   the old rank, import on the new one). A move must strictly lower the larger of the two
+   loads (``load(home) - load(target) > 2 * session tokens``), the home must carry at least
+   ``overload_ratio`` times the target's load plus ``move_min_tokens``, and a session moves at
+   most once per ``move_cooldown_s``, so sessions do not ping-pong.
+3. A new session goes to the rank with the lowest ``cost = load_tokens + uncached prompt tokens
+   on that rank`` (a rank that already holds part of the prompt, e.g. a resumed conversation,
+   saves that prefill); ties go to the rank with more free blocks, then the lowest rank index
+   (deterministic).
+
+Load measure (``RankLoad.load_tokens``): running tokens (context of admitted, unfinished turns)
++ waiting tokens (prompt tokens of turns queued for admission) + idle tokens (last context of
+idle sessions homed on the rank and expected back within ``home_horizon_s``). Idle sessions
+count because their next turns will run there and their blocks occupy that rank's pool; a rank
+with few running turns but many homed sessions is not free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cache.sessions import Session
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    rank: int
+    running_tokens: int
+    waiting_tokens: int
+    idle_tokens: int
+    num_free_blocks: int
+
+    @property
+    def load_tokens(self) -> int:
+        return self.running_tokens + self.waiting_tokens + self.idle_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    rank: int
+    reason: str  # "home", "new", "move"
+    move_from: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    overload_ratio: float = 1.5
+    move_min_tokens: int = 65_536
+    move_cooldown_s: float = 60.0
+
+
+class Router:
+    def __init__(self, config: RouterConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+
+    def route(
+        self,
+        session: Session,
+        matched_blocks: Sequence[int],
+        num_prompt_tokens: int,
+        loads: Sequence[RankLoad],
+        can_move: bool,
+        now_s: float,
+    ) -> RouteDecision:
+        """Pick the rank for one turn. ``matched_blocks[r]`` is the L0 prefix match on rank r."""
+        home = session.home_rank
+        if home is not None:
+            target = self._move_target(session, loads, can_move, now_s)
+            if target is not None:
+                return RouteDecision(target, "move", move_from=home)
+            return RouteDecision(home, "home")
+
+        def cost(load: RankLoad) -> tuple[int, int, int]:
+            cached_tokens = min(num_prompt_tokens, matched_blocks[load.rank] * self.block_size)
+            uncached_tokens = num_prompt_tokens - cached_tokens
+            return (load.load_tokens + uncached_tokens, -load.num_free_blocks, load.rank)
+
+        return RouteDecision(min(loads, key=cost).rank, "new")
+
+    def _move_target(
+        self, session: Session, loads: Sequence[RankLoad], can_move: bool, now_s: float
+    ) -> int | None:
+        cfg = self.config
+        home = session.home_rank
+        if (
+            not can_move
+            or home is None
+            or session.num_in_flight > 0
+            or now_s - session.moved_at_s < cfg.move_cooldown_s
+        ):
+            return None
+        home_load = loads[home].load_tokens
+        best = min(loads, key=lambda x: (x.load_tokens, -x.num_free_blocks, x.rank))
+        if best.rank == home:
+            return None
+        gap_tokens = home_load - best.load_tokens
+        if (
+            home_load >= cfg.overload_ratio * best.load_tokens + cfg.move_min_tokens
+            and gap_tokens > 2 * session.context_tokens
+        ):
+            return best.rank
+        return None

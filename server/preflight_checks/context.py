@@ -16,6 +16,11 @@ def gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f} GiB"
 
 
+def human_bytes(num_bytes: float) -> str:
+    """GiB for big sizes, MiB below 1 GiB (so a small test shard does not print as 0.0 GiB)."""
+    return gib(num_bytes) if num_bytes >= GIB else f"{num_bytes / MIB:.1f} MiB"
+
+
 def rank_env(config: WorkloadConfig, base_env: Mapping[str, str]) -> dict[str, str]:
     """The environment a rank process sees: the backend's, then ``env``, then ``deepinfer_env``."""
     merged = dict(base_env)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from server.preflight_checks.context import GIB, MIB, gib, is_deepinfer
+from server.preflight_checks.context import GIB, MIB, human_bytes, is_deepinfer
 from server.preflight_checks.probe import SystemProbe
 from server.preflight_checks.report import CheckResult, ok, problem, skipped, warn
 
@@ -104,7 +104,7 @@ def check_model_files(config: WorkloadConfig, model_dir: Path | None) -> tuple[C
             "Finish the download of deepseek-ai/DeepSeek-V4.1-Flash-1017 into this directory "
             "(snapshot_download resumes where it stopped).", **data,
         ), facts
-    return ok(name, f"{model_dir}: config, tokenizer and {len(shards)} shard(s), {gib(weights_bytes)}", **data), facts
+    return ok(name, f"{model_dir}: config, tokenizer and {len(shards)} shard(s), {human_bytes(weights_bytes)}", **data), facts
 
 
 def check_model_filesystem(config: WorkloadConfig, model_dir: Path | None, probe: SystemProbe) -> CheckResult:

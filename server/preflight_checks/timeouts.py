@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from server.preflight_checks.context import is_deepinfer
+from server.preflight_checks.context import human_bytes, is_deepinfer
 from server.preflight_checks.model_dir import ModelFacts
 from server.preflight_checks.report import CheckResult, ok, problem, skipped, warn
 
@@ -50,7 +50,7 @@ def check_ready_timeout(config: WorkloadConfig, facts: ModelFacts) -> CheckResul
     read_s, need_s = estimate
     data = {"ready_timeout_secs": ready, "read_s": read_s, "estimated_ready_s": need_s,
             "weights_bytes": facts.weights_bytes, "read_bytes_per_s": facts.read_bytes_per_s}
-    text = (f"reading {facts.weights_bytes / 1e9:,.1f} GB at {facts.read_bytes_per_s / 1e6:,.0f} MB/s takes "
+    text = (f"reading {human_bytes(facts.weights_bytes)} at {facts.read_bytes_per_s / 1e6:,.0f} MB/s takes "
             f"about {read_s:,.0f} s, ready in about {need_s:,.0f} s with margins; ready_timeout_secs is {ready:g}")
     fix = f"Set ready_timeout_secs to at least {max(GUIDE_READY_S, round(need_s * 1.5, -2)):.0f} in the workload config."
     if read_s > ready:

@@ -1,0 +1,177 @@
+"""Simulated agents in virtual time, and one simulated load-test step end to end.
+
+Each agent runs the same session life as the load generator (``bench/loadgen/distributions.py``:
+initial context 0.4-0.6 of the target, per-turn output and tool-result sizes from the public trace
+statistics, ``pacing_s`` between turns, a new conversation when the target would be passed). Token
+ids are synthetic: a conversation is an int32 array that the agent extends with the output ids
+the engine returned (so the next prompt hits the cache exactly like the protocol layer's output
+ledger makes it) plus fresh ids for the tool result. Per turn the agent does what the server's
+service does: tokenize (modelled delay), ``admit``, ``submit``, read the stream, ``finish``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bench.loadgen.client import RequestRecord
+from bench.loadgen.distributions import ParametricTurnSource, WorkloadParams, initial_context_tokens
+from bench.loadgen.report import Criteria, StepStats, step_stats
+from bench.simulator.engine import SimGroup
+from bench.simulator.model import SimConfig
+from bench.simulator.seed_cache import SeedCacheManager
+from rank.engine import SamplingParams
+
+
+@dataclass(slots=True)
+class SimTotals:
+    """Bookkeeping over a whole run (the tests check conservation with these)."""
+
+    num_submitted: int = 0
+    num_finished: int = 0
+    num_failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens_expected: int = 0
+    output_tokens_received: int = 0
+
+
+def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
+    if config.policy == "seed":
+        return SeedCacheManager(group, config.seed_policy, clock)
+    from cache.config import CacheConfig
+    from cache.manager import CacheManager
+
+    return CacheManager(group, CacheConfig(hash_salt="sim"), clock=clock)
+
+
+async def _agent(
+    agent_id: int,
+    params: WorkloadParams,
+    config: SimConfig,
+    group: SimGroup,
+    manager: Any,
+    records: list[RequestRecord],
+    totals: SimTotals,
+    stop_at: float,
+    start_delay_s: float,
+) -> None:
+    loop = asyncio.get_running_loop()
+    rng = np.random.default_rng(config.seed * 1_000_003 + agent_id)
+    source = ParametricTurnSource(params)
+    request_ids = itertools.count()
+    await asyncio.sleep(start_delay_s)
+
+    def new_conversation() -> tuple[np.ndarray, str]:
+        size = initial_context_tokens(params, rng)
+        return rng.integers(1000, 120_000, size, dtype=np.int32), f"a{agent_id}-c{next(request_ids)}"
+
+    tokens, session = new_conversation()
+    new_tokens = len(tokens)
+    turn = source.next_turn(rng)
+    while loop.time() < stop_at:
+        record = RequestRecord(agent_id, session, loop.time(), cold=new_tokens == len(tokens))
+        retokenized = len(tokens) if config.seed_policy.full_retokenize and config.policy == "seed" else new_tokens
+        await asyncio.sleep(retokenized / config.deployment.tokenize_tokens_per_s)
+        try:
+            adm = await manager.admit(tokens, session, turn.output_tokens)
+        except Exception as exc:  # Overloaded / PromptTooLong from the real manager
+            record.error = f"{type(exc).__name__}: {exc}"[:200]
+            record.t_end = loop.time()
+            records.append(record)
+            totals.num_failed += 1
+            await asyncio.sleep(1.0)
+            continue
+        request = adm.engine_request(f"{session}-{next(request_ids)}", tokens,
+                                     SamplingParams(max_tokens=turn.output_tokens, ignore_eos=True))
+        totals.num_submitted += 1
+        totals.output_tokens_expected += turn.output_tokens
+        try:
+            stream = group.submit(adm.rank, request)
+        except Exception as exc:
+            manager.abort(adm)
+            record.error = f"submit: {exc}"[:200]
+            records.append(record)
+            totals.num_failed += 1
+            continue
+        out_ids: list[int] = []
+        t_first = t_last = None
+        last = None
+        async for out in stream:
+            if out.token_ids:
+                now = loop.time()
+                t_first = now if t_first is None else t_first
+                t_last = now
+                out_ids.extend(out.token_ids)
+            last = out
+        assert last is not None and last.finished
+        manager.finish(adm, tokens, out_ids, last)
+        totals.num_finished += 1
+        totals.output_tokens_received += len(out_ids)
+        record.t_end = loop.time()
+        record.status = 200
+        record.output_tokens = len(out_ids)
+        record.cached_tokens = adm.num_cached_tokens
+        record.input_tokens = len(tokens) - adm.num_cached_tokens
+        totals.prompt_tokens += len(tokens)
+        totals.cached_tokens += adm.num_cached_tokens
+        if t_first is not None:
+            record.ttft_s = t_first - record.t_start
+            record.decode_s = (t_last or t_first) - t_first
+        records.append(record)
+        # The next prompt: this one + the output the engine produced + the tool result.
+        next_turn = source.next_turn(rng)
+        addition = rng.integers(1000, 120_000, turn.new_input_tokens, dtype=np.int32)
+        if len(tokens) + len(out_ids) + len(addition) + next_turn.output_tokens > params.context_target_tokens:
+            tokens, session = new_conversation()
+            new_tokens = len(tokens)
+        else:
+            tokens = np.concatenate([tokens, np.asarray(out_ids, dtype=np.int32), addition])
+            new_tokens = len(addition) + len(out_ids)
+        gap = turn.gap_s
+        turn = next_turn
+        await asyncio.sleep(gap)
+
+
+@dataclass(slots=True)
+class SimResult:
+    stats: StepStats
+    totals: SimTotals
+    group: SimGroup
+    manager: Any
+    records: list[RequestRecord]
+
+
+async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
+                        params: WorkloadParams | None = None, check: bool = False) -> SimResult:
+    """One step (``num_agents`` at ``context_tokens``) under ``config.policy``; virtual time."""
+    loop = asyncio.get_running_loop()
+    params = params or WorkloadParams(context_target_tokens=context_tokens)
+    group = SimGroup(config.deployment, config.engine, seed=config.seed)
+    group.start()
+    manager = make_manager(config, group, loop.time)
+    records: list[RequestRecord] = []
+    totals = SimTotals()
+    t0 = loop.time()
+    stop_at = t0 + config.duration_s
+    tasks = [
+        asyncio.create_task(_agent(i, params, config, group, manager, records, totals, stop_at,
+                                   config.ramp_s * i / max(1, num_agents)))
+        for i in range(num_agents)
+    ]
+    await asyncio.gather(*tasks)
+    if hasattr(manager, "drain"):
+        await manager.drain()
+    if check:
+        group.check_accounting()
+        if hasattr(manager, "check_balance"):
+            manager.check_balance()
+    await group.close()
+    label = f"{config.policy} {context_tokens // 1000}K x {num_agents}"
+    stats = step_stats(label, context_tokens, num_agents, records, t0 + config.warmup_s, stop_at, Criteria(),
+                       max_timeline=0)
+    return SimResult(stats, totals, group, manager, records)

@@ -1,0 +1,404 @@
+"""``SimGroup``: a modelled lockstep rank group that implements the ``RankClient`` protocol.
+
+The real ``cache.manager.CacheManager`` drives it exactly as it drives ``rank.group.RankGroup``:
+``submit`` with prefix blocks, streams of ``RequestOutput``, ``release``, ``export_blocks`` and
+``import_blocks`` into a host pool. Instead of computing, each group step sleeps (virtual time,
+``vclock.py``) for the modelled duration of the slowest rank (``model.EngineModel``).
+
+Block bookkeeping follows ``rank/engine.py``'s invariants: a block is free exactly when its
+sequence refs + cache refs are 0; a finished request's first ``(prompt + output - 1) // bs``
+blocks are handed to the cache (its seq refs become cache refs); ``release`` drops one cache ref;
+``import_blocks`` allocates fresh blocks with one cache ref each or raises ``CapacityExhausted``
+with nothing changed. ``check_accounting`` asserts all of it.
+
+Scheduling per rank, as DeepInfer does it (``reference/deepinfer-engine.md``): FIFO admission with
+head-of-line blocking (a head whose prompt blocks do not fit waits; ``pressure_hook`` may free
+cache blocks first, which is how the seed's LRU eviction is modelled), at most ``max_num_seqs``
+running, prefill chunks of at most ``max_num_batched_tokens`` per step, prefill and decode never
+in the same step, prefill only at vote points while anything decodes, and, when decode growth
+finds no free block, preemption of the running sequence with the longest output (recomputed later
+from scratch, without its prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bench.simulator.model import Deployment, EngineModel
+from rank.client import GroupState, RequestStream
+from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, EngineStats, FinishReason, RequestOutput
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    request: EngineRequest
+    stream: RequestStream
+    prompt_len: int
+    num_cached: int  # tokens served from prefix blocks (0 after a preemption)
+    max_tokens: int
+    blocks: list[int] = field(default_factory=list)
+    admitted: bool = False
+    computed: int = 0  # tokens with KV (prefill progress)
+    target: int = 0  # tokens that need KV before the next token (prompt, + output after preemption)
+    generated: float = 0.0  # output tokens so far (fractional: speculative decoding)
+    emitted: int = 0  # output token ids already pushed
+    output_ids: np.ndarray | None = None
+    aborted: bool = False
+    num_preemptions: int = 0
+
+
+class _Rank:
+    """One rank's blocks and queues. Invariant: ``free`` holds exactly the ids in 1..n-1 whose
+    seq_refs + cache_refs == 0."""
+
+    def __init__(self, rank: int, num_blocks: int) -> None:
+        self.rank = rank
+        self.num_blocks = num_blocks
+        self.seq_refs = np.zeros(num_blocks, dtype=np.int32)
+        self.cache_refs = np.zeros(num_blocks, dtype=np.int32)
+        self.free: list[int] = list(range(num_blocks - 1, 0, -1))
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.num_cached_tokens_total = 0
+        self.num_prompt_tokens_total = 0
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+
+    def take(self, n: int) -> list[int]:
+        assert n <= len(self.free)
+        ids = self.free[-n:] if n else []
+        del self.free[len(self.free) - n :]
+        return ids
+
+    def drop_seq_refs(self, ids: list[int]) -> None:
+        for b in ids:
+            self.seq_refs[b] -= 1
+            assert self.seq_refs[b] >= 0
+            if self.seq_refs[b] == 0 and self.cache_refs[b] == 0:
+                self.free.append(b)
+
+    def kv_tokens(self) -> int:
+        return sum(s.prompt_len + int(s.generated) for s in self.running)
+
+
+class SimGroup:
+    """See the module docstring. ``num_blocks`` etc. are the RankClient attributes."""
+
+    def __init__(self, deployment: Deployment, model: EngineModel, seed: int = 0) -> None:
+        self.deployment = deployment
+        self.model = model
+        self.num_ranks = deployment.num_ranks
+        self.block_size = deployment.block_tokens
+        self.num_blocks = deployment.num_blocks
+        self.bytes_per_block = deployment.block_tokens * deployment.kv_bytes_per_token
+        self.num_host_slots = deployment.num_host_slots
+        self.epoch = 1
+        self.state = GroupState.READY
+        self.ranks = [_Rank(r, self.num_blocks) for r in range(self.num_ranks)]
+        self.pressure_hook: Callable[[int, int], int] | None = None  # (rank, blocks) -> freed
+        self.rng = np.random.default_rng(seed)
+        self.num_steps = 0
+        self.num_prefill_steps = 0
+        self._listeners: list[Callable[[int], None]] = []
+        self._wake = asyncio.Event()
+        self._copy_locks = [asyncio.Lock() for _ in range(self.num_ranks)]
+        self._steps_since_prefill = 0
+        self._task: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sim-group")
+
+    async def close(self) -> None:
+        self.state = GroupState.STOPPED
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # ----------------------------------------------------------------- RankClient
+    def submit(self, rank: int, request: EngineRequest) -> RequestStream:
+        if not 0 <= rank < self.num_ranks:
+            raise EngineMisuse(f"rank {rank} outside 0..{self.num_ranks - 1}")
+        r = self.ranks[rank]
+        prompt_len = int(len(request.prompt_ids))
+        prefix = list(request.prefix_blocks)
+        if request.num_cached_tokens != len(prefix) * self.block_size or (
+            prefix and request.num_cached_tokens > prompt_len - 1
+        ):
+            raise EngineMisuse(f"bad prefix: {len(prefix)} blocks for {request.num_cached_tokens} cached tokens")
+        if len(set(prefix)) != len(prefix) or any(
+            not 0 < b < self.num_blocks or r.seq_refs[b] + r.cache_refs[b] <= 0 for b in prefix
+        ):
+            raise EngineMisuse("prefix blocks must be distinct, in range and held")
+        stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id))
+        for b in prefix:
+            r.seq_refs[b] += 1
+        seq = _Seq(
+            request=request,
+            stream=stream,
+            prompt_len=prompt_len,
+            num_cached=request.num_cached_tokens,
+            max_tokens=max(1, request.sampling.max_tokens),
+            blocks=prefix,
+            computed=request.num_cached_tokens,
+            target=prompt_len,
+        )
+        r.waiting.append(seq)
+        r.num_prompt_tokens_total += prompt_len
+        self._wake.set()
+        return stream
+
+    def abort(self, rank: int, request_id: str) -> None:
+        r = self.ranks[rank]
+        for seq in list(r.waiting) + r.running:
+            if seq.request.request_id == request_id:
+                seq.aborted = True
+        self._wake.set()
+
+    async def release(self, rank: int, block_ids: list[int]) -> None:
+        r = self.ranks[rank]
+        if any(not 0 < b < self.num_blocks or r.cache_refs[b] <= 0 for b in block_ids):
+            raise EngineMisuse("release of a block the cache does not hold")
+        for b in block_ids:
+            r.cache_refs[b] -= 1
+            if r.cache_refs[b] == 0 and r.seq_refs[b] == 0:
+                r.free.append(b)
+        self._wake.set()
+
+    def _copy_s(self, num_blocks: int) -> float:
+        return num_blocks * self.block_size / self.deployment.restore_tokens_per_s
+
+    async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None:
+        r = self.ranks[rank]
+        if host_slot < 0 or host_slot + len(block_ids) > self.num_host_slots:
+            raise EngineMisuse("host slots out of range")
+        if any(r.cache_refs[b] + r.seq_refs[b] <= 0 for b in block_ids):
+            raise EngineMisuse("export of a free block")
+        async with self._copy_locks[rank]:
+            await asyncio.sleep(self._copy_s(len(block_ids)))
+
+    async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]:
+        r = self.ranks[rank]
+        if host_slot < 0 or host_slot + num_blocks > self.num_host_slots:
+            raise EngineMisuse("host slots out of range")
+        if num_blocks > len(r.free):
+            raise CapacityExhausted(f"rank {rank}: {num_blocks} blocks wanted, {len(r.free)} free")
+        ids = r.take(num_blocks)
+        for b in ids:
+            r.cache_refs[b] += 1
+        async with self._copy_locks[rank]:
+            await asyncio.sleep(self._copy_s(num_blocks))
+        return ids
+
+    def stats(self, rank: int) -> EngineStats:
+        r = self.ranks[rank]
+        return EngineStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=len(r.free),
+            num_cached_blocks=int(np.count_nonzero(r.cache_refs)),
+            num_running=len(r.running),
+            num_waiting=len(r.waiting),
+            running_tokens=r.kv_tokens(),
+            waiting_tokens=sum(s.target - s.computed for s in r.waiting),
+            num_cached_tokens_total=r.num_cached_tokens_total,
+            num_prompt_tokens_total=r.num_prompt_tokens_total,
+        )
+
+    def add_restart_listener(self, fn: Callable[[int], None]) -> None:
+        self._listeners.append(fn)
+
+    def check_accounting(self) -> None:
+        for r in self.ranks:
+            refs = np.zeros(self.num_blocks, dtype=np.int64)
+            for seq in list(r.waiting) + r.running:
+                for b in seq.blocks:
+                    refs[b] += 1
+            assert np.array_equal(refs, r.seq_refs), f"rank {r.rank}: sequence refs out of sync"
+            assert (r.cache_refs >= 0).all() and r.seq_refs[0] == 0 and r.cache_refs[0] == 0
+            held = (r.seq_refs + r.cache_refs) > 0
+            free = set(r.free)
+            assert len(free) == len(r.free), f"rank {r.rank}: a block is on the free list twice"
+            assert free == {b for b in range(1, self.num_blocks) if not held[b]}, f"rank {r.rank}: free list wrong"
+
+    # ----------------------------------------------------------------- stepping
+    def _try_admit(self, r: _Rank, seq: _Seq) -> bool:
+        if len(r.running) + sum(1 for s in r.waiting if s.admitted) >= self.model.max_num_seqs:
+            return False
+        need = -(-seq.target // self.block_size) - len(seq.blocks)
+        if need > len(r.free) and self.pressure_hook is not None:
+            self.pressure_hook(r.rank, need - len(r.free))
+        if need > len(r.free):
+            return False
+        seq.blocks.extend(r.take(need))
+        for b in seq.blocks[-need:] if need else []:
+            r.seq_refs[b] += 1
+        seq.admitted = True
+        return True
+
+    def _reap_aborted(self, r: _Rank) -> None:
+        for seq in [s for s in r.waiting if s.aborted]:
+            r.waiting.remove(seq)
+            self._end(r, seq, FinishReason.ABORT, keep=False)
+        for seq in [s for s in r.running if s.aborted]:
+            r.running.remove(seq)
+            self._end(r, seq, FinishReason.ABORT, keep=False)
+
+    def _wants_prefill(self, r: _Rank) -> bool:
+        if not r.waiting:
+            return False
+        head = r.waiting[0]
+        return head.admitted or self._try_admit(r, head)
+
+    def _prefill_rank(self, r: _Rank) -> tuple[float, list[_Seq]]:
+        """One prefill step on one rank: (duration, sequences whose prompt completed)."""
+        budget = self.model.max_num_batched_tokens
+        duration = 0.0
+        done: list[_Seq] = []
+        for seq in list(r.waiting):
+            if budget <= 0:
+                break
+            if not seq.admitted and not self._try_admit(r, seq):
+                break  # FIFO head-of-line blocking
+            chunk = min(budget, seq.target - seq.computed)
+            duration += self.model.prefill_s(chunk, seq.computed)
+            seq.computed += chunk
+            budget -= chunk
+            if seq.computed >= seq.target:
+                r.waiting.remove(seq)
+                done.append(seq)
+        return duration, done
+
+    async def _run(self) -> None:
+        while True:
+            for r in self.ranks:
+                self._reap_aborted(r)
+            wants = [self._wants_prefill(r) for r in self.ranks]
+            any_running = any(r.running for r in self.ranks)
+            chunk_in_progress = any(r.waiting and r.waiting[0].admitted and r.waiting[0].computed > r.waiting[0].num_cached for r in self.ranks)
+            if any(wants) and (not any_running or chunk_in_progress or self._steps_since_prefill >= self.model.vote_interval_steps):
+                await self._prefill_step()
+            elif any_running:
+                await self._decode_segment(any(wants))
+            else:
+                self._wake.clear()
+                await self._wake.wait()
+
+    async def _prefill_step(self) -> None:
+        results = [self._prefill_rank(r) for r in self.ranks]
+        await asyncio.sleep(max(d for d, _ in results))
+        self.num_steps += 1
+        self.num_prefill_steps += 1
+        self._steps_since_prefill = 0
+        for r, (_d, done) in zip(self.ranks, results):
+            for seq in done:
+                if seq.aborted:
+                    self._end(r, seq, FinishReason.ABORT, keep=False)
+                    continue
+                if seq.output_ids is None:
+                    seq.output_ids = self.rng.integers(1000, 120_000, seq.max_tokens, dtype=np.int32)
+                    r.num_cached_tokens_total += seq.num_cached
+                    seq.generated = 1.0
+                    seq.emitted = 1
+                    seq.stream.push(RequestOutput(seq.request.request_id, [int(seq.output_ids[0])],
+                                                  num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached))
+                r.running.append(seq)
+                if seq.generated >= seq.max_tokens:
+                    r.running.remove(seq)
+                    self._end(r, seq, FinishReason.LENGTH, keep=seq.request.keep_blocks)
+
+    async def _decode_segment(self, someone_waits: bool) -> None:
+        alpha = self.model.decode_tokens_per_step
+        steps = math.inf
+        for r in self.ranks:
+            for seq in r.running:
+                steps = min(steps, math.ceil((seq.max_tokens - seq.generated) / alpha))
+        vote = self.model.vote_interval_steps
+        steps = min(steps, vote - self._steps_since_prefill % vote)
+        steps = max(1, int(steps))
+        step_s = max(self.model.decode_step_s(len(r.running), r.kv_tokens()) for r in self.ranks)
+        await asyncio.sleep(steps * step_s)
+        self.num_steps += steps
+        self._steps_since_prefill += steps
+        for r in self.ranks:
+            finished = []
+            for seq in sorted(r.running, key=lambda s: -s.generated):
+                seq.generated = min(seq.max_tokens, seq.generated + steps * alpha)
+                if not self._grow(r, seq):
+                    continue
+                n = int(seq.generated)
+                if n > seq.emitted and n < seq.max_tokens:
+                    assert seq.output_ids is not None
+                    seq.stream.push(RequestOutput(seq.request.request_id, seq.output_ids[seq.emitted:n].tolist()))
+                    seq.emitted = n
+                if seq.generated >= seq.max_tokens:
+                    finished.append(seq)
+            for seq in finished:
+                r.running.remove(seq)
+                self._end(r, seq, FinishReason.LENGTH, keep=seq.request.keep_blocks)
+
+    def _grow(self, r: _Rank, seq: _Seq) -> bool:
+        """Blocks for the tokens generated so far; preempts (longest output first) when out."""
+        need = -(-(seq.prompt_len + int(seq.generated)) // self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > len(r.free) and self.pressure_hook is not None:
+            self.pressure_hook(r.rank, need - len(r.free))
+        while need > len(r.free):
+            victim = max((s for s in r.running if s.blocks), key=lambda s: s.generated, default=None)
+            if victim is None:
+                break
+            self._preempt(r, victim)
+            if victim is seq:
+                return False
+        if need > len(r.free):
+            self._preempt(r, seq)
+            return False
+        new = r.take(need)
+        for b in new:
+            r.seq_refs[b] += 1
+        seq.blocks.extend(new)
+        return True
+
+    def _preempt(self, r: _Rank, seq: _Seq) -> None:
+        """Free every block of a running sequence; it recomputes prompt + output from scratch."""
+        r.running.remove(seq)
+        r.drop_seq_refs(seq.blocks)
+        seq.blocks = []
+        seq.admitted = False
+        seq.num_preemptions += 1
+        r.num_preemptions += 1
+        seq.target = seq.prompt_len + int(seq.generated)
+        seq.computed = 0
+        r.num_recomputed_tokens += seq.target
+        r.waiting.appendleft(seq)
+
+    def _end(self, r: _Rank, seq: _Seq, reason: FinishReason, keep: bool) -> None:
+        num_out = seq.emitted if reason == FinishReason.ABORT else seq.max_tokens
+        kept: list[int] = []
+        if keep and reason != FinishReason.ABORT:
+            n_kept = min(len(seq.blocks), (seq.prompt_len + num_out - 1) // self.block_size)
+            kept = seq.blocks[:n_kept]
+            for b in kept:
+                r.seq_refs[b] -= 1
+                r.cache_refs[b] += 1
+            r.drop_seq_refs(seq.blocks[n_kept:])
+        else:
+            r.drop_seq_refs(seq.blocks)
+        seq.blocks = []
+        rest: list[int] = []
+        if seq.output_ids is not None and reason != FinishReason.ABORT:
+            rest = seq.output_ids[seq.emitted : seq.max_tokens].tolist()
+        seq.stream.push(
+            RequestOutput(seq.request.request_id, rest, finished=True, finish_reason=reason,
+                          num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached, kept_blocks=kept)
+        )
+        self._wake.set()

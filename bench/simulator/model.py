@@ -1,0 +1,107 @@
+"""The modelled deployment: pool sizes, engine cost model, and the knobs the calibration fitted.
+
+Published figures of the seed deployment (``/work/shared/seeds/000_44346cd874f649af.txt``, 4x B200,
+DeepSeek-V4.1-Flash on DeepInfer, ep 4): 14.3M tokens of GPU KV pool and 154M tokens of L1 per rank,
+``max_num_seqs`` 128 and ``max_num_batched_tokens`` 16384 per rank; a 1M-token session restores from
+L1 in about 60 ms; cold start 397 x ~440K tokens in 14.6 min (~50K prefill tokens/s per GPU
+including attention over the growing context; the issue quotes ~88K/s for the GEMM-bound part).
+
+Cost model of one rank (lockstep: every step of the group lasts as long as its slowest rank):
+
+* prefill chunk of ``n`` new tokens on a context that starts at ``c``:
+  ``n / prefill_tokens_per_s + prefill_attn_s_per_token2 * n * (c + n / 2)``. The attention term is
+  set so that a cold 440K prefill averages ~50K tokens/s (the cold-start figure).
+* decode step with ``B`` running sequences holding ``K`` context tokens:
+  ``decode_base_s + decode_per_seq_s * B + decode_per_kv_token_s * K``; each step emits
+  ``decode_tokens_per_step`` tokens per sequence (DSpark speculative decoding accepts several).
+* prefill only at vote points (DeepInfer: a prefill step needs ``decode_step % 100 == 0``, or
+  every rank wanting one at ``% 70``; ``decode_step`` restarts after each prompt step), modelled as
+  ``vote_interval_steps`` decode steps between prefill steps while anything decodes; a request
+  whose prefill needs several chunks keeps its chunks back to back.
+* tokenization before admission: the seed re-tokenizes the whole conversation per turn
+  (``tokenize_tokens_per_s``, measured 0.25M tokens/s on one core, ``reference/measurements.md``);
+  our protocol layer tokenizes only what is new.
+
+The free parameters (decode costs, vote interval, tokenize rate, the seed's L1 idle rule) were
+fitted to the seed's four published rows; ``python -m bench.simulator calibrate`` shows the fit.
+Sessions are simulated at ``block_tokens`` per block (default 2048, 16 DeepInfer blocks), which
+shifts cached-token counts by at most one block per turn (<= 2% of a 100K prompt).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prefill_tokens_per_s: float = Field(88_000.0, gt=0)
+    prefill_attn_s_per_token2: float = Field(3.9e-11, ge=0)
+    decode_base_s: float = Field(0.010, ge=0)
+    decode_per_seq_s: float = Field(0.00035, ge=0)
+    decode_per_kv_token_s: float = Field(2.0e-9, ge=0)
+    decode_tokens_per_step: float = Field(2.5, gt=0)
+    vote_interval_steps: int = Field(100, ge=1)
+    max_num_seqs: int = Field(128, ge=1)
+    max_num_batched_tokens: int = Field(16_384, ge=1)
+
+    def prefill_s(self, num_tokens: int, context_start: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s + self.prefill_attn_s_per_token2 * num_tokens * (
+            context_start + num_tokens / 2
+        )
+
+    def decode_step_s(self, num_seqs: int, kv_tokens: int) -> float:
+        if num_seqs == 0:
+            return 0.0
+        return self.decode_base_s + self.decode_per_seq_s * num_seqs + self.decode_per_kv_token_s * kv_tokens
+
+
+class Deployment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_ranks: int = Field(4, ge=1)
+    gpu_kv_tokens_per_rank: int = Field(14_300_000, ge=1)
+    l1_tokens_per_rank: int = Field(154_000_000, ge=0)
+    block_tokens: int = Field(2048, ge=16, description="simulated block size (DeepInfer: 128)")
+    kv_bytes_per_token: int = Field(890, ge=1, description="~890 B/token (reference/measurements.md)")
+    restore_tokens_per_s: float = Field(16.7e6, gt=0, description="seed: ~60 ms per 1M-token session")
+    tokenize_tokens_per_s: float = Field(250_000.0, gt=0, description="measured, one core")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gpu_kv_tokens_per_rank // self.block_tokens + 1  # + scratch block 0
+
+    @property
+    def num_host_slots(self) -> int:
+        return self.num_ranks * self.l1_tokens_per_rank // self.block_tokens
+
+
+class SeedPolicy(BaseModel):
+    """The seed's cache behaviour as its guide describes it (an assumption where it is silent)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    l1_min_idle_s: float = Field(
+        10.0,
+        ge=0,
+        description="Only sessions idle this long count as 'idle' and are copied to L1 when L0 evicts "
+        "them; busier ones are dropped (fitted to the seed's 41% at 500K x 200; the guide: 'When L0 "
+        "must evict an idle session, its blocks are copied to host RAM').",
+    )
+    full_retokenize: bool = True
+
+
+class SimConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: Deployment = Deployment()
+    engine: EngineModel = EngineModel()
+    seed_policy: SeedPolicy = SeedPolicy()
+    policy: Literal["seed", "ours"] = "seed"
+    duration_s: float = Field(900.0, gt=0)
+    warmup_s: float = Field(300.0, ge=0)
+    ramp_s: float = Field(60.0, ge=0)
+    seed: int = 0

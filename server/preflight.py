@@ -25,7 +25,7 @@ from pathlib import Path
 import orjson
 
 from server.config import ConfigError, WorkloadConfig, load_config
-from server.preflight_checks.context import MIB, rank_env
+from server.preflight_checks.context import MIB, rank_env, uses_gpu
 from server.preflight_checks.gpu import check_gpus
 from server.preflight_checks.model_dir import (
     ModelFacts, check_model_files, check_model_filesystem, check_read_speed,
@@ -89,7 +89,10 @@ def run_preflight(
         results[name] = skipped(name, "skipped by the caller") if name in opts.skip else _guarded(name, fn)
 
     gpus = GpuQuery((), "none", "not queried")
-    if "gpu" not in opts.skip or "nccl_env" not in opts.skip:
+    if not uses_gpu(config):
+        # CPU ranks: no GPU query (its torch fallback costs seconds on every reference start).
+        gpus = GpuQuery((), "none", "not queried")
+    elif "gpu" not in opts.skip or "nccl_env" not in opts.skip:
         try:
             gpus = probe.query_gpus()
         except Exception as exc:  # noqa: BLE001
@@ -136,7 +139,10 @@ def run_preflight(
     run("disk", disk)
     run("host_ram", lambda: check_host_ram(config, probe.memory(), probe.disk_free_bytes(Path("/dev/shm"))))
     run("master_port", lambda: check_master_port(config, env, probe))
-    run("http_port", lambda: check_http_port(config, probe))
+    if config.http_mode == "sdk":
+        results["http_port"] = skipped("http_port", "IK_BACKEND_HTTP=sdk: the SDK's server owns the port")
+    else:
+        run("http_port", lambda: check_http_port(config, probe))
     rdma = RdmaInfo(False)
 
     def nccl() -> CheckResult:

@@ -56,6 +56,8 @@ def check_gpus(config: WorkloadConfig, query: GpuQuery, env: Mapping[str, str]) 
     needs_gpu = uses_gpu(config)
     deepinfer = is_deepinfer(config)
     data = {"source": query.source, "num_gpus": len(query.gpus), "error": query.error}
+    if not needs_gpu and query.error == "not queried":
+        return skipped(NAME, f"engine '{config.engine}' runs on cpu; GPUs not queried", **data)
     if not query.gpus:
         why = query.error or "the query returned no devices"
         if not needs_gpu:

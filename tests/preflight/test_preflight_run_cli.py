@@ -132,3 +132,15 @@ def test_cli_default_reference_config_on_this_machine_passes() -> None:
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "runs on cpu" in proc.stdout
+
+
+def test_cpu_reference_does_not_query_gpus_and_sdk_http_mode_skips_port() -> None:
+    from server.config import load_config
+
+    probe = FakeProbe(busy_ports={8000: "Address already in use"})
+    report = run_preflight(load_config({"env": {"IK_BACKEND_HTTP": "sdk"}}), probe)
+    assert ("query_gpus", None) not in probe.calls
+    assert report.get("gpu").status is Status.SKIPPED  # type: ignore[union-attr]
+    assert "SDK's server owns the port" in report.get("http_port").detail  # type: ignore[union-attr]
+    native = run_preflight(load_config({}), probe)
+    assert native.get("http_port").status is Status.FATAL  # type: ignore[union-attr]

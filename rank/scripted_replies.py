@@ -226,13 +226,13 @@ def fill_template(text: str, values: dict[str, str], unresolved: set[str]) -> st
     return _TEMPLATE_RE.sub(sub, text)
 
 
-def _fill_value(value: Any, values: dict[str, str], unresolved: set[str]) -> Any:
+def fill_value(value: Any, values: dict[str, str], unresolved: set[str]) -> Any:
     if isinstance(value, str):
         return fill_template(value, values, unresolved)
     if isinstance(value, list):
-        return [_fill_value(v, values, unresolved) for v in value]
+        return [fill_value(v, values, unresolved) for v in value]
     if isinstance(value, dict):
-        return {k: _fill_value(v, values, unresolved) for k, v in value.items()}
+        return {k: fill_value(v, values, unresolved) for k, v in value.items()}
     return value
 
 
@@ -246,7 +246,7 @@ def render_dsml(tool_calls: list[ToolCall], values: dict[str, str], unresolved: 
     for call in tool_calls:
         params = []
         for key, value in call.arguments.items():
-            value = _fill_value(value, values, unresolved)
+            value = fill_value(value, values, unresolved)
             if isinstance(value, str):
                 body, is_string = value, "true"
             else:

@@ -1,0 +1,181 @@
+"""The real Claude Code CLI completes tasks through the backend (scripted stand-in model).
+
+Every layer but the logits is real: Claude Code's own requests (24 tools, inline system messages,
+adaptive thinking), the backend's HTTP server, rendering, tokenizer, prefix cache and routing,
+rank processes, parser and SSE. The model's replies come from ``scenarios/*.json``. Each test
+asserts on the CLI's JSON result and on what the tools did on disk. Run with
+``scripts/claude_e2e.sh`` (installs the CLI) or ``pytest -m claude_cli tests/e2e``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from e2e_harness import (
+    Poller,
+    finish_claude,
+    make_project,
+    run_claude,
+    running_backend,
+    start_claude,
+    transcript_tool_uses,
+)
+
+pytestmark = [pytest.mark.claude_cli, pytest.mark.timeout(600)]
+
+
+def assert_success(run, num_turns: int | None = None) -> None:
+    assert run.rc == 0, run.describe()
+    assert run.result.get("subtype") == "success" and run.result.get("is_error") is False, run.describe()
+    assert "SCRIPT-DEFAULT" not in run.result.get("result", ""), run.describe()
+    if num_turns is not None:
+        assert run.result.get("num_turns") == num_turns, run.describe()
+
+
+def test_read_file_and_answer(claude_bin, tmp_path: Path):
+    readme = "# Project Nightjar\n\nThe launch code is PURPLE-OTTER-42.\n"
+    project = make_project(tmp_path, {"README.md": readme})
+    with running_backend("read_file.json") as backend:
+        run = run_claude(claude_bin, "What is the launch code in README.md?", project, backend.base_url)
+        assert_success(run, num_turns=2)
+        # The code is only in the file: the Read tool ran and its result reached the model.
+        assert run.result["result"] == "The launch code in README.md is PURPLE-OTTER-42."
+        assert run.result["usage"]["output_tokens"] > 0 and run.result["usage"]["input_tokens"] > 0
+        assert backend.metric_sum("deepinfer_requests_total") >= 2
+    uses = transcript_tool_uses(run.home)
+    assert [u["name"] for u in uses] == ["Read"] and uses[0]["input"] == {"file_path": str(project / "README.md")}
+    assert (project / "README.md").read_text() == readme  # reading changed nothing
+
+
+def test_run_shell_command(claude_bin, tmp_path: Path):
+    project = make_project(tmp_path, {"data.txt": "".join(f"row {i}\n" for i in range(37))})
+    with running_backend("bash_command.json") as backend:
+        run = run_claude(claude_bin, "How many lines does data.txt have? Save the number to count.txt.",
+                         project, backend.base_url)
+    assert_success(run, num_turns=2)
+    assert (project / "count.txt").read_text().strip() == "37"  # the command really ran
+    assert run.result["result"] == "data.txt has 37 lines; the count is saved in count.txt."
+
+
+def test_edit_file_until_tests_pass(claude_bin, tmp_path: Path):
+    project = make_project(tmp_path, copy_from="slugify")
+    before = subprocess.run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_slug.py"],
+                            cwd=project, capture_output=True, text=True, env=_pytest_env())
+    assert "15 failed" in before.stdout, before.stdout
+    with running_backend("edit_tests.json") as backend:
+        run = run_claude(claude_bin, "Implement slugify in slug.py so that test_slug.py passes.",
+                         project, backend.base_url)
+    assert_success(run, num_turns=4)
+    assert run.result["result"] == "slugify is implemented and all 15 tests pass."
+    source = (project / "slug.py").read_text()
+    assert "NotImplementedError" not in source and "unicodedata.normalize" in source
+    after = subprocess.run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_slug.py"],
+                           cwd=project, capture_output=True, text=True, env=_pytest_env())
+    assert after.returncode == 0 and "15 passed" in after.stdout, after.stdout
+    assert [u["name"] for u in transcript_tool_uses(run.home)] == ["Read", "Edit", "Bash"]
+
+
+def test_two_tool_calls_in_parallel(claude_bin, tmp_path: Path):
+    project = make_project(tmp_path, {"notes.txt": "Note: the deploy window opens at 14:00\n"})
+    with running_backend("parallel_tools.json") as backend:
+        run = run_claude(claude_bin, "Read notes.txt and, at the same time, compute 6*7 into answer.txt.",
+                         project, backend.base_url, stream_json=True)
+    # Both tools ran off one model reply: two model requests in all.
+    assert_success(run, num_turns=2)
+    assert run.result["result"] == "notes.txt says: the deploy window opens at 14:00. 6*7 = 42, saved in answer.txt."
+    assert (project / "answer.txt").read_text().strip() == "42"
+    uses = run.tool_uses()
+    assert sorted(u["name"] for u in uses) == ["Bash", "Read"]
+    assert len({u["id"] for u in uses}) == 2
+
+
+def test_long_session_hits_prefix_cache(claude_bin, tmp_path: Path):
+    project = make_project(tmp_path)
+    with running_backend("multi_turn_cache.json") as backend:
+        cached_before = backend.metric_sum("deepinfer_cached_tokens_total")
+        prompt_before = backend.metric_sum("deepinfer_prompt_tokens_total")
+        run = run_claude(claude_bin, "Append five steps to log.txt, one command each, then tell me the line count.",
+                         project, backend.base_url, stream_json=True)
+        cached_delta = backend.metric_sum("deepinfer_cached_tokens_total") - cached_before
+        prompt_delta = backend.metric_sum("deepinfer_prompt_tokens_total") - prompt_before
+    assert_success(run, num_turns=7)
+    assert run.result["result"] == "Done: log.txt now has 5 lines."
+    assert (project / "log.txt").read_text() == "".join(f"step-{i}\n" for i in range(1, 6))
+    usages = run.assistant_usages()
+    assert len(usages) == 7, usages
+    first, rest = usages[0], usages[1:]
+    assert first.get("cache_read_input_tokens", 0) == 0, first
+    for i, usage in enumerate(rest, start=2):
+        total = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+        # Each request repeats the previous one: all but the new turn (and the replayed last
+        # block) comes from the cache.
+        assert usage.get("cache_read_input_tokens", 0) >= 0.9 * total, (i, usage)
+    # The metrics agree with what the client was told.
+    assert cached_delta == run.result["usage"]["cache_read_input_tokens"] == sum(
+        u.get("cache_read_input_tokens", 0) for u in usages)
+    assert prompt_delta == sum(u["input_tokens"] + u.get("cache_read_input_tokens", 0) for u in usages)
+
+
+def test_unknown_model_name(claude_bin, tmp_path: Path):
+    project = make_project(tmp_path, {"README.md": "hello\n"})
+    with running_backend("read_file.json") as backend:
+        run = run_claude(claude_bin, "What is the launch code in README.md?", project, backend.base_url,
+                         model="claude-sonnet-4-5")
+        not_found = backend.metric_sum('deepinfer_requests_total{route="/v1/messages",status="404"}')
+    assert run.rc == 1 and run.result.get("is_error") is True, run.describe()
+    assert run.result.get("api_error_status") == 404, run.describe()
+    assert "issue with the selected model (claude-sonnet-4-5)" in run.result["result"]
+    assert not_found >= 1
+    assert sorted(p.name for p in project.iterdir()) == ["README.md"]  # nothing ran
+
+
+def test_rank_killed_mid_turn(claude_bin, tmp_path: Path):
+    project = make_project(tmp_path)
+    with running_backend("rank_kill.json") as backend:
+        epoch_before = backend.health().get("epoch")
+        proc, home, t0 = start_claude(claude_bin, "Create survived.txt containing the word survived.",
+                                      project, backend.base_url)
+        killed: list[int] = []
+
+        def kill_when_streaming() -> bool:
+            if backend.metric_sum("deepinfer_requests_in_flight") < 1:
+                return False
+            if backend.metric_sum("deepinfer_output_tokens_total") < 1 and not _streaming(backend):
+                return False
+            pids = backend.rank_pids()
+            if pids:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+                return True
+            return False
+
+        poller = Poller(kill_when_streaming, 0.2)
+        poller.start()
+        run = finish_claude(proc, home, project, t0, timeout_s=400)
+        poller.stop()
+        assert poller.error is None, poller.error
+        assert killed, f"no rank was killed:\n{backend.log_text()[-3000:]}"
+        health = backend.wait_ready(120)
+    assert_success(run, num_turns=2)
+    assert run.result["result"] == "Created survived.txt."
+    assert (project / "survived.txt").read_text() == "survived\n"
+    # The Write ran once: the broken stream's partial reply never reached the tools.
+    assert [u["name"] for u in transcript_tool_uses(run.home)] == ["Write"]
+    if epoch_before is not None:
+        assert health.get("epoch", 0) > epoch_before, health
+
+
+def _streaming(backend) -> bool:
+    """True once a rank reports a running request (the scripted reply is being generated)."""
+    return backend.metric_sum("deepinfer_rank_num_running") >= 1
+
+
+def _pytest_env() -> dict[str, str]:
+    return {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "HOME": os.environ.get("HOME", "/tmp")}
+

@@ -193,13 +193,18 @@ def validation_error_message(exc: ValidationError, max_errors: int = 3) -> tuple
     """
     parts: list[str] = []
     first_param: str | None = None
-    for err in exc.errors(include_url=False)[:max_errors]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p))
+    errors = exc.errors(include_url=False)
+    locs = [tuple(str(p) for p in e.get("loc", ()) if not _is_union_tag(p)) for e in errors]
+    # a union (str | list[...]) reports one error per branch; keep the deepest ones
+    keep = [k for k, loc in enumerate(locs) if not any(len(o) > len(loc) and o[: len(loc)] == loc for o in locs)]
+    for k in keep[:max_errors]:
+        err = errors[k]
+        loc = ".".join(locs[k])
         if first_param is None and loc:
             first_param = loc
         msg = err.get("msg", "invalid value")
         parts.append(f"{loc}: {msg}" if loc else msg)
-    extra = exc.error_count() - len(parts)
+    extra = len(keep) - len(parts)
     text = "; ".join(parts) if parts else "invalid request"
     if extra > 0:
         text += f" (and {extra} more error{'s' if extra > 1 else ''})"
@@ -211,7 +216,7 @@ def _is_union_tag(part: object) -> bool:
     # to a client ("function-after[...]", "tagged-union[...]", "str", "list[...]").
     if not isinstance(part, str):
         return False
-    return "[" in part or part in {"str", "int", "float", "bool", "dict", "list", "none"}
+    return "[" in part or part in {"str", "int", "float", "bool", "dict", "list", "none", "missing"}
 
 
 def error_from_exception(exc: BaseException) -> ProtocolError:

@@ -1,15 +1,11 @@
 """Host RAM (and the L1 budget it allows) and free disk.
 
-``plan_l1_budget`` / ``l1_budget_bytes`` is THE rule for how much pinned host RAM L1 gets; the
-backend computes it once and hands the result to the cache (cache/ must not import server/).
-
-Rule: L1 may take what is available minus a reserve, never more than ``l1_host_gb`` x ranks,
-never more than ``/dev/shm`` can hold (the pool is a shared-memory mapping every rank maps):
-
-    reserve   = engine host memory per rank x ranks   (unless the engine is already running)
-              + max(8 GiB, 5 % of available)           (backend process, page cache, the OS)
-    granted   = min(l1_host_gb x ranks, available - reserve, shm_free - 1 GiB)
-    per rank  = granted / ranks, rounded down to 1 MiB; below 1 GiB per rank L1 is off (0).
+The L1 rule itself lives in ``cache/l1_budget.py`` (the cache applies it when it allocates the
+shared host pool, after the ranks are up): ``pool = min(l1_host_gb x ranks, available - margin)``
+with ``margin = max(8 GiB, 10 % of total RAM)``. Preflight runs *before* the ranks start, so it
+predicts the RAM available at allocation time by taking off what the ranks will use on the
+host, then applies that same function; it also caps the pool at what ``/dev/shm`` can hold (the
+pool is a shared-memory mapping every rank maps), which RAM alone does not show.
 
 Engine host memory per rank: DeepInfer pins an 8 GB multimodal pool per rank unless
 ``DEEPINFER_USE_MULTIMODAL_POOL=0`` (reference/deepinfer-engine.md section 9) plus an estimated
@@ -18,11 +14,14 @@ Engine host memory per rank: DeepInfer pins an 8 GB multimodal pool per rank unl
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Protocol
 
+from cache.l1_budget import plan_l1_budget as cache_plan_l1_budget
 from server.preflight_checks.context import GIB, MIB, env_flag_off, gib
 from server.preflight_checks.probe import MemoryInfo
 from server.preflight_checks.report import CheckResult, ok, warn
@@ -30,11 +29,11 @@ from server.preflight_checks.report import CheckResult, ok, warn
 DEEPINFER_MM_POOL_BYTES = 8 * 10**9
 DEEPINFER_PROCESS_BYTES = 12 * GIB
 REFERENCE_PROCESS_BYTES = 2 * GIB
-SYSTEM_RESERVE_MIN_BYTES = 8 * GIB
-SYSTEM_RESERVE_FRACTION = 0.05
 SHM_MARGIN_BYTES = 1 * GIB
-MIN_L1_PER_RANK_BYTES = 1 * GIB
 MIN_FREE_DISK_BYTES = 20 * GIB  # JIT kernel caches, logs, core dumps
+# A logger attached to nothing: the cache's rule logs its decision at INFO, which for a
+# prediction would read like the real allocation.
+_QUIET = logging.Logger("preflight.l1_prediction", level=logging.WARNING)
 
 
 class L1Settings(Protocol):
@@ -49,20 +48,20 @@ class L1Settings(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class L1BudgetPlan:
-    """Invariant: ``granted_total_bytes == granted_per_rank_bytes * num_ranks <= requested_total_bytes``."""
+    """Invariant: ``granted_total_bytes <= requested_total_bytes``, and ``<= shm_free_bytes`` when known."""
 
     num_ranks: int
     requested_total_bytes: int
-    available_bytes: int
-    reserve_bytes: int
+    available_bytes: int  # as measured now (before the ranks start, unless engine_running)
+    reserve_bytes: int  # engine host memory still to come + the cache's margin
     shm_free_bytes: int | None
-    granted_per_rank_bytes: int
+    granted_total_bytes: int
     limited_by: str  # "request", "ram", "shm", "disabled"
     reason: str
 
     @property
-    def granted_total_bytes(self) -> int:
-        return self.granted_per_rank_bytes * self.num_ranks
+    def granted_per_rank_bytes(self) -> int:
+        return self.granted_total_bytes // self.num_ranks
 
 
 def engine_host_bytes_per_rank(config: L1Settings) -> int:
@@ -73,49 +72,57 @@ def engine_host_bytes_per_rank(config: L1Settings) -> int:
 
 
 def plan_l1_budget(
-    config: L1Settings, available_bytes: int, *, shm_free_bytes: int | None = None,
-    engine_running: bool = False,
+    config: L1Settings, available_bytes: int, *, total_bytes: int | None = None,
+    shm_free_bytes: int | None = None, engine_running: bool = False,
 ) -> L1BudgetPlan:
-    """How much pinned host RAM L1 gets, and why. ``engine_running``: the ranks are already up,
-    so their host memory is already out of ``available_bytes`` and is not reserved again."""
+    """What L1 will get, and why (the cache's rule on the RAM left once the ranks run).
+
+    ``engine_running``: the ranks are already up, so their host memory is already out of
+    ``available_bytes``. ``total_bytes`` (for the cache's 10 % margin) defaults to ``available_bytes``.
+    """
     ranks = config.ep
-    requested = int(config.l1_host_gb * GIB) * ranks if config.l1_cache else 0
     engine = 0 if engine_running else engine_host_bytes_per_rank(config) * ranks
-    reserve = engine + max(SYSTEM_RESERVE_MIN_BYTES, int(SYSTEM_RESERVE_FRACTION * available_bytes))
-
-    def plan(per_rank: int, limited_by: str, reason: str) -> L1BudgetPlan:
-        return L1BudgetPlan(ranks, requested, available_bytes, reserve, shm_free_bytes, per_rank, limited_by, reason)
-
+    at_alloc = max(0, available_bytes - engine)
+    total = total_bytes if total_bytes is not None else available_bytes
+    budget = cache_plan_l1_budget(
+        l1_cache=config.l1_cache, l1_host_gb=config.l1_host_gb, num_ranks=ranks, bytes_per_block=MIB,
+        virtual_memory=lambda: SimpleNamespace(available=at_alloc, total=total), logger=_QUIET,
+    )
+    requested = budget.requested_bytes if config.l1_cache else 0
+    granted, reason = budget.pool_bytes, budget.reason
     if not config.l1_cache or requested == 0:
-        return plan(0, "disabled", "l1_cache is off" if not config.l1_cache else "l1_host_gb is 0")
-    candidates = [(requested, "request"), (max(0, available_bytes - reserve), "ram")]
-    if shm_free_bytes is not None:
-        candidates.append((max(0, shm_free_bytes - SHM_MARGIN_BYTES), "shm"))
-    total, limited_by = min(candidates, key=lambda c: c[0])
-    per_rank = total // ranks // MIB * MIB
-    if limited_by == "request":
-        return plan(per_rank, "request", f"{config.l1_host_gb:g} GiB per rank as configured")
-    why = (f"{gib(available_bytes)} available minus {gib(reserve)} reserved for the engine and system"
-           if limited_by == "ram" else f"/dev/shm has {gib(shm_free_bytes or 0)} free")
-    if per_rank < MIN_L1_PER_RANK_BYTES:
-        return plan(0, limited_by, f"L1 off: {why} leaves under {gib(MIN_L1_PER_RANK_BYTES)} per rank")
-    return plan(per_rank, limited_by, f"lowered to {gib(per_rank)} per rank: {why}")
+        limited_by = "disabled"
+    elif granted >= requested:
+        limited_by = "request"
+    else:
+        limited_by = "ram"
+    if engine and limited_by != "disabled":
+        reason += f" (after about {gib(engine)} for the ranks themselves)"
+    if limited_by != "disabled" and shm_free_bytes is not None and granted > shm_free_bytes - SHM_MARGIN_BYTES:
+        granted = max(0, shm_free_bytes - SHM_MARGIN_BYTES) // MIB * MIB
+        limited_by = "shm"
+        reason = f"/dev/shm has {gib(shm_free_bytes)} free, so the shared pool gets {gib(granted)}"
+    if limited_by != "disabled" and granted == 0 and not reason.startswith("L1 off"):
+        reason = f"L1 off: {reason}"
+    return L1BudgetPlan(ranks, requested, available_bytes, engine + budget.margin_bytes, shm_free_bytes,
+                        granted, limited_by, reason)
 
 
 def l1_budget_bytes(
-    config: L1Settings, available_bytes: int, *, shm_free_bytes: int | None = None,
-    engine_running: bool = False,
+    config: L1Settings, available_bytes: int, *, total_bytes: int | None = None,
+    shm_free_bytes: int | None = None, engine_running: bool = False,
 ) -> int:
-    """Total pinned host bytes for the L1 pool over all ranks (0 = L1 off); see the module doc."""
+    """Total pinned host bytes of the shared L1 pool over all ranks (0 = L1 off); see the module doc."""
     return plan_l1_budget(
-        config, available_bytes, shm_free_bytes=shm_free_bytes, engine_running=engine_running
+        config, available_bytes, total_bytes=total_bytes, shm_free_bytes=shm_free_bytes,
+        engine_running=engine_running,
     ).granted_total_bytes
 
 
 def check_host_ram(config: L1Settings, memory: MemoryInfo, shm_free_bytes: int | None) -> CheckResult:
     name = "host_ram"
     usable = memory.usable_bytes
-    plan = plan_l1_budget(config, usable, shm_free_bytes=shm_free_bytes)
+    plan = plan_l1_budget(config, usable, total_bytes=memory.total_bytes, shm_free_bytes=shm_free_bytes)
     limit = f", container limit {gib(memory.cgroup_limit_bytes)}" if memory.cgroup_limit_bytes else ""
     seen = f"{gib(usable)} available of {gib(memory.total_bytes)}{limit}"
     data = {
@@ -135,13 +142,12 @@ def check_host_ram(config: L1Settings, memory: MemoryInfo, shm_free_bytes: int |
         l1 = "L1 off by config" if plan.limited_by == "disabled" else \
             f"L1 gets {gib(plan.granted_total_bytes)} ({gib(plan.granted_per_rank_bytes)} x {config.ep} ranks)"
         return ok(name, f"{seen}; {l1}", **data)
-    asked = f"l1_host_gb {config.l1_host_gb:g} x {config.ep} ranks = {gib(plan.requested_total_bytes)}"
     fix = (f"Lower l1_host_gb to {plan.granted_per_rank_bytes / GIB:.1f} or less to make the budget explicit, "
            "or give the machine more RAM." if plan.limited_by == "ram" else
            "Enlarge /dev/shm (e.g. docker --shm-size or a bigger tmpfs) or lower l1_host_gb.")
     if plan.granted_per_rank_bytes == 0:
         fix = "Run with l1_cache false (L0 only), or free RAM / enlarge /dev/shm for the pinned pool."
-    return warn(name, f"{seen}; {asked} asked; {plan.reason}", fix, **data)
+    return warn(name, f"{seen}; L1 {plan.reason}", fix, **data)
 
 
 def check_disk(paths: Mapping[str, Path], free_bytes: Mapping[str, int | None]) -> CheckResult:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from preflight_fakes import GIB, deepinfer_config
+from preflight_fakes import GIB, MIB, deepinfer_config
 
 from server.config import load_config
 from server.preflight import l1_budget_bytes, plan_l1_budget
@@ -34,12 +34,28 @@ def test_short_ram_lowers_l1_and_says_by_how_much(tmp_path: Path) -> None:
     config = seed(tmp_path)
     res = check_host_ram(config, MemoryInfo(512 * GIB, 480 * GIB), shm_free_bytes=None)
     assert res.status is Status.WARN
-    plan = plan_l1_budget(config, 480 * GIB)
+    plan = plan_l1_budget(config, 480 * GIB, total_bytes=512 * GIB)
     assert plan.limited_by == "ram"
-    # reserve = 4 x (8 GB multimodal pool + 12 GiB) + max(8 GiB, 5% of 480 GiB)
-    assert plan.reserve_bytes == 4 * (8 * 10**9 + 12 * GIB) + int(0.05 * 480 * GIB)
+    # The cache's rule on what is left once the ranks run: margin = max(8 GiB, 10 % of total RAM).
+    engine = 4 * (8 * 10**9 + 12 * GIB)
+    margin = int(0.10 * 512 * GIB)
+    assert plan.reserve_bytes == engine + margin
+    assert plan.granted_total_bytes == (480 * GIB - engine - margin) // MIB * MIB
     assert plan.granted_total_bytes == res.data["l1_granted_bytes"] < 512 * GIB
-    assert "lowered to" in res.detail and "l1_host_gb" in res.fix
+    assert "lowered" in res.detail and "for the ranks themselves" in res.detail and "l1_host_gb" in res.fix
+
+
+def test_prediction_equals_the_cache_rule_once_the_engine_runs(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from cache.l1_budget import plan_l1_budget as cache_rule
+
+    for avail_gib, total_gib in [(100, 128), (480, 512), (1900, 2048), (10, 16)]:
+        mine = l1_budget_bytes(seed(tmp_path), avail_gib * GIB, total_bytes=total_gib * GIB, engine_running=True)
+        theirs = cache_rule(l1_cache=True, l1_host_gb=128, num_ranks=4, bytes_per_block=MIB,
+                            virtual_memory=lambda a=avail_gib, t=total_gib: SimpleNamespace(
+                                available=a * GIB, total=t * GIB))
+        assert mine == theirs.pool_bytes
 
 
 def test_multimodal_pool_opt_out_frees_reserve(tmp_path: Path) -> None:
@@ -51,9 +67,9 @@ def test_multimodal_pool_opt_out_frees_reserve(tmp_path: Path) -> None:
 
 
 def test_tiny_ram_turns_l1_off(tmp_path: Path) -> None:
-    res = check_host_ram(seed(tmp_path), MemoryInfo(128 * GIB, 86 * GIB), shm_free_bytes=None)
+    res = check_host_ram(seed(tmp_path), MemoryInfo(128 * GIB, 90 * GIB), shm_free_bytes=None)
     assert res.status is Status.WARN
-    assert res.data["l1_granted_bytes"] == 0
+    assert res.data["l1_granted_bytes"] == 0  # 90 - 78 GiB for the ranks - 12.8 GiB margin < 0
     assert "L1 off" in res.detail and "l1_cache false" in res.fix
 
 
@@ -87,23 +103,24 @@ def test_l1_disabled_and_running_engine(tmp_path: Path) -> None:
     assert after.reserve_bytes < before.reserve_bytes
 
 
-@given(available_gib=st.integers(0, 4096), shm_gib=st.one_of(st.none(), st.integers(0, 4096)),
-       l1_gb=st.floats(0, 512), ep=st.integers(1, 8), engine=st.sampled_from(["deepinfer", "reference"]))
+@given(available_gib=st.integers(0, 4096), extra_gib=st.integers(0, 512),
+       shm_gib=st.one_of(st.none(), st.integers(0, 4096)), l1_gb=st.floats(0, 512), ep=st.integers(1, 8),
+       engine=st.sampled_from(["deepinfer", "reference"]))
 def test_budget_never_exceeds_request_ram_or_shm(
-    available_gib: int, shm_gib: int | None, l1_gb: float, ep: int, engine: str
+    available_gib: int, extra_gib: int, shm_gib: int | None, l1_gb: float, ep: int, engine: str
 ) -> None:
-    raw = {"engine": engine, "ep": ep, "l1_host_gb": l1_gb}
+    raw: dict[str, object] = {"engine": engine, "ep": ep, "l1_host_gb": l1_gb}
     if engine == "deepinfer":
         raw["deepinfer_venv"] = "/x"
     config = load_config(raw)
     shm = None if shm_gib is None else shm_gib * GIB
-    plan = plan_l1_budget(config, available_gib * GIB, shm_free_bytes=shm)
-    assert plan.granted_total_bytes == plan.granted_per_rank_bytes * ep
+    plan = plan_l1_budget(config, available_gib * GIB, total_bytes=(available_gib + extra_gib) * GIB,
+                          shm_free_bytes=shm)
     assert plan.granted_total_bytes <= plan.requested_total_bytes
     assert plan.granted_total_bytes <= max(0, available_gib * GIB - plan.reserve_bytes)
     if shm is not None:
         assert plan.granted_total_bytes <= shm
-    assert plan.granted_per_rank_bytes == 0 or plan.granted_per_rank_bytes >= min(GIB, int(l1_gb * GIB) // 2**20 * 2**20)
+    assert (plan.granted_total_bytes == 0) == plan.reason.startswith("L1 off") or plan.limited_by == "disabled"
 
 
 def test_disk_low_and_unknown() -> None:

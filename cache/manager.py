@@ -1,0 +1,728 @@
+"""``CacheManager``: the facade the server's service uses for every turn.
+
+One turn::
+
+    cache.prefetch(session_hint)                 # optional, as soon as the headers are read
+    adm = await cache.admit(prompt_ids, session_hint, num_output_tokens_hint)
+    try:
+        stream = client.submit(adm.rank, adm.engine_request(request_id, prompt_ids, sampling))
+        async for out in stream: ...             # last output has finished=True
+    except BaseException:
+        cache.abort(adm)                         # no terminal output will come (or it was lost)
+        raise
+    cache.finish(adm, prompt_ids, output_ids, last_output, stop_kind)
+
+``admit`` hashes the prompt, finds (or creates) the session, routes it (``router.py``), pins the
+L0 prefix it will start from, waits for room (``admission.py``: evicting by value, never a
+session about to return), restores blocks from L1 when the host pool holds more of the prefix
+than the GPU, and returns an ``Admission`` holding use refs on the prefix. ``finish`` files the
+finished turn's kept blocks (duplicates released to the rank), releases the use refs, learns the
+session's stop kind and schedules a write-through to L1 when the rank's pool is past the
+watermark. ``abort`` only releases. Exactly one of ``finish``/``abort`` per admission; a second
+call is a no-op.
+
+Accounting (``check_balance`` asserts it once quiescent): per rank, blocks filed in the L0 index
+== blocks the engine holds a cache ref on; ``reserved_blocks`` == the sum over open admissions
+of the blocks they may still allocate; no use refs without an open admission; L1 slots in use ==
+the extents of its entries. A rank restart (new epoch) forgets every L0 and L1 entry, and
+admissions of the old epoch are closed without touching the new engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cache.admission import AdmissionQueue
+from cache.config import CacheConfig
+from cache.eviction import EvictionPolicy
+from cache.hashing import BlockHash, ChainHasher, as_token_array
+from cache.l0_index import L0Index, Node, RankIndex
+from cache.l1_index import L1Index
+from cache.metrics import CacheMetrics
+from cache.router import RankLoad, Router
+from cache.sessions import Session, SessionId, SessionTable, StopKind
+from protocol.errors import InvalidRequest, Overloaded, PromptTooLong
+from rank.client import RankClient
+from rank.engine import (
+    CapacityExhausted,
+    EngineMisuse,
+    EngineRequest,
+    RequestOutput,
+    SamplingParams,
+    usable_prefix_blocks,
+)
+from rank.errors import RankFailed, RankUnavailable
+
+log = logging.getLogger(__name__)
+
+_RANK_ERRORS = (RankFailed, RankUnavailable, CapacityExhausted, EngineMisuse, NotImplementedError)
+
+
+@dataclass(slots=True, eq=False)
+class Admission:
+    """One admitted turn. The public fields are what the service needs; the rest is the
+    manager's receipt (use refs held, blocks reserved)."""
+
+    rank: int
+    prefix_blocks: list[int]
+    num_cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]  # {"l0": GPU-resident, "l1": restored from host}
+    queue_time_s: float
+    restore_s: float
+    session_id: SessionId
+    epoch: int
+    keep_blocks: bool
+    num_prompt_tokens: int
+    hashes: list[BlockHash] = field(repr=False)
+    num_used_blocks: int = 0  # use refs held on hashes[:num_used_blocks] on ``rank``
+    reserved_blocks: int = 0  # blocks the sequence may still allocate (released at close)
+    context_tokens: int = 0
+    is_closed: bool = False
+
+    def engine_request(
+        self, request_id: str, prompt_ids: np.ndarray, sampling: SamplingParams
+    ) -> EngineRequest:
+        return EngineRequest(
+            request_id=request_id,
+            prompt_ids=as_token_array(prompt_ids),
+            sampling=sampling,
+            prefix_blocks=list(self.prefix_blocks),
+            num_cached_tokens=self.num_cached_tokens,
+            keep_blocks=self.keep_blocks,
+        )
+
+
+@dataclass(slots=True)
+class _RankLedger:
+    capacity_blocks: int  # num_blocks - 1 (block 0 is scratch)
+    reserved_blocks: int = 0
+    running_tokens: int = 0
+    num_in_flight: int = 0
+    num_releasing: int = 0
+
+
+class CacheManager:
+    """See the module docstring. One event loop; not thread-safe."""
+
+    def __init__(
+        self,
+        client: RankClient,
+        config: CacheConfig,
+        metrics: CacheMetrics | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.metrics = metrics
+        self._clock = clock
+        self.block_size = client.block_size
+        self.num_ranks = client.num_ranks
+        self.hasher = ChainHasher(client.block_size, config.hash_salt.encode())
+        self.sessions = SessionTable()
+        self.l0 = L0Index(client.num_ranks)
+        self.l1 = L1Index(0, config.l1_headroom_fraction, config.l1_min_headroom_blocks)
+        self.l1_off_reason: str | None = "not started"
+        self.policy = EvictionPolicy(
+            self.sessions, lambda sid: self.l1.backed_blocks(sid) > 0, config.protect_s
+        )
+        self.router = Router(config.router(), client.block_size)
+        self.queue = AdmissionQueue(client.num_ranks, config.admission(), clock)
+        self.epoch = client.epoch
+        self._ledgers = [_RankLedger(max(0, client.num_blocks - 1)) for _ in range(client.num_ranks)]
+        self._open: set[Admission] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._prefetches: dict[SessionId, asyncio.Task[None]] = {}
+        self._num_finished = 0
+        client.add_restart_listener(self._on_restart)
+        self._sync_l1()
+
+    # ================================================================= public API
+
+    @property
+    def l1_enabled(self) -> bool:
+        return self.l1_off_reason is None
+
+    def prefetch(self, session_hint: str | None) -> None:
+        """Start restoring a known session's blocks from L1 to its rank before its prompt is
+        tokenized (the service calls this as soon as it has read the headers)."""
+        if not session_hint or not self.config.prefix_cache or not self.l1_enabled:
+            return
+        session = self.sessions.get(SessionId("hint:" + session_hint))
+        if session is None or session.home_rank is None or session.session_id in self._prefetches:
+            return
+        entry = self.l1.entries.get(session.session_id)
+        if entry is None:
+            return
+        rank = session.home_rank
+        idx = self.l0[rank]
+        m0 = idx.match(entry.hashes)
+        num_restore = len(entry.hashes) - 1 - m0  # the last block is replayed by the next turn
+        if num_restore <= 0:
+            return
+        ledger = self._ledgers[rank]
+        if ledger.capacity_blocks - len(idx) - ledger.reserved_blocks - self.config.reserve_blocks < num_restore:
+            return  # no room without evicting: the turn's own admission decides
+        ledger.reserved_blocks += num_restore
+        hashes = entry.hashes[m0 : m0 + num_restore]
+        anchor = entry.hashes[m0 - 1] if m0 else None
+        task = self._spawn(self._prefetch(session, rank, entry, m0, hashes, anchor, self.epoch))
+        self._prefetches[session.session_id] = task
+
+    async def admit(
+        self, prompt_ids: np.ndarray | Sequence[int], session_hint: str | None, num_output_tokens_hint: int
+    ) -> Admission:
+        """Route, pin, queue if needed, restore; see the module docstring."""
+        tokens = as_token_array(prompt_ids)
+        if tokens.size == 0:
+            raise InvalidRequest("prompt is empty", param="messages")
+        now = self._clock()
+        self._sync_l1()
+        hashes = self.hasher.hashes(tokens) if self.config.prefix_cache else []
+        session = self.sessions.find(session_hint, hashes) or self.sessions.create(session_hint, now)
+        self.sessions.record_arrival(session, now)
+        pending = self._prefetches.pop(session.session_id, None)
+        if pending is not None:
+            try:
+                await asyncio.shield(pending)
+            except Exception:  # a failed prefetch only means the turn restores or recomputes
+                log.debug("prefetch for %s failed", session.session_id, exc_info=True)
+        matches = self.l0.match_all(hashes)
+        decision = self.router.route(
+            session, matches, len(tokens), self.loads(), self.l1_enabled and self.config.prefix_cache, now
+        )
+        rank = decision.rank
+        if decision.move_from is not None:
+            if not await self._move(session, decision.move_from, rank, hashes, matches[decision.move_from]):
+                rank = decision.move_from
+        session.home_rank = rank
+        session.num_in_flight += 1
+        try:
+            adm = await self._admit_on(rank, session, tokens, hashes, max(1, num_output_tokens_hint))
+        except BaseException:
+            session.num_in_flight -= 1
+            if self.metrics is not None:
+                self.metrics.admissions.labels("rejected").inc()
+            raise
+        self._open.add(adm)
+        self._observe_admission(adm)
+        return adm
+
+    def finish(
+        self,
+        admission: Admission,
+        prompt_ids: np.ndarray | Sequence[int],
+        output_ids: Sequence[int],
+        output: RequestOutput,
+        stop_kind: StopKind = StopKind.UNKNOWN,
+    ) -> None:
+        """The turn ended with ``output`` (its terminal RequestOutput): file its kept blocks."""
+        if not self._close(admission):
+            return
+        rank = admission.rank
+        kept = list(output.kept_blocks)
+        now = self._clock()
+        full_hashes: list[BlockHash] = []
+        num_tokens = len(prompt_ids) + len(output_ids)
+        if kept:
+            expected = (num_tokens - 1) // self.block_size
+            if not self.config.prefix_cache or len(kept) != expected:
+                if self.config.prefix_cache:
+                    log.warning(
+                        "request on rank %d kept %d blocks for %d tokens (expected %d); releasing them",
+                        rank, len(kept), num_tokens, expected,
+                    )
+                self._release_later(rank, kept)
+            else:
+                full = np.concatenate([as_token_array(prompt_ids), as_token_array(output_ids)])
+                full_hashes = self.hasher.extend(admission.hashes, full)[: len(kept)]
+                duplicates = self.l0[rank].insert(full_hashes, kept, admission.session_id, now)
+                if self.metrics is not None and duplicates:
+                    self.metrics.duplicate_blocks.inc(len(duplicates))
+                self._release_later(rank, duplicates)
+        session = self.sessions.get(admission.session_id)
+        if session is not None:
+            tail = full_hashes[-1] if full_hashes else None
+            self.sessions.record_finish(session, stop_kind, tail, num_tokens, now)
+        if full_hashes and self.l1_enabled and self._pool_usage(rank) >= self.config.l1_write_watermark:
+            self._spawn(self._write_through(rank, admission.session_id, full_hashes, self.epoch))
+        self._num_finished += 1
+        if self._num_finished % 64 == 0:
+            self._forget_idle_sessions(now)
+        self.queue.notify(rank)
+        self._update_gauges()
+
+    def abort(self, admission: Admission) -> None:
+        """The turn will not produce a terminal output to file (submit failed, the rank group
+        failed, or the service gave up): release what the admission holds."""
+        if self._close(admission):
+            self.queue.notify(admission.rank)
+
+    def loads(self) -> list[RankLoad]:
+        """The router's load measure per rank (documented in ``router.py``)."""
+        now = self._clock()
+        idle = [0] * self.num_ranks
+        horizon = self.config.home_horizon_s
+        for s in self.sessions:
+            if s.home_rank is not None and s.num_in_flight == 0 and s.expected_wait_s(now) < horizon:
+                idle[s.home_rank] += s.context_tokens
+        out = []
+        for rank, ledger in enumerate(self._ledgers):
+            free = ledger.capacity_blocks - len(self.l0[rank]) - ledger.reserved_blocks
+            out.append(
+                RankLoad(rank, ledger.running_tokens, self.queue.waiting_tokens(rank), idle[rank], free)
+            )
+        return out
+
+    async def rebalance(self) -> int:
+        """Move idle sessions off overloaded ranks through L1. Returns how many moved."""
+        if not (self.l1_enabled and self.config.prefix_cache):
+            return 0
+        moved = 0
+        now = self._clock()
+        for session in sorted(self.sessions, key=lambda s: (-s.context_tokens, s.session_id)):
+            src = session.home_rank
+            if src is None or session.num_in_flight:
+                continue
+            decision = self.router.route(session, [0] * self.num_ranks, 0, self.loads(), True, now)
+            if decision.move_from is None:
+                continue
+            chain = self._session_chain(src, session)
+            if await self._move(session, src, decision.rank, chain, len(chain)):
+                session.home_rank = decision.rank
+                moved += 1
+        return moved
+
+    async def move_session(self, session_hint: str, dst: int) -> bool:
+        """Hand an idle session to rank ``dst`` through L1 (operators and tests; ``rebalance``
+        does this by load). Its next turn restores its blocks on ``dst``."""
+        session = self.sessions.get(SessionId("hint:" + session_hint))
+        if session is None or session.home_rank is None or session.num_in_flight:
+            return False
+        if not 0 <= dst < self.num_ranks:
+            raise ValueError(f"rank {dst} outside 0..{self.num_ranks - 1}")
+        if dst == session.home_rank or not self.l1_enabled:
+            return dst == session.home_rank
+        chain = self._session_chain(session.home_rank, session)
+        return await self._move(session, session.home_rank, dst, chain, len(chain))
+
+    async def drain(self) -> None:
+        """Wait for background work (releases, write-throughs, prefetches) to finish."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def check_balance(self) -> None:
+        """Assert the accounting invariants (tests call it after ``drain`` with no turn open)."""
+        for rank, idx in enumerate(self.l0.ranks):
+            idx.check()
+            ledger = self._ledgers[rank]
+            open_here = [a for a in self._open if a.rank == rank and a.epoch == self.epoch]
+            reserved = sum(a.reserved_blocks for a in open_here)
+            assert ledger.reserved_blocks == reserved, f"rank {rank}: reserved {ledger.reserved_blocks} != {reserved}"
+            assert ledger.num_in_flight == len(open_here)
+            if not self._tasks:
+                assert ledger.num_releasing == 0, f"rank {rank}: {ledger.num_releasing} releases pending"
+                stats = self.client.stats(rank)
+                assert stats.num_cached_blocks == len(idx), (
+                    f"rank {rank}: engine holds {stats.num_cached_blocks} cached blocks, index {len(idx)}"
+                )
+            if not open_here and not self._tasks:
+                in_use = [n.block_id for n in idx.nodes.values() if n.use_count]
+                assert not in_use, f"rank {rank}: use refs leaked on blocks {in_use[:8]}"
+        self.l1.check()
+        if not self._tasks:
+            assert not self.l1._pending, "L1 writes pending with no task"
+            held = [e.session_id for e in self.l1.entries.values() if e.num_holds]
+            assert not held, f"L1 entries still held: {held[:4]}"
+
+    # ================================================================= admission
+
+    async def _admit_on(
+        self, rank: int, session: Session, tokens: np.ndarray, hashes: list[BlockHash], num_output: int
+    ) -> Admission:
+        bs = self.block_size
+        idx = self.l0[rank]
+        ledger = self._ledgers[rank]
+        epoch = self.epoch
+        num_prompt = len(tokens)
+        sid = session.session_id
+        m0 = idx.match(hashes)
+        entry, m1 = self.l1.match(hashes) if self.l1_enabled else (None, 0)
+        usable = usable_prefix_blocks(max(m0, m1), num_prompt, bs) if self.config.prefix_cache else 0
+        num_l0 = min(m0, usable)
+        num_restore = usable - num_l0 if entry is not None else 0
+        usable = num_l0 + num_restore
+        idx.acquire(hashes[:num_l0], sid, self._clock())  # pinned while it waits for room
+        seq_blocks = -(-(num_prompt + num_output) // bs) - usable
+        need = seq_blocks + num_restore
+        limit = ledger.capacity_blocks - self.config.reserve_blocks
+        if need > limit:
+            min_need = -(-(num_prompt + 1) // bs) - usable + num_restore
+            if min_need > limit:
+                idx.release_uses(hashes[:num_l0])
+                raise PromptTooLong(num_prompt, max(0, (limit - 1) * bs))
+            seq_blocks -= need - limit  # the output estimate is a guess; keep what fits
+            need = limit
+        victims: list[Node] = []
+
+        def try_admit(force: bool) -> bool:
+            if self.epoch != epoch:
+                return True  # the group restarted: admit and fail below
+            now = self._clock()
+            free = ledger.capacity_blocks - len(idx) - ledger.reserved_blocks - self.config.reserve_blocks
+            if need > free:
+                got = idx.evict(need - free, self.policy.scorer(rank, now), self.policy.chooser(rank, now, force))
+                victims.extend(got)
+                ledger.num_releasing += len(got)
+                free += len(got)
+                if need > free:
+                    return False
+            ledger.reserved_blocks += need
+            return True
+
+        try:
+            queue_s = await self.queue.enter(rank, num_prompt - num_l0 * bs, try_admit)
+        except BaseException:
+            if self.epoch == epoch:
+                idx.release_uses(hashes[:num_l0])
+            if victims:
+                self._spawn(self._retire(rank, victims, epoch))
+            raise
+        if victims:
+            await self._retire(rank, victims, epoch)
+        if self.epoch != epoch:
+            raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
+        adm = Admission(
+            rank=rank, prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier={"l0": 0, "l1": 0},
+            queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
+            keep_blocks=self.config.prefix_cache, num_prompt_tokens=num_prompt, hashes=hashes,
+            num_used_blocks=num_l0, reserved_blocks=need, context_tokens=num_prompt + num_output,
+        )
+        ledger.num_in_flight += 1
+        ledger.running_tokens += adm.context_tokens
+        if num_restore:
+            restored = await self._restore(adm, hashes, num_l0, num_restore)
+            if not restored and num_l0:
+                # Without the L1 part the last L0 block is the replayed one (not a prefix block).
+                keep = usable_prefix_blocks(num_l0, num_prompt, bs)
+                idx.release_uses(hashes[keep:num_l0])
+                adm.reserved_blocks += num_l0 - keep
+                ledger.reserved_blocks += num_l0 - keep
+                adm.num_used_blocks = keep
+        adm.prefix_blocks = idx.block_ids(hashes[: adm.num_used_blocks])
+        adm.num_cached_tokens = adm.num_used_blocks * bs
+        adm.cached_tokens_by_tier["l0"] = adm.num_cached_tokens - adm.cached_tokens_by_tier["l1"]
+        return adm
+
+    async def _restore(self, adm: Admission, hashes: list[BlockHash], first: int, count: int) -> bool:
+        """Copy blocks ``first .. first+count`` of the prompt's chain from L1 into the rank."""
+        rank, epoch = adm.rank, adm.epoch
+        ledger = self._ledgers[rank]
+        entry, m1 = self.l1.match(hashes)
+        ok = False
+        if entry is not None and m1 >= first + count:
+            self.l1.begin_read(entry)
+            started = self._clock()
+            try:
+                ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
+            except _RANK_ERRORS as exc:
+                log.warning("L1 restore of %d blocks on rank %d failed: %s", count, rank, exc)
+                ids = None
+                self._maybe_disable_l1(exc)
+            finally:
+                self.l1.end_read(entry)
+            adm.restore_s = self._clock() - started
+            if ids is not None and self.epoch == epoch:
+                idx = self.l0[rank]
+                part = hashes[first : first + count]
+                duplicates = idx.insert(part, ids, adm.session_id, self._clock())
+                self._release_later(rank, duplicates)
+                idx.acquire(part, adm.session_id, self._clock())
+                adm.num_used_blocks = first + count
+                adm.cached_tokens_by_tier["l1"] = count * self.block_size
+                ok = True
+                if self.metrics is not None:
+                    self.metrics.restored_tokens.inc(count * self.block_size)
+                    self.metrics.restore_seconds.observe(adm.restore_s)
+        if self.epoch == epoch:
+            ledger.reserved_blocks -= count  # now filed in the index (or never allocated)
+        adm.reserved_blocks -= count
+        return ok
+
+    def _close(self, adm: Admission) -> bool:
+        """Release an admission's holds once. Returns False if it was already closed."""
+        if adm.is_closed:
+            return False
+        adm.is_closed = True
+        self._open.discard(adm)
+        session = self.sessions.get(adm.session_id)
+        if session is not None:
+            session.num_in_flight = max(0, session.num_in_flight - 1)
+        if adm.epoch != self.epoch:
+            return False  # the ledgers and index of that epoch are gone
+        ledger = self._ledgers[adm.rank]
+        ledger.reserved_blocks -= adm.reserved_blocks
+        ledger.running_tokens -= adm.context_tokens
+        ledger.num_in_flight -= 1
+        self.l0[adm.rank].release_uses(adm.hashes[: adm.num_used_blocks])
+        adm.num_used_blocks = 0
+        return True
+
+    # ================================================================= L1 transfers
+
+    async def _write_through(
+        self, rank: int, sid: SessionId, chain: list[BlockHash], epoch: int, nodes: list[Node] | None = None
+    ) -> bool:
+        """Copy a session's chain (blocks filed on ``rank``, or ``nodes`` being evicted) to L1."""
+        plan = self.l1.plan_write(sid, chain, self._clock(), self._l1_score)
+        if plan is None:
+            return self.l1.backed_blocks(sid) >= len(chain)
+        idx = self.l0[rank]
+        part = chain[plan.first_block :]
+        if nodes is None:
+            if idx.match(chain) < len(chain):
+                self.l1.abort(plan)
+                return False
+            pinned = part
+            ids = idx.pin(part)
+        else:
+            pinned = [n.block_hash for n in nodes[plan.first_block :] if idx.nodes.get(n.block_hash) is n]
+            idx.pin(pinned)
+            ids = [n.block_id for n in nodes[plan.first_block :]]
+        ok = False
+        try:
+            await self.client.export_blocks(rank, ids, plan.host_slot)
+            ok = self.epoch == epoch
+        except _RANK_ERRORS as exc:
+            log.warning("L1 write of %d blocks from rank %d failed: %s", len(ids), rank, exc)
+            self._maybe_disable_l1(exc)
+        finally:
+            if self.epoch == epoch:
+                idx.release_uses(pinned)
+        if ok:
+            self.l1.commit(plan, self._clock())
+            if self.metrics is not None:
+                self.metrics.written_blocks.inc(len(ids))
+        else:
+            self.l1.abort(plan)
+        return ok
+
+    async def _retire(self, rank: int, victims: list[Node], epoch: int) -> None:
+        """Release evicted blocks; first write their sessions to L1 if it lacks them."""
+        try:
+            if self.l1_enabled and self.epoch == epoch:
+                deepest: dict[SessionId, Node] = {}
+                for node in victims:
+                    owner = node.owner
+                    session = self.sessions.get(owner) if owner is not None else None
+                    if session is None or session.home_rank != rank:
+                        continue  # nobody will ask for these here again
+                    if owner not in deepest or node.depth > deepest[owner].depth:
+                        deepest[owner] = node
+                for owner, node in deepest.items():
+                    chain_nodes: list[Node] = []
+                    walk: Node | None = node
+                    while walk is not None:
+                        chain_nodes.append(walk)
+                        walk = walk.parent
+                    chain_nodes.reverse()
+                    chain = [n.block_hash for n in chain_nodes]
+                    await self._write_through(rank, owner, chain, epoch, nodes=chain_nodes)
+        finally:
+            ledger = self._ledgers[rank]
+            if self.epoch == epoch:
+                ledger.num_releasing -= len(victims)
+                if self.metrics is not None:
+                    for node in victims:
+                        backed = node.owner is not None and self.l1.backed_blocks(node.owner) > node.depth
+                        self.metrics.evicted_blocks.labels("l0", str(backed).lower()).inc()
+            await self._release(rank, [n.block_id for n in victims], epoch, counted=False)
+
+    async def _move(
+        self, session: Session, src: int, dst: int, hashes: list[BlockHash], num_src_blocks: int
+    ) -> bool:
+        """Hand a session from ``src`` to ``dst``: make sure L1 holds its blocks from ``src``;
+        its next admission on ``dst`` restores them. Its blocks on ``src`` become free to drop."""
+        if num_src_blocks > 0:
+            chain = list(hashes[:num_src_blocks])
+            if not await self._write_through(src, session.session_id, chain, self.epoch):
+                return False
+        session.moved_at_s = self._clock()
+        session.home_rank = dst
+        log.info("moved session %s from rank %d to rank %d through L1 (%d blocks)",
+                 session.session_id, src, dst, num_src_blocks)
+        if self.metrics is not None:
+            self.metrics.sessions_moved.inc()
+        return True
+
+    async def _prefetch(
+        self, session: Session, rank: int, entry: Any, first: int, hashes: list[BlockHash],
+        anchor: BlockHash | None, epoch: int,
+    ) -> None:
+        ledger = self._ledgers[rank]
+        count = len(hashes)
+        try:
+            if not entry.is_linked:
+                return
+            self.l1.begin_read(entry)
+            try:
+                ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
+            finally:
+                self.l1.end_read(entry)
+            if self.epoch != epoch:
+                return
+            idx = self.l0[rank]
+            if anchor is not None and anchor not in idx.nodes:
+                self._release_later(rank, ids)  # its parent was evicted meanwhile
+                return
+            duplicates = idx.insert(hashes, ids, session.session_id, self._clock())
+            self._release_later(rank, duplicates)
+            if self.metrics is not None:
+                self.metrics.restored_tokens.inc(count * self.block_size)
+        except _RANK_ERRORS as exc:
+            log.warning("L1 prefetch on rank %d failed: %s", rank, exc)
+            self._maybe_disable_l1(exc)
+        finally:
+            if self.epoch == epoch:
+                ledger.reserved_blocks -= count
+            self._prefetches.pop(session.session_id, None)
+            self.queue.notify(rank)
+
+    def _session_chain(self, rank: int, session: Session) -> list[BlockHash]:
+        """The session's longest chain filed on ``rank`` (ending at one of its tails)."""
+        idx = self.l0[rank]
+        best: list[BlockHash] = []
+        for tail in session.tail_hashes:
+            node = idx.nodes.get(tail)
+            if node is not None and node.depth + 1 > len(best):
+                chain = []
+                walk: Node | None = node
+                while walk is not None:
+                    chain.append(walk.block_hash)
+                    walk = walk.parent
+                best = chain[::-1]
+        return best
+
+    # ================================================================= releases & tasks
+
+    def _release_later(self, rank: int, block_ids: list[int]) -> None:
+        if block_ids:
+            self._ledgers[rank].num_releasing += len(block_ids)
+            self._spawn(self._release(rank, block_ids, self.epoch, counted=True))
+
+    async def _release(self, rank: int, block_ids: list[int], epoch: int, counted: bool) -> None:
+        try:
+            if block_ids and self.epoch == epoch:
+                await self.client.release(rank, block_ids)
+        except (RankFailed, RankUnavailable) as exc:
+            log.info("release of %d blocks on rank %d dropped: %s", len(block_ids), rank, exc)
+        finally:
+            if counted and self.epoch == epoch:
+                self._ledgers[rank].num_releasing -= len(block_ids)
+            self.queue.notify(rank)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("cache background task failed", exc_info=task.exception())
+
+    # ================================================================= state sync
+
+    def _on_restart(self, new_epoch: int) -> None:
+        """The rank group restarted: every block id and host slot of the old epoch is gone."""
+        log.warning("rank group restarted (epoch %d -> %d): dropping every L0 and L1 entry",
+                    self.epoch, new_epoch)
+        self.epoch = new_epoch
+        for idx in self.l0.ranks:
+            idx.remove_all()
+        self.l1.clear()
+        self.sessions.clear_placement()
+        self._ledgers = [_RankLedger(max(0, self.client.num_blocks - 1)) for _ in range(self.num_ranks)]
+        self._prefetches.clear()
+        self.l1_off_reason = "not started"
+        self._sync_l1()
+        self.queue.notify_all()
+
+    def _sync_l1(self) -> None:
+        """Adopt the host pool once it exists (it is allocated without blocking startup)."""
+        if self.l1_off_reason is None or self.l1_off_reason.startswith("disabled:"):
+            return
+        slots = int(getattr(self.client, "num_host_slots", 0) or 0)
+        if not self.config.l1_cache:
+            reason = "l1_cache is false"
+        elif not self.config.prefix_cache:
+            reason = "prefix_cache is false"
+        elif slots <= 0:
+            reason = "the rank group has no L1 host pool (yet)"
+        else:
+            self.l1.resize(slots)
+            self.l1_off_reason = None
+            log.info("L1 on: %d host slots of %d B", slots, getattr(self.client, "bytes_per_block", 0))
+            return
+        if reason != self.l1_off_reason:
+            log.info("L1 off: %s", reason)
+            self.l1_off_reason = reason
+
+    def _maybe_disable_l1(self, exc: BaseException) -> None:
+        text = str(exc)
+        if isinstance(exc, NotImplementedError) or "no L1 host pool" in text:
+            self.l1_off_reason = f"disabled: the engine cannot copy blocks to/from host ({text})"
+            log.warning("L1 off: %s", self.l1_off_reason)
+
+    def _forget_idle_sessions(self, now: float) -> None:
+        keep = {sid for idx in self.l0.ranks for sid in idx.owners() if sid is not None}
+        keep |= set(self.l1.entries)
+        self.sessions.forget_idle(now, self.config.session_forget_s, keep)
+
+    # ================================================================= helpers
+
+    def _pool_usage(self, rank: int) -> float:
+        ledger = self._ledgers[rank]
+        if ledger.capacity_blocks <= 0:
+            return 1.0
+        return (len(self.l0[rank]) + ledger.reserved_blocks) / ledger.capacity_blocks
+
+    def _l1_score(self, sid: SessionId) -> float:
+        session = self.sessions.get(sid)
+        return float("inf") if session is None else session.expected_wait_s(self._clock())
+
+    def _observe_admission(self, adm: Admission) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.admissions.labels("admitted").inc()
+        m.prompt_tokens.inc(adm.num_prompt_tokens)
+        m.cached_tokens.labels("l0").inc(adm.cached_tokens_by_tier["l0"])
+        m.cached_tokens.labels("l1").inc(adm.cached_tokens_by_tier["l1"])
+        m.queue_seconds.observe(adm.queue_time_s)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        for load in self.loads():
+            r = str(load.rank)
+            m.rank_load_tokens.labels(r).set(load.load_tokens)
+            m.rank_free_blocks.labels(r).set(load.num_free_blocks)
+            m.rank_cached_blocks.labels(r).set(len(self.l0[load.rank]))
+            m.queue_depth.labels(r).set(self.queue.depth(load.rank))
+        m.l1_slots.set(self.l1.num_slots)
+        m.l1_used_slots.set(self.l1.alloc.num_used_slots)
+        m.l1_enabled.set(1 if self.l1_enabled else 0)
+
+
+__all__ = ["Admission", "CacheManager", "RankIndex"]

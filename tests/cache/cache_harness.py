@@ -1,0 +1,108 @@
+"""Builders for cache tests over real engines (LocalRankGroup + reference engine, CPU)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from cache.config import CacheConfig
+from cache.manager import Admission, CacheManager
+from cache.metrics import CacheMetrics
+from cache.sessions import StopKind
+from rank.engine import SamplingParams
+from rank.local_group import LocalRankGroup
+from server.config import WorkloadConfig
+
+BLOCK_SIZE = 16
+_ids = itertools.count()
+
+
+def workload(model: str = "null", num_blocks: int = 96, num_ranks: int = 2) -> WorkloadConfig:
+    return WorkloadConfig(
+        engine="reference",
+        reference_model=model,
+        block_size=BLOCK_SIZE,
+        reference_num_blocks=num_blocks,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        ep=num_ranks,
+        max_model_len=8192,
+    )
+
+
+async def make_group(
+    model: str = "null", num_blocks: int = 96, num_ranks: int = 2, host_slots: int = 256
+) -> LocalRankGroup:
+    cfg = workload(model, num_blocks, num_ranks)
+    probe_bytes = 4096 if model == "tiny" else BLOCK_SIZE * 4
+    group = LocalRankGroup.from_config(
+        cfg, num_ranks=num_ranks, host_pool_bytes=host_slots * probe_bytes,
+        name=f"cachetest-{os.getpid()}-{next(_ids)}",
+    )
+    await group.start()
+    return group
+
+
+def make_manager(group: LocalRankGroup, **overrides: object) -> tuple[CacheManager, CacheRegistry]:
+    registry = CollectorRegistry()
+    values: dict[str, object] = {"queue_recheck_s": 0.01}
+    values.update(overrides)
+    mgr = CacheManager(group, CacheConfig(**values), CacheMetrics(registry))  # type: ignore[arg-type]
+    return mgr, registry
+
+
+CacheRegistry = CollectorRegistry
+
+
+@dataclass
+class TurnResult:
+    admission: Admission
+    output_ids: list[int]
+    prompt: np.ndarray
+
+
+async def run_turn(
+    mgr: CacheManager,
+    group: LocalRankGroup,
+    prompt: np.ndarray,
+    hint: str | None,
+    max_tokens: int = 8,
+    stop: StopKind = StopKind.TOOL_USE,
+) -> TurnResult:
+    adm = await mgr.admit(prompt, hint, max_tokens)
+    out_ids: list[int] = []
+    last = None
+    try:
+        stream = group.submit(
+            adm.rank,
+            adm.engine_request(f"r{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
+        )
+        async for out in stream:
+            out_ids.extend(out.token_ids)
+            last = out
+    except BaseException:
+        mgr.abort(adm)
+        raise
+    assert last is not None and last.finished
+    mgr.finish(adm, prompt, out_ids, last, stop)
+    return TurnResult(adm, out_ids, prompt)
+
+
+def tokens(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(2, 1000, size=n, dtype=np.int32)
+
+
+def next_prompt(turn: TurnResult, new: np.ndarray) -> np.ndarray:
+    """The agent's next prompt: everything so far, the model's output, then new input."""
+    return np.concatenate([turn.prompt, np.asarray(turn.output_ids, dtype=np.int32), new])
+
+
+async def settle(mgr: CacheManager, group: LocalRankGroup) -> None:
+    """Drain background work, then assert no leaked blocks, refs or host slots."""
+    await mgr.drain()
+    mgr.check_balance()
+    group.check_accounting()

@@ -1,0 +1,554 @@
+"""``Engine`` over DeepInfer 0.1.0's ``LLMEngine`` (one rank process per GPU, EP = DP = ``ep``).
+
+Facts this relies on are in ``../shared/reference/deepinfer-engine.md`` (DeepInfer's own source
+is cited there by file and line); the prefix-cache hooks come from
+``patches/deepinfer-prefix-cache.patch`` (see ``docs/deepinfer.md``).
+
+Lockstep (how the rank worker drives this engine)
+-------------------------------------------------
+DeepInfer's own loop is ``step() if has_unfinished_requests() else flush_inflight_reqs()``, run
+on every rank every iteration: ``has_unfinished_requests()`` is itself the collective (all_reduce
+MAX over the DP group, gloo under zero-overhead scheduling), ``step()`` on a rank with nothing to
+run does DeepInfer's own placeholder forward (block table ``[0]``, state slot 0) so the expert
+dispatch/combine collectives stay matched, and ``flush_inflight_reqs()`` is rank-local (it
+post-processes the step still in flight under ZOS). This class therefore sets
+``owns_lockstep = True`` and the worker should, each iteration, after draining its commands::
+
+    group_has_work = engine.lockstep_has_work()   # every rank, every iteration: the collective
+    outputs = engine.step()                       # llm.step() if the group had work, else the flush
+    # ... send outputs (already copied out of DeepInfer's recycled pool) ...
+
+instead of its generic ``all_reduce(has_work)`` + ``step()``/``placeholder_step()``. (The generic
+loop also works: ``placeholder_step()`` runs ``llm.step()`` too and keeps its outputs for the
+next ``step()``; only DeepInfer's own vote is then skipped, consistently on all ranks.)
+
+Semantics the adapter papers over
+---------------------------------
+* Outputs are pointers into DeepInfer's ``RequestOutputPool`` and are recycled by the next
+  ``step()``: they are read here, immediately, into ``RequestOutput`` records.
+* One DeepInfer output per token (several per step with speculative decoding); the adapter
+  merges them into one ``RequestOutput`` per request per step.
+* ``abort_request`` only marks ``FINISHED_ABORTED``: an aborted *running* request emits no
+  terminal output, so the adapter emits one (``FinishReason.ABORT``) on the next step; an aborted
+  *waiting* request emits an "ignored" output with a bogus token (its last prompt token), which
+  is filtered out. Ignored outputs for other reasons (too long, preempted) become ERROR outputs
+  without a token.
+* Kept blocks: when a request finishes (stop/length) with ``keep_blocks``, its full blocks
+  (``(len-1) // 128`` of them) are pinned through ``BlockManager.pin_blocks`` right after the
+  terminal output is read. Under ZOS DeepInfer frees the sequence one step later
+  (``finalize_seq`` in ``pre_sampler_sync``); the pin turns the sequence's ref into the cache's.
+  ``release`` is ``unpin_blocks``. Block 0 and state slot 0 are DeepInfer's scratch.
+* Prefix start: ``LLMEngine.enqueue_with_prefix(seq, blocks, num_cached, swa_valid_start)``
+  with ``num_cached = 128 * len(blocks) <= len(prompt) - 1`` and ``swa_valid_start =
+  num_cached`` (the last matched block is replayed: ``usable_prefix_blocks`` in rank/engine.py).
+* Without the patch (``patch_missing_reason`` names what is missing) the engine runs with the
+  prefix cache off: ``prefix_cache_supported`` is False, ``prefix_cache_reason`` says why, and
+  requests with prefix blocks are refused with ``EngineMisuse``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rank.engine import (
+    CapacityExhausted,
+    Engine,
+    EngineMisuse,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+)
+
+if TYPE_CHECKING:
+    from cache.l1_pool import HostPool
+
+log = logging.getLogger(__name__)
+
+DEEPINFER_BLOCK_SIZE = 128
+EPLB_REARRANGEMENT_INTERVAL_STEPS = 1000
+
+# (owner, attribute) pairs the prefix-cache patch adds; LLMEngine's is checked when present.
+PATCH_API = (
+    ("Scheduler", "add_sequence_with_prefix"),
+    ("Sequence", "block_table"),
+    ("BlockManager", "num_blocks"),
+    ("LLMEngine", "enqueue_with_prefix"),
+)
+_TOKEN_REASONS = {"": None, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+def patch_missing_reason(api: Any) -> str | None:
+    """None if the prefix-cache patch's API is on the real classes, else what is missing."""
+    missing = [
+        f"{owner}.{attr}"
+        for owner, attr in PATCH_API
+        if hasattr(api, owner) and not hasattr(getattr(api, owner), attr)
+    ]
+    return f"missing {', '.join(missing)}" if missing else None
+
+
+def import_deepinfer() -> SimpleNamespace:
+    """The DeepInfer classes this adapter uses (import only after ``apply_environment``)."""
+    from deepinfer._C.engine import (  # type: ignore[import-not-found]
+        BlockManager,
+        RequestOutput as NativeOutput,
+        Scheduler,
+        Sequence as NativeSequence,
+        SequenceStatus,
+    )
+    from deepinfer.engine.arg_utils import EngineArgs  # type: ignore[import-not-found]
+    from deepinfer.engine.llm_engine import LLMEngine  # type: ignore[import-not-found]
+
+    return SimpleNamespace(
+        LLMEngine=LLMEngine, EngineArgs=EngineArgs, RequestOutput=NativeOutput, Scheduler=Scheduler,
+        BlockManager=BlockManager, Sequence=NativeSequence, SequenceStatus=SequenceStatus, is_fake=False,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DeepInferSettings:
+    """What one rank's DeepInfer engine is built from (the workload config's keys + the rank)."""
+
+    model_dir: str
+    engine_rank: int
+    ep: int = 4
+    max_model_len: int = 1_064_960
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 16384
+    gpu_memory_utilization: float = 0.90
+    eplb: bool = False
+    extra_experts: int = 0
+    prefill_attempt_interval: int = 70
+    prefill_any_attempt_interval: int = 100
+    prefix_cache: bool = True
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.engine_rank < self.ep:
+            raise ValueError(f"engine_rank {self.engine_rank} outside 0..{self.ep - 1}")
+        if self.prefill_attempt_interval < 1 or self.prefill_any_attempt_interval < 1:
+            raise ValueError("prefill vote intervals must be >= 1")
+
+    @classmethod
+    def from_workload(cls, config: Any, engine_rank: int) -> DeepInferSettings:
+        """From a ``server.config.WorkloadConfig`` (duck-typed: rank/ does not import server/)."""
+        model_dir = config.resolved_model_dir()
+        if model_dir is None:
+            raise ValueError("engine 'deepinfer' needs model_dir or env DEEPINFER_HF_MODEL_DIR")
+        return cls(
+            model_dir=str(model_dir), engine_rank=engine_rank, ep=config.ep,
+            max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            gpu_memory_utilization=config.gpu_memory_utilization, eplb=config.eplb,
+            extra_experts=config.extra_experts, prefill_attempt_interval=config.prefill_attempt_interval,
+            prefill_any_attempt_interval=config.prefill_any_attempt_interval, prefix_cache=config.prefix_cache,
+            extra_env=tuple(sorted(config.deepinfer_env.items())),
+        )
+
+    def environment(self, current: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Variables to set before importing torch/deepinfer (the workload's ``deepinfer_env`` wins).
+
+        ``CUDA_VISIBLE_DEVICES`` (mandatory for DeepInfer; its first entry is the rank's GPU) is
+        only filled in when the supervisor has not set it: rank's GPU first, then the others.
+        """
+        current = os.environ if current is None else current
+        env = {
+            # Read at import time (SchedulerConfig defaults), hence set before the import.
+            "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": str(self.prefill_attempt_interval),
+            "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": str(self.prefill_any_attempt_interval),
+            "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": str(self.extra_experts),
+            "DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL": str(EPLB_REARRANGEMENT_INTERVAL_STEPS if self.eplb else 0),
+            # Text only: skip the multimodal worker's 8 GB pinned host pool.
+            "DEEPINFER_USE_MULTIMODAL_POOL": "0",
+        }
+        if "CUDA_VISIBLE_DEVICES" not in current:
+            gpus = [self.engine_rank] + [g for g in range(self.ep) if g != self.engine_rank]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        env.update(dict(self.extra_env))
+        return env
+
+    def engine_args(self, api: Any) -> Any:
+        # Chunked prefill: without it DeepInfer requires max_num_batched_tokens >= max_model_len.
+        return api.EngineArgs(
+            model=self.model_dir, max_model_len=self.max_model_len, data_parallel_size=self.ep,
+            context_parallel_size=1, expert_parallel_size=self.ep, engine_rank=self.engine_rank,
+            engine_group_rank=0, gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            chunked_prefill=True, stop_preempted_request=True,
+        )
+
+
+def apply_environment(env: Mapping[str, str]) -> None:
+    """Set ``env`` in this process; refuse if CUDA was already initialised (too late for it)."""
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and "CUDA_VISIBLE_DEVICES" in env and torch_mod.cuda.is_initialized():
+        raise RuntimeError("CUDA_VISIBLE_DEVICES must be set before CUDA is initialised")
+    os.environ.update(env)
+
+
+@dataclass(slots=True)
+class _Req:
+    request_id: str
+    seq: Any
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    keep_blocks: bool
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _StepOutputs:
+    """One step's outputs, one record per request, in first-seen order."""
+
+    by_id: dict[str, RequestOutput] = field(default_factory=dict)
+
+    def get(self, req: _Req) -> RequestOutput:
+        out = self.by_id.get(req.request_id)
+        if out is None:
+            out = RequestOutput(req.request_id, [], num_prompt_tokens=req.num_prompt_tokens,
+                                num_cached_tokens=req.num_cached_tokens)
+            self.by_id[req.request_id] = out
+        return out
+
+
+class DeepInferEngine(Engine):
+    """One rank's DeepInfer ``LLMEngine`` behind the ``Engine`` interface (module docstring).
+
+    Invariants (``check_accounting``): every block with a cache ref is in ``_cache_refs`` with
+    the number of pins the adapter holds on it; every sequence DeepInfer may still hold blocks
+    for is in ``_live_seqs``; free blocks = ``num_blocks - 1`` - |cache blocks U live tables|, and
+    free state slots = slots - 1 - |live sequences holding a slot|. A request is in ``_active``
+    from ``add`` until the step that returns its terminal output, never after.
+    """
+
+    owns_lockstep = True
+
+    def __init__(self, settings: DeepInferSettings, host_pool: HostPool | None = None, api: Any = None) -> None:
+        if api is None:
+            apply_environment(settings.environment())
+            api = import_deepinfer()
+        self.api = api
+        self.settings = settings
+        missing = patch_missing_reason(api)
+        self.patch_present = missing is None
+        if not settings.prefix_cache:
+            self.prefix_cache_supported, self.prefix_cache_reason = False, "prefix_cache is off in the workload config"
+        elif missing is not None:
+            self.prefix_cache_supported = False
+            self.prefix_cache_reason = (
+                f"DeepInfer lacks the prefix-cache patch ({missing}); serving with the prefix cache OFF "
+                "(apply patches/deepinfer-prefix-cache.patch, see docs/deepinfer.md)")
+        else:
+            self.prefix_cache_supported, self.prefix_cache_reason = True, "prefix-cache patch present"
+        log_fn = log.info if self.prefix_cache_supported else log.warning
+        log_fn("deepinfer rank %d: %s", settings.engine_rank, self.prefix_cache_reason)
+
+        self.llm = api.LLMEngine.from_engine_args(settings.engine_args(api))
+        self.block_size = int(self.llm.cache_config.block_size)
+        if self.block_size != DEEPINFER_BLOCK_SIZE:
+            raise RuntimeError(f"DeepInfer block size {self.block_size}, expected {DEEPINFER_BLOCK_SIZE}")
+        self._bm = self.llm.block_manager
+        self._sm = self.llm.state_manager
+        self.num_blocks = int(self._bm.num_blocks if self.patch_present else self.llm.cache_config.num_gpu_blocks)
+        self._num_states = int(self._sm.num_blocks) if (self._sm is not None and self.patch_present) else 0
+        self._vocab_size = int(self.llm.model_config.get_vocab_size())
+        self._finished_status = int(api.SequenceStatus.FINISHED_STOPPED)
+        self.host_pool = host_pool
+        if host_pool is not None:
+            host_pool.open(int(self._gpu_blocks().shape[1]))
+        self._active: dict[str, _Req] = {}
+        self._aborting: list[str] = []
+        self._owed: list[RequestOutput] = []  # terminal outputs the adapter emits next step
+        self._stash: list[RequestOutput] = []  # outputs of placeholder_step(), returned next step
+        self._live_seqs: list[Any] = []
+        self._cache_refs: dict[int, int] = {}
+        self._vote: bool | None = None
+        self._inflight = False
+        self._num_cached_tokens_total = 0
+        self._num_prompt_tokens_total = 0
+        log.info("deepinfer rank %d: %d KV blocks x %d tokens, %d state slots", settings.engine_rank,
+                 self.num_blocks, self.block_size, self._num_states)
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request: EngineRequest) -> None:
+        prompt = self._validate(request)
+        prefix = [int(b) for b in request.prefix_blocks]
+        sp = request.sampling
+        sampling = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+                    "max_tokens": sp.max_tokens, "ignore_eos": sp.ignore_eos, "seq_seed": sp.seed}
+        seq = self.llm.add_request(user_id="backend", request_id=request.request_id, sampling_params=sampling,
+                                   prompt_token_ids=prompt, enqueue=not prefix)
+        req = _Req(request.request_id, seq, int(prompt.size), request.num_cached_tokens, request.keep_blocks)
+        self._active[request.request_id] = req
+        self._num_prompt_tokens_total += int(prompt.size)
+        if seq is None:  # DeepInfer drops a request silently (e.g. ids outside its vocabulary)
+            self._owe_terminal(req, FinishReason.ERROR, "DeepInfer refused the request (invalid prompt token ids)")
+            return
+        if prefix:
+            try:
+                self.llm.enqueue_with_prefix(seq, prefix, request.num_cached_tokens, request.num_cached_tokens)
+            except RuntimeError as exc:  # validated before any change on DeepInfer's side too
+                del self._active[request.request_id]
+                self._num_prompt_tokens_total -= int(prompt.size)
+                raise EngineMisuse(f"request {request.request_id!r}: DeepInfer refused the prefix: {exc}") from None
+            self._num_cached_tokens_total += request.num_cached_tokens
+        self._live_seqs.append(seq)
+
+    def _validate(self, request: EngineRequest) -> np.ndarray:
+        rid = request.request_id
+        if not isinstance(rid, str) or not rid:
+            raise EngineMisuse(f"request_id must be a non-empty string, got {rid!r}")
+        if rid in self._active:
+            raise EngineMisuse(f"request {rid!r} is already queued or running")
+        prompt = request.prompt_ids
+        if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu":
+            raise EngineMisuse(f"request {rid!r}: prompt_ids must be a non-empty 1-D integer array")
+        if int(prompt.min()) < 0 or int(prompt.max()) >= self._vocab_size:
+            raise EngineMisuse(f"request {rid!r}: token ids must be in [0, {self._vocab_size})")
+        sp = request.sampling
+        if sp.max_tokens < 1 or sp.temperature < 0 or not 0 < sp.top_p <= 1 or (sp.top_k != -1 and sp.top_k < 1):
+            raise EngineMisuse(f"request {rid!r}: bad sampling parameters {sp}")
+        prefix = list(request.prefix_blocks)
+        num_cached = request.num_cached_tokens
+        if num_cached != self.block_size * len(prefix):
+            raise EngineMisuse(f"request {rid!r}: num_cached_tokens {num_cached} != {self.block_size} x "
+                               f"{len(prefix)} prefix blocks")
+        if prefix:
+            if not self.prefix_cache_supported:
+                raise EngineMisuse(f"request {rid!r}: prefix blocks given but {self.prefix_cache_reason}")
+            if num_cached > prompt.size - 1:
+                raise EngineMisuse(f"request {rid!r}: num_cached_tokens {num_cached} leaves nothing to compute "
+                                   f"of a {prompt.size}-token prompt")
+            self._check_ids(prefix, f"request {rid!r} prefix", need_cache_ref=True)
+        return np.ascontiguousarray(prompt, dtype=np.int32)
+
+    def _check_ids(self, block_ids: Sequence[Any], what: str, need_cache_ref: bool) -> None:
+        seen: set[int] = set()
+        live: set[int] | None = None
+        for b in block_ids:
+            if not isinstance(b, (int, np.integer)) or isinstance(b, bool):
+                raise EngineMisuse(f"{what}: block id {b!r} is not an int")
+            if not 1 <= b < self.num_blocks:
+                raise EngineMisuse(f"{what}: block id {b} outside 1..{self.num_blocks - 1}")
+            if b in seen:
+                raise EngineMisuse(f"{what}: block id {b} given twice")
+            seen.add(int(b))
+            if self._cache_refs.get(int(b), 0) > 0:
+                continue
+            if need_cache_ref:
+                raise EngineMisuse(f"{what}: block {b} holds no cache reference")
+            if live is None:
+                live = self._live_blocks()
+            if int(b) not in live:
+                raise EngineMisuse(f"{what}: block {b} is not allocated")
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        to_abort = [rid for rid in dict.fromkeys(request_ids) if rid in self._active and rid not in self._aborting]
+        if to_abort:
+            self.llm.abort_request(to_abort)
+            self._aborting.extend(to_abort)
+
+    def has_work(self) -> bool:
+        return bool(self._active or self._owed or self._stash or self.llm.scheduler.has_unfinished_seqs())
+
+    # ------------------------------------------------------------------ stepping
+
+    def lockstep_has_work(self) -> bool:
+        """DeepInfer's collective vote (every rank, once per loop iteration, before ``step``)."""
+        self._vote = bool(self.llm.has_unfinished_requests())
+        return self._vote or bool(self._owed or self._stash or self._aborting)
+
+    def step(self) -> list[RequestOutput]:
+        vote, self._vote = self._vote, None
+        if vote is False:
+            ptrs = self.llm.flush_inflight_reqs() if self._inflight else np.empty(0, dtype=np.uint64)
+            self._inflight = False
+        else:
+            ptrs = self.llm.step()
+            self._inflight = True
+        return self._finish_step(ptrs)
+
+    def placeholder_step(self) -> None:
+        self._vote = None
+        outputs = self.step()  # (step() replaces self._stash: evaluate it first)
+        self._stash.extend(outputs)
+
+    def _finish_step(self, ptrs: np.ndarray) -> list[RequestOutput]:
+        step = _StepOutputs()
+        for out in self._stash:
+            step.by_id[out.request_id] = out
+        self._stash = []
+        self._read_outputs(ptrs, step)  # now: the next llm.step() recycles them
+        for rid in self._aborting:
+            req = self._active.get(rid)
+            if req is not None:
+                self._owe_terminal(req, FinishReason.ABORT)
+        self._aborting = []
+        for out in self._owed:
+            step.by_id.setdefault(out.request_id, out)
+            prev = step.by_id[out.request_id]
+            if prev is not out:  # tokens already merged this step are superseded by the terminal
+                prev.finished, prev.finish_reason, prev.error = True, out.finish_reason, out.error
+                prev.token_ids = []
+        self._owed = []
+        self._live_seqs = [s for s in self._live_seqs if not self._seq_released(s)]
+        return list(step.by_id.values())
+
+    def _read_outputs(self, ptrs: np.ndarray, step: _StepOutputs) -> None:
+        ro = self.api.RequestOutput
+        aborting = set(self._aborting)
+        for ptr in ptrs.tolist():
+            rid = ro.get_request_id(ptr)
+            req = self._active.get(rid)
+            if req is None or rid in aborting:
+                continue  # late or "ignored" output of a request already ended (or being aborted)
+            reason = ro.get_finish_reason(ptr)
+            if reason not in _TOKEN_REASONS:  # ignored: too long, preempted, ...; its token is bogus
+                self._owe_terminal(req, FinishReason.ERROR, f"DeepInfer ended the request: {reason}")
+                continue
+            out = step.get(req)
+            out.token_ids.append(int(ro.get_token_id(ptr)))
+            req.num_output_tokens += 1
+            if ro.get_finished(ptr):
+                out.finished, out.finish_reason = True, _TOKEN_REASONS[reason] or FinishReason.STOP
+                out.kept_blocks = self._harvest(req)
+                self._end(req)
+
+    def _harvest(self, req: _Req) -> list[int]:
+        """Pin a finished sequence's full blocks before DeepInfer frees the sequence."""
+        if not (req.keep_blocks and self.prefix_cache_supported):
+            return []
+        seq_len = int(req.seq.get_len())
+        assert seq_len == req.num_prompt_tokens + req.num_output_tokens, (seq_len, req)
+        num_full = (seq_len - 1) // self.block_size
+        table = list(req.seq.block_table)
+        assert len(table) >= num_full and 0 not in table[:num_full], (req.request_id, table, num_full)
+        kept = [int(b) for b in table[:num_full]]
+        self._bm.pin_blocks(kept)
+        for b in kept:
+            self._cache_refs[b] = self._cache_refs.get(b, 0) + 1
+        return kept
+
+    def _owe_terminal(self, req: _Req, reason: FinishReason, error: str | None = None) -> None:
+        self._owed.append(RequestOutput(req.request_id, [], True, reason, req.num_prompt_tokens,
+                                        req.num_cached_tokens, [], error))
+        self._end(req)
+
+    def _end(self, req: _Req) -> None:
+        del self._active[req.request_id]
+
+    def _seq_released(self, seq: Any) -> bool:
+        if int(seq.status) < self._finished_status:
+            return False
+        if not self.patch_present:
+            return not self.llm.scheduler.has_unfinished_seqs()
+        return not seq.block_table
+
+    # ------------------------------------------------------------------ cache side
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        ids = list(block_ids)
+        self._check_ids(ids, "release", need_cache_ref=True)
+        self._bm.unpin_blocks([int(b) for b in ids])
+        for b in ids:
+            left = self._cache_refs[int(b)] - 1
+            if left:
+                self._cache_refs[int(b)] = left
+            else:
+                del self._cache_refs[int(b)]
+
+    def _gpu_blocks(self) -> Any:
+        return self.llm.driver_worker.cache_engine.gpu_blocks  # [num_blocks, bytes_per_block] uint8
+
+    def _pool_for(self, host_slot: int, num_blocks: int) -> HostPool:
+        if self.host_pool is None:
+            raise EngineMisuse("this engine has no L1 host pool")
+        if num_blocks < 1:
+            raise EngineMisuse(f"need at least one block, got {num_blocks}")
+        if not 0 <= host_slot <= self.host_pool.num_slots - num_blocks:
+            raise EngineMisuse(f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.host_pool.num_slots}")
+        return self.host_pool
+
+    def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
+        # KV writes and these copies are issued on the same (current) stream, so they are ordered.
+        ids = list(block_ids)
+        pool = self._pool_for(host_slot, len(ids))
+        self._check_ids(ids, "export", need_cache_ref=False)
+        pool.copy_from_device(self._gpu_blocks(), [int(b) for b in ids], host_slot)
+
+    def import_blocks(self, host_slot: int, num_blocks: int) -> list[int]:
+        pool = self._pool_for(host_slot, num_blocks)
+        self._bm.lock()  # allocate_nolock throws part-way when short: check under the same lock
+        try:
+            free = int(self._bm.get_num_free_blocks())
+            if free < num_blocks:
+                raise CapacityExhausted(f"import of {num_blocks} blocks: {free} free")
+            ids = [int(b) for b in self._bm.allocate_nolock(num_blocks)]
+        finally:
+            self._bm.unlock()
+        try:
+            pool.copy_to_device(self._gpu_blocks(), ids, host_slot)
+        except BaseException:
+            self._bm.unpin_blocks(ids)
+            raise
+        for b in ids:
+            self._cache_refs[b] = 1
+        return ids
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> EngineStats:
+        sched = self.llm.scheduler
+        num_running, _ = sched.get_sum_prompt_len_running()
+        num_waiting, _ = sched.get_sum_prompt_len_waiting()
+        running_tokens = waiting_tokens = 0
+        for req in self._active.values():
+            if req.num_output_tokens:
+                running_tokens += req.num_prompt_tokens + req.num_output_tokens
+            else:
+                waiting_tokens += req.num_prompt_tokens - req.num_cached_tokens
+        return EngineStats(
+            num_blocks=self.num_blocks, num_free_blocks=int(self._bm.get_num_free_blocks()),
+            num_cached_blocks=len(self._cache_refs), num_running=int(num_running), num_waiting=int(num_waiting),
+            running_tokens=running_tokens, waiting_tokens=waiting_tokens,
+            num_cached_tokens_total=self._num_cached_tokens_total, num_prompt_tokens_total=self._num_prompt_tokens_total,
+        )
+
+    def _live_blocks(self) -> set[int]:
+        held: set[int] = set()
+        if self.patch_present:
+            for seq in self._live_seqs:
+                held.update(int(b) for b in seq.block_table)
+        return held
+
+    def check_accounting(self) -> None:
+        free = int(self._bm.get_num_free_blocks())
+        assert all(n > 0 for n in self._cache_refs.values()), self._cache_refs
+        if self.patch_present:
+            held = self._live_blocks() | set(self._cache_refs)
+            assert 0 not in held, "block 0 handed out"
+            assert free == self.num_blocks - 1 - len(held), (free, self.num_blocks, sorted(held))
+            if self._sm is not None:
+                slots = [int(s.state_id) for s in self._live_seqs if s.block_table and int(s.state_id) > 0]
+                assert len(slots) == len(set(slots)), f"state slot shared: {slots}"
+                sm_free = int(self._sm.get_num_free_blocks())
+                assert sm_free == self._num_states - 1 - len(slots), (sm_free, self._num_states, slots)
+        elif not self.llm.scheduler.has_unfinished_seqs():
+            assert free == self.num_blocks - 1 - len(self._cache_refs), (free, self.num_blocks)
+
+    def close(self) -> None:
+        try:
+            self.llm.close()
+        finally:
+            if self.host_pool is not None:
+                self.host_pool.close()

@@ -113,7 +113,7 @@ class _RateLimitedLog:
         self._last[key] = now
         skipped = self._suppressed.pop(key, 0)
         suffix = f" ({skipped} similar lines suppressed)" if skipped else ""
-        self._logger.warning("symptom %s: %s%s", key, message, suffix)
+        self._logger.warning("symptom %s%s", message, suffix)
         return True
 
 
@@ -276,7 +276,7 @@ class RuntimeSymptoms:
         where = self._divergence_text(first_divergent_pos)
         self._log.warning(
             "uncached_turn", t,
-            f"session {session_key[:24]} turn {turns + 1}: 0 of {num_prompt_tokens} prompt tokens cached; {where}",
+            f"uncached_repeat: session {session_key[:24]} turn {turns + 1}: 0 of {num_prompt_tokens} prompt tokens cached; {where}",
         )
         num, size = self._num_uncached_in_window, len(self._uncached_window)
         if num >= s.uncached_min_turns and num / size >= s.uncached_ratio:
@@ -307,9 +307,9 @@ class RuntimeSymptoms:
         self.m_unknown_model.labels(model=label).inc()
         t = self._now(now)
         if _CLAUDE_RE.search(str(name)):
-            var = "ANTHROPIC_DEFAULT_HAIKU_MODEL" if "haiku" in str(name).lower() else "ANTHROPIC_MODEL"
-            fix = (f"set {var} (and ANTHROPIC_MODEL / ANTHROPIC_DEFAULT_HAIKU_MODEL both) to "
-                   f"{s.served_model_name} in Claude Code's environment")
+            first, second = ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_MODEL") if "haiku" in str(name).lower() \
+                else ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL")
+            fix = f"set {first} and {second} to {s.served_model_name} in Claude Code's environment"
         else:
             fix = f"send model {s.served_model_name} (or the workload slug, or 'default')"
         message = (f"unknown_model: {self._unknown_counts[label]} request(s) for model '{label}', which this "

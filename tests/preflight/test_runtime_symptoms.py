@@ -41,7 +41,7 @@ def test_uncached_repeats_raise_a_warning_with_the_divergent_position(caplog: py
     assert value(reg, "deepinfer_symptom_uncached_repeat_turns_total") == 4
     assert value(reg, "deepinfer_symptom_active", symptom="uncached_repeat") == 1
     assert "0 of 6000 prompt tokens cached" in caplog.text
-    assert caplog.text.count("symptom uncached_turn") == 1  # rate limited within log_interval_s
+    assert caplog.text.count("symptom uncached_repeat: session") == 1  # rate limited within log_interval_s
 
 
 def test_cached_turns_clear_the_warning_and_short_prompts_do_not_count() -> None:
@@ -183,7 +183,7 @@ def test_claude_model_id_gets_the_claude_code_hint() -> None:
     sym.observe_unknown_model("claude-3-5-haiku-20241022")
     assert value(reg, "deepinfer_symptom_unknown_model_requests_total", model="claude-sonnet-4-5-20250929") == 2
     [warning] = sym.active_warnings()
-    assert "ANTHROPIC_DEFAULT_HAIKU_MODEL" in warning and "deepseek-v4.1-flash" in warning
+    assert "set ANTHROPIC_DEFAULT_HAIKU_MODEL and ANTHROPIC_MODEL to deepseek-v4.1-flash" in warning
     assert sym.unknown_model_counts() == {"claude-sonnet-4-5-20250929": 2, "claude-3-5-haiku-20241022": 1}
 
 

@@ -20,6 +20,8 @@ import json
 from typing import Any
 
 import numpy as np
+import orjson
+import xxhash
 
 from protocol.conversation import Block, Conversation, Message, ToolCall
 
@@ -72,8 +74,23 @@ def to_json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=True, default=str)
 
 
+_TOOLS_TEXT_CACHE: dict[int, str] = {}  # tools are byte-identical across a session's turns
+
+
 def tools_schema_text(tools: list[dict[str, Any]]) -> str:
-    return "\n".join(to_json(t) for t in tools)
+    """One schema per line. Memoized by a hash of the tools' compact JSON (json.dumps of a
+    70 KB tool list costs milliseconds on every turn otherwise)."""
+    try:
+        key = xxhash.xxh3_128_intdigest(orjson.dumps(tools))
+    except TypeError:
+        return "\n".join(to_json(t) for t in tools)
+    text = _TOOLS_TEXT_CACHE.get(key)
+    if text is None:
+        text = "\n".join(to_json(t) for t in tools)
+        if len(_TOOLS_TEXT_CACHE) >= 256:
+            _TOOLS_TEXT_CACHE.clear()
+        _TOOLS_TEXT_CACHE[key] = text
+    return text
 
 
 def arguments_dict(arguments: Any) -> dict[str, Any]:

@@ -32,6 +32,8 @@ from tokenizers import Tokenizer
 from protocol.render import CLIENT, IDS, OURS, Segment
 
 _ENTRY_OVERHEAD_BYTES = 200  # dict slot + OrderedDict link + ndarray header, roughly
+_SMALL_PIECE_CHARS = 256  # pieces up to this long are cached by their text in a plain dict
+_SMALL_CACHE_ENTRIES = 65536  # ~30 MB at most
 
 
 def default_tokenizer_path() -> str:
@@ -119,6 +121,7 @@ class PromptTokenizer:
         names = sorted(self.added_tokens, key=len, reverse=True)
         self._added_re = re.compile("|".join(re.escape(s) for s in names)) if names else None
         self._ours_cache: dict[str, list[str | int]] = {}
+        self._small_cache: dict[str, list[int]] = {}
         self.cache = PieceCache(cache_bytes)
 
     @classmethod
@@ -167,49 +170,62 @@ class PromptTokenizer:
         return ids
 
     def encode_segments(self, segments: Iterable[Segment], use_cache: bool = True) -> np.ndarray:
-        """Token ids of a rendered prompt (int32, 1-D)."""
+        """Token ids of a rendered prompt (int32, 1-D).
+
+        Short pieces (tags, names, paths) and control ids accumulate in one Python list; long
+        pieces come from the byte-bounded LRU as arrays. Few numpy calls per prompt."""
         chunks: list[np.ndarray] = []
+        small: list[int] = []
         pending: list[str] = []
-        controls: list[int] = []
+        small_cache = self._small_cache
 
         def flush_text() -> None:
-            if pending:
-                text = "".join(pending)
-                pending.clear()
-                if text:
-                    chunks.append(self._piece_ids(text, use_cache))
-
-        def flush_controls() -> None:
-            if controls:
-                chunks.append(np.asarray(controls, dtype=np.int32))
-                controls.clear()
+            text = "".join(pending) if len(pending) != 1 else pending[0]
+            pending.clear()
+            if not text:
+                return
+            if use_cache and len(text) <= _SMALL_PIECE_CHARS:
+                ids = small_cache.get(text)
+                if ids is None:
+                    ids = self.plain.encode(text, add_special_tokens=False).ids
+                    if len(small_cache) >= _SMALL_CACHE_ENTRIES:
+                        small_cache.clear()  # bounded; refills from the next prompts
+                    small_cache[text] = ids
+                small.extend(ids)
+                return
+            if small:
+                chunks.append(np.asarray(small, dtype=np.int32))
+                small.clear()
+            chunks.append(self._piece_ids(text, use_cache))
 
         for kind, payload in segments:
             if kind == CLIENT:
                 if payload:
-                    if controls:
-                        flush_controls()
                     pending.append(payload)
             elif kind == OURS:
                 for part in self._split_ours(payload):
                     if isinstance(part, int):
-                        flush_text()
-                        controls.append(part)
+                        if pending:
+                            flush_text()
+                        small.append(part)
                     else:
-                        if controls:
-                            flush_controls()
                         pending.append(part)
             elif kind == IDS:
-                flush_text()
-                flush_controls()
+                if pending:
+                    flush_text()
+                if small:
+                    chunks.append(np.asarray(small, dtype=np.int32))
+                    small.clear()
                 chunks.append(np.asarray(payload, dtype=np.int32))
             else:  # pragma: no cover - render produces only the three kinds
                 raise AssertionError(f"bad segment kind {kind}")
-        flush_text()
-        flush_controls()
+        if pending:
+            flush_text()
+        if small:
+            chunks.append(np.asarray(small, dtype=np.int32))
         if not chunks:
             return np.zeros(0, dtype=np.int32)
-        return np.concatenate(chunks)
+        return np.concatenate(chunks) if len(chunks) > 1 else chunks[0].copy()
 
     def encode_text(self, text: str) -> np.ndarray:
         """Whole-string encoding with added-token matching (the naive way; tests and bench)."""

@@ -1,0 +1,588 @@
+"""``RankGroup``: supervisor and client of N rank processes (backend process, asyncio).
+
+Supervision: the group starts N ``rank.worker`` processes (one per GPU, N = ``config.ep``) with
+only the environment a rank needs, logs their load progress, and waits for all of them to be
+ready within ``load_timeout_seconds``. Then it watches: a rank process exiting, a rank missing
+heartbeats for ``heartbeat_timeout_s`` (stalled, e.g. SIGSTOP or a wedged driver), a rank stuck in
+one step/collective for ``step_timeout_s``, or a rank reporting a fatal error, fails the *group*:
+lockstep ranks cannot continue without every peer. Every in-flight request of the group ends
+with ``RankFailed`` naming the cause, every pending command fails the same way, the remaining
+ranks are killed, ``epoch`` goes up by one, restart listeners hear the new epoch (caches drop
+everything of the dead one), and a fresh group is started. After ``max_start_failures``
+consecutive failed starts the group gives up (``FAILED``).
+
+Client: one PUSH socket per rank for commands (sent without blocking from the event loop) and one
+PULL socket per rank read by one task per rank. A step message carries all of that rank's
+outputs for the step; they are turned into ``RequestOutput``s and pushed into the requests'
+``RequestStream``s (see ``rank/wire.py`` for the format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import zmq
+import zmq.asyncio
+
+from rank import wire
+from rank.client import GroupState, RequestStream
+from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, EngineStats, FinishReason, RequestOutput
+from rank.errors import RankFailed, RankUnavailable
+
+log = logging.getLogger(__name__)
+
+BACKEND_ROOT = str(Path(__file__).resolve().parents[1])
+ENV_PASSTHROUGH = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_HOME")
+KERNEL_CACHE_VARS = ("DG_JIT_CACHE_DIR", "EP_JIT_CACHE_DIR", "TILELANG_CACHE_DIR", "TRITON_CACHE_DIR")
+ENV_PREFIXES = ("NCCL_", "DEEPINFER_")  # engine knobs an operator may set; never credentials
+WATCHDOG_EVERY_S = 0.25
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass(slots=True)
+class _Req:
+    stream: RequestStream
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True, eq=False)
+class _Rank:
+    """One rank process of the current epoch and its sockets (all closed at teardown)."""
+
+    rank: int
+    cmd: zmq.Socket
+    out: zmq.asyncio.Socket
+    proc: asyncio.subprocess.Process | None = None
+    last_seen: float = 0.0
+    phase: str = "starting"
+    progress: str = ""
+    busy_s: float = 0.0
+    ready: dict[str, Any] | None = None
+    stats: list[int] | None = None
+    requests: dict[int, _Req] = field(default_factory=dict)
+    next_handle: int = 0
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    exit_code: int | None = None
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankGroup:
+    """Supervisor + ``RankClient`` of N rank processes (module docstring has the life cycle).
+
+    Invariants: ``state == READY`` exactly while every rank of ``epoch`` has announced itself and
+    no failure was seen; every request and command of an epoch is answered or failed before
+    ``epoch`` changes; restart listeners run before the next epoch accepts work.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        num_ranks: int | None = None,
+        python: str | None = None,
+        name: str | None = None,
+        heartbeat_timeout_s: float = 3.0,
+        loading_heartbeat_timeout_s: float = 60.0,
+        step_timeout_s: float = 600.0,
+        max_start_failures: int = 3,
+        restart_backoff_s: float = 1.0,
+        base_env: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.num_ranks = num_ranks if num_ranks is not None else config.ep
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if python is None:
+            python = os.path.join(config.deepinfer_venv, "bin", "python") if config.engine == "deepinfer" else sys.executable
+        self.python = python
+        self.name = name or f"g{os.getpid()}-{id(self) & 0xFFFFFF:x}"
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        # While a rank starts and loads, one C call (dlopen of libtorch, a weight read, a JIT
+        # build) can hold the GIL and delay its heartbeat thread; only a loaded rank is held
+        # to the tight bound.
+        self.loading_heartbeat_timeout_s = max(loading_heartbeat_timeout_s, heartbeat_timeout_s)
+        self.step_timeout_s = step_timeout_s
+        self.max_start_failures = max_start_failures
+        self.restart_backoff_s = restart_backoff_s
+        self._base_env = dict(os.environ) if base_env is None else dict(base_env)
+        self.block_size = config.block_size
+        self.num_blocks = 0
+        self.bytes_per_block = 0
+        self.num_host_slots = 0
+        self.epoch = 0
+        self.state = GroupState.STOPPED
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self.last_detection_s: float | None = None  # failure seen -> in-flight requests failed
+        self._ranks: list[_Rank] = []
+        self._listeners: list[Callable[[int], None]] = []
+        self._pending: dict[int, tuple[int, asyncio.Future[Any]]] = {}
+        self._cids = itertools.count(1)
+        self._failure: asyncio.Future[str] | None = None
+        self._state_event = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closing = False
+        self._tmpdir: str | None = None
+        self._sync_ctx: zmq.Context | None = None
+        self._async_ctx: zmq.asyncio.Context | None = None
+        from cache.l1_pool import host_pool_path, plan_host_pool_bytes
+
+        self.host_pool_path = host_pool_path(self.name)
+        if config.l1_cache and config.l1_host_gb > 0:
+            self.host_pool_bytes, reason = plan_host_pool_bytes(config.l1_host_gb, self.num_ranks)
+            log.info("%s", reason)
+        else:
+            self.host_pool_bytes = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, *, wait: bool = True) -> None:
+        """Launch the ranks; with ``wait``, return once READY (raise RankFailed if it gives up)."""
+        if self._task is not None:
+            if wait:
+                await self.wait_ready()
+            return
+        if not (os.path.isfile(self.python) and os.access(self.python, os.X_OK)):
+            self.state = GroupState.FAILED
+            self.last_failure = f"rank interpreter {self.python} does not exist or is not executable"
+            raise RankFailed(self.last_failure)
+        self._closing = False
+        self._tmpdir = tempfile.mkdtemp(prefix="dib-ranks-")
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self.epoch = 1
+        self._set_state(GroupState.STARTING)
+        self._task = asyncio.create_task(self._lifecycle(), name=f"rank-group-{self.name}")
+        if wait:
+            await self.wait_ready()
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        async def wait() -> None:
+            while self.state not in (GroupState.READY, GroupState.FAILED, GroupState.STOPPED):
+                self._state_event.clear()
+                await self._state_event.wait()
+
+        await asyncio.wait_for(wait(), timeout_s)
+        if self.state != GroupState.READY:
+            raise RankFailed(f"rank group is {self.state.value}: {self.last_failure}")
+
+    async def close(self) -> None:
+        """Stop the ranks (graceful shutdown vote, then SIGKILL) and fail anything in flight."""
+        if self._task is None:
+            self.state = GroupState.STOPPED
+            return
+        self._closing = True
+        if self.state == GroupState.READY:
+            for r in self._ranks:
+                with contextlib.suppress(zmq.ZMQError):
+                    r.cmd.send_multipart(wire.pack({"op": "shutdown"}), zmq.NOBLOCK)
+            procs = [r.proc for r in self._ranks if r.proc is not None]
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), SHUTDOWN_GRACE_S)
+        self._fail_epoch("rank group closed")
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        if self._sync_ctx is not None:
+            self._sync_ctx.term()
+        if self._async_ctx is not None:
+            self._async_ctx.term()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._set_state(GroupState.STOPPED)
+
+    def _set_state(self, state: GroupState) -> None:
+        self.state = state
+        self._state_event.set()
+
+    def _fail_epoch(self, reason: str) -> None:
+        if self._failure is not None and not self._failure.done():
+            self._failure.set_result(reason)
+
+    async def _lifecycle(self) -> None:
+        consecutive_failures = 0
+        while True:
+            reason, was_ready = await self._run_epoch()
+            await self._teardown(reason)
+            if self._closing:
+                return
+            self.restarts += 1
+            self.last_failure = reason
+            consecutive_failures = 0 if was_ready else consecutive_failures + 1
+            if consecutive_failures >= self.max_start_failures:
+                log.error("rank group %s: giving up after %d failed starts: %s", self.name, consecutive_failures, reason)
+                self._set_state(GroupState.FAILED)
+                return
+            self.epoch += 1
+            self._set_state(GroupState.RESTARTING)
+            log.warning("rank group %s: restarting as epoch %d after: %s", self.name, self.epoch, reason)
+            for fn in list(self._listeners):
+                try:
+                    fn(self.epoch)
+                except Exception:  # noqa: BLE001 - a listener bug must not stop the restart
+                    log.exception("restart listener %r failed", fn)
+            if not was_ready:
+                await asyncio.sleep(self.restart_backoff_s)
+
+    async def _run_epoch(self) -> tuple[str, bool]:
+        """Launch every rank, wait for READY, then for the first failure. Returns (reason, was_ready)."""
+        loop = asyncio.get_running_loop()
+        self._failure = failure = loop.create_future()
+        started = time.monotonic()
+        try:
+            await self._launch()
+        except Exception as exc:  # noqa: BLE001 - e.g. exec failure; reported as the reason
+            return f"could not launch ranks: {type(exc).__name__}: {exc}", False
+        timeout = self.config.load_timeout_seconds
+        while not failure.done() and not all(r.ready for r in self._ranks):
+            if time.monotonic() - started > timeout:
+                phases = ", ".join(f"rank {r.rank}: {r.phase} {r.progress}".strip() for r in self._ranks)
+                return f"ranks not ready within load_timeout_seconds={timeout:g} ({phases})", False
+            await asyncio.wait([failure], timeout=0.1)
+        if failure.done():
+            return failure.result(), False
+        infos = [r.ready for r in self._ranks]
+        geometry = {(i["block_size"], i["num_blocks"], i["bytes_per_block"], i["num_host_slots"]) for i in infos if i}
+        if len(geometry) != 1:
+            return f"ranks disagree on KV geometry: {sorted(geometry)}", False
+        self.block_size, self.num_blocks, self.bytes_per_block, self.num_host_slots = geometry.pop()
+        log.info(
+            "rank group %s epoch %d ready in %.1fs: %d ranks, %d blocks x %d tokens per rank, %d host slots",
+            self.name, self.epoch, time.monotonic() - started, self.num_ranks, self.num_blocks,
+            self.block_size, self.num_host_slots,
+        )
+        self._set_state(GroupState.READY)
+        return await failure, True
+
+    async def _launch(self) -> None:
+        from cache.l1_pool import HostPool
+
+        HostPool.unlink(self.host_pool_path)  # a new epoch starts with an empty L1
+        assert self._tmpdir is not None and self._sync_ctx is not None and self._async_ctx is not None
+        config_path = os.path.join(self._tmpdir, f"config-{self.epoch}.json")
+        raw = self.config.model_dump(mode="json")
+        raw["api_key"] = None  # ranks never need the HTTP credential
+        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(raw))
+        master_port = _free_port()
+        self._ranks = []
+        now = time.monotonic()
+        for rank in range(self.num_ranks):
+            cmd_addr = f"ipc://{self._tmpdir}/e{self.epoch}-r{rank}-cmd"
+            out_addr = f"ipc://{self._tmpdir}/e{self.epoch}-r{rank}-out"
+            cmd = self._sync_ctx.socket(zmq.PUSH)
+            cmd.setsockopt(zmq.SNDHWM, 0)
+            cmd.setsockopt(zmq.LINGER, 0)
+            cmd.bind(cmd_addr)
+            out = self._async_ctx.socket(zmq.PULL)
+            out.setsockopt(zmq.RCVHWM, 0)
+            out.setsockopt(zmq.LINGER, 0)
+            out.bind(out_addr)
+            r = _Rank(rank, cmd, out, last_seen=now)
+            self._ranks.append(r)
+            args = [
+                self.python, "-m", "rank.worker", "--rank", str(rank), "--world-size", str(self.num_ranks),
+                "--config", config_path, "--cmd-addr", cmd_addr, "--out-addr", out_addr,
+                "--master-port", str(master_port), "--threads", str(self._threads_per_rank()),
+                "--host-pool-path", self.host_pool_path, "--host-pool-bytes", str(self.host_pool_bytes),
+            ]
+            if self.config.engine == "deepinfer":
+                args += ["--min-python", "3.12"]
+            r.proc = await asyncio.create_subprocess_exec(
+                *args, env=self.rank_env(rank, master_port), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd=BACKEND_ROOT,
+            )
+            log.info("rank group %s epoch %d: started rank %d (pid %d)", self.name, self.epoch, rank, r.proc.pid)
+            self._tasks += [
+                asyncio.create_task(self._receive(r)),
+                asyncio.create_task(self._wait_exit(r)),
+                asyncio.create_task(self._forward_stderr(r)),
+            ]
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+
+    def _threads_per_rank(self) -> int:
+        if self.config.engine == "reference" and not str(self.config.reference_device).startswith("cuda"):
+            return max(1, (os.cpu_count() or 1) // self.num_ranks)
+        return 0
+
+    def rank_env(self, rank: int, master_port: int) -> dict[str, str]:
+        """Only what a rank needs: no API keys, tokens or the backend's other settings."""
+        base = self._base_env
+        env = {k: base[k] for k in ENV_PASSTHROUGH if k in base}
+        env.update({k: v for k, v in base.items() if k.startswith(ENV_PREFIXES)})
+        for key in KERNEL_CACHE_VARS:
+            value = self.config.env.get(key) or base.get(key)
+            if value:
+                env[key] = value
+        env.update(self.config.deepinfer_env)
+        env["PYTHONPATH"] = BACKEND_ROOT
+        env["PYTHONUNBUFFERED"] = "1"
+        env["MASTER_ADDR"] = "127.0.0.1"
+        env["MASTER_PORT"] = str(master_port)
+        uses_gpu = self.config.engine == "deepinfer" or str(self.config.reference_device).startswith("cuda")
+        if uses_gpu:
+            listed = self.config.env.get("CUDA_VISIBLE_DEVICES") or base.get("CUDA_VISIBLE_DEVICES") or ""
+            gpus = [g.strip() for g in listed.split(",") if g.strip()] or [str(i) for i in range(self.num_ranks)]
+            own = gpus[rank % len(gpus)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join([own] + [g for g in gpus if g != own])
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            threads = self._threads_per_rank()
+            if threads:
+                env["OMP_NUM_THREADS"] = str(threads)
+        return env
+
+    async def _teardown(self, reason: str) -> None:
+        detected = time.monotonic()
+        if self.state == GroupState.READY or self.state == GroupState.STARTING:
+            self._set_state(GroupState.RESTARTING if not self._closing else GroupState.STOPPED)
+        error = RankFailed(f"rank group epoch {self.epoch} failed: {reason}")
+        num_failed = 0
+        for r in self._ranks:
+            for req in r.requests.values():
+                req.stream.fail(error)
+                num_failed += 1
+            r.requests.clear()
+        for _, fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._pending.clear()
+        self.last_detection_s = time.monotonic() - detected
+        if num_failed:
+            log.warning("rank group %s: failed %d in-flight requests: %s", self.name, num_failed, reason)
+        for r in self._ranks:
+            if r.proc is not None and r.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    r.proc.kill()
+        for r in self._ranks:
+            if r.proc is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(r.proc.wait(), 10)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for r in self._ranks:
+            r.cmd.close(0)
+            r.out.close(0)
+        from cache.l1_pool import HostPool
+
+        HostPool.unlink(self.host_pool_path)
+
+    # ------------------------------------------------------------------ monitors
+
+    async def _wait_exit(self, r: _Rank) -> None:
+        assert r.proc is not None
+        code = await r.proc.wait()
+        r.exit_code = code
+        if not self._closing:
+            tail = f"; last output: {r.stderr_tail[-1]}" if r.stderr_tail else ""
+            self._fail_epoch(f"rank {r.rank} (pid {r.proc.pid}) {_describe_exit(code)}{tail}")
+
+    async def _forward_stderr(self, r: _Rank) -> None:
+        assert r.proc is not None and r.proc.stderr is not None
+        while True:
+            line = await r.proc.stderr.readline()
+            if not line:
+                return
+            text = line.decode(errors="replace").rstrip()
+            r.stderr_tail.append(text)
+            log.info("[rank %d] %s", r.rank, text)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_EVERY_S)
+            now = time.monotonic()
+            for r in self._ranks:
+                silent_s = now - r.last_seen
+                limit = self.heartbeat_timeout_s if r.ready else self.loading_heartbeat_timeout_s
+                if silent_s > limit:
+                    self._fail_epoch(
+                        f"rank {r.rank} (pid {r.proc.pid if r.proc else '?'}) stalled: no heartbeat for {silent_s:.1f}s"
+                    )
+                elif r.busy_s > self.step_timeout_s:
+                    self._fail_epoch(f"rank {r.rank} stuck in one step for {r.busy_s:.0f}s (step_timeout_s)")
+
+    async def _receive(self, r: _Rank) -> None:
+        while True:
+            frames = await r.out.recv_multipart()
+            r.last_seen = time.monotonic()
+            header = orjson.loads(frames[0])
+            kind = header["t"]
+            if kind == "step":
+                r.stats = header["stats"]
+                if len(frames) == 4 and frames[1]:
+                    self._dispatch(r, header, frames)
+            elif kind == "hb":
+                r.busy_s = header["busy_s"]
+                if header["phase"] != r.phase or header["progress"] != r.progress:
+                    r.phase, r.progress = header["phase"], header["progress"]
+                    if r.phase != "ready":
+                        log.info("rank %d: %s %s", r.rank, r.phase, r.progress)
+            elif kind == "reply":
+                self._on_reply(r, header)
+            elif kind == "reject":
+                req = r.requests.pop(header["h"], None)
+                if req is not None:
+                    req.stream.fail(EngineMisuse(header["msg"]))
+            elif kind == "ready":
+                r.ready, r.stats, r.phase = header, header["stats"], "ready"
+            elif kind == "fatal":
+                self._fail_epoch(header["msg"])
+
+    def _dispatch(self, r: _Rank, header: dict[str, Any], frames: list[bytes]) -> None:
+        handles = np.frombuffer(frames[1], dtype="<i4").tolist()
+        counts = np.frombuffer(frames[2], dtype="<i4").tolist()
+        tokens = np.frombuffer(frames[3], dtype="<i4").tolist()
+        finished = {entry[0]: entry for entry in header["fin"]}
+        requests = r.requests
+        offset = 0
+        for i, handle in enumerate(handles):
+            n = counts[i]
+            ids = tokens[offset : offset + n]
+            offset += n
+            fin = finished.get(i)
+            if fin is None:
+                req = requests.get(handle)
+                if req is not None:
+                    req.stream.push(RequestOutput(req.request_id, ids, False, None, req.num_prompt_tokens, req.num_cached_tokens))
+                continue
+            req = requests.pop(handle, None)
+            if req is not None:
+                _, reason, n_prompt, n_cached, kept, error = fin
+                req.stream.push(RequestOutput(req.request_id, ids, True, FinishReason(reason), n_prompt, n_cached, kept, error))
+
+    def _on_reply(self, r: _Rank, header: dict[str, Any]) -> None:
+        if "stats" in header:
+            r.stats = header["stats"]
+        entry = self._pending.pop(header["cid"], None)
+        if entry is None or entry[1].done():
+            return
+        fut = entry[1]
+        if header["ok"]:
+            fut.set_result(header["result"])
+        else:
+            exc_type = CapacityExhausted if header["etype"] == "CapacityExhausted" else EngineMisuse
+            fut.set_exception(exc_type(header["msg"]))
+
+    # ------------------------------------------------------------------ RankClient
+
+    def _ready_rank(self, rank: int) -> _Rank:
+        if self.state != GroupState.READY:
+            raise RankUnavailable(f"rank group is {self.state.value}" + (f" ({self.last_failure})" if self.last_failure else ""))
+        if not 0 <= rank < self.num_ranks:
+            raise EngineMisuse(f"rank {rank} outside 0..{self.num_ranks - 1}")
+        return self._ranks[rank]
+
+    def _send(self, r: _Rank, frames: list[bytes]) -> None:
+        try:
+            r.cmd.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise RankUnavailable(f"rank {r.rank} is not reachable: {exc}") from None
+
+    def submit(self, rank: int, request: EngineRequest) -> RequestStream:
+        r = self._ready_rank(rank)
+        handle = r.next_handle
+        r.next_handle = (handle + 1) & 0x7FFFFFFF
+        self._send(r, wire.encode_add(request, handle))
+        stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id))
+        r.requests[handle] = _Req(stream, request.request_id, len(request.prompt_ids), request.num_cached_tokens)
+        return stream
+
+    def abort(self, rank: int, request_id: str) -> None:
+        if self.state != GroupState.READY or not 0 <= rank < self.num_ranks:
+            return  # nothing to abort: the epoch's requests are already failed
+        with contextlib.suppress(RankUnavailable):
+            self._send(self._ranks[rank], wire.pack({"op": "abort", "rids": [request_id]}))
+
+    async def _command(self, rank: int, header: dict[str, Any]) -> Any:
+        r = self._ready_rank(rank)
+        cid = next(self._cids)
+        header["cid"] = cid
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[cid] = (rank, fut)
+        try:
+            self._send(r, wire.pack(header))
+        except RankUnavailable:
+            self._pending.pop(cid, None)
+            raise
+        return await fut
+
+    async def release(self, rank: int, block_ids: list[int]) -> None:
+        await self._command(rank, {"op": "release", "ids": [int(b) for b in block_ids]})
+
+    async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None:
+        await self._command(rank, {"op": "export", "ids": [int(b) for b in block_ids], "slot": int(host_slot)})
+
+    async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]:
+        return list(await self._command(rank, {"op": "import", "slot": int(host_slot), "n": int(num_blocks)}))
+
+    def stats(self, rank: int) -> EngineStats:
+        values = self._ranks[rank].stats if 0 <= rank < len(self._ranks) else None
+        if values is None:
+            return EngineStats(self.num_blocks, max(0, self.num_blocks - 1), 0, 0, 0, 0, 0, 0, 0)
+        return wire.stats_from_list(values)
+
+    def add_restart_listener(self, fn: Callable[[int], None]) -> None:
+        self._listeners.append(fn)
+
+    def health(self) -> dict[str, Any]:
+        """Group state for /healthz: state, epoch, restarts, last failure, per-rank liveness."""
+        now = time.monotonic()
+        return {
+            "state": self.state.value,
+            "epoch": self.epoch,
+            "num_ranks": self.num_ranks,
+            "restarts": self.restarts,
+            "last_failure": self.last_failure,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "pid": r.proc.pid if r.proc else None,
+                    "alive": r.proc is not None and r.proc.returncode is None,
+                    "phase": r.phase,
+                    "progress": r.progress,
+                    "last_heartbeat_s_ago": round(now - r.last_seen, 3),
+                    "in_flight": len(r.requests),
+                }
+                for r in self._ranks
+            ],
+        }
+
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self._ranks if r.proc is not None]

@@ -1,0 +1,90 @@
+"""Messages between the backend (``RankGroup``) and a rank process (``rank.worker``).
+
+Every message is a zmq multipart message whose first frame is a small orjson header; bulk data
+(prompt ids, a step's output ids) travels in further frames as raw little-endian int32 bytes, so
+nothing per token is JSON-encoded. One ``step`` message carries every output of one engine step:
+
+    header {"t": "step", "stats": [9 ints], "fin": [[index, reason, n_prompt, n_cached,
+            kept_blocks, error], ...]}  (one entry per finished output)
+    frame 1: int32 handles (one per output; the backend's id for the request)
+    frame 2: int32 token counts (one per output)
+    frame 3: int32 token ids (all outputs' ids, concatenated)
+
+Commands (backend -> rank): ``add`` (+ prompt frame), ``abort``, ``release``, ``export``,
+``import``, ``shutdown``. ``release``/``export``/``import`` carry a command id ``cid`` that the
+``reply`` echoes; an ``add`` the engine rejects is answered by ``reject`` with its handle.
+Other rank messages: ``hb`` (heartbeat, with load progress), ``ready`` (geometry), ``fatal``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import numpy as np
+import orjson
+
+from rank.engine import EngineRequest, EngineStats, RequestOutput, SamplingParams
+
+STATS_FIELDS = (
+    "num_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting",
+    "running_tokens", "waiting_tokens", "num_cached_tokens_total", "num_prompt_tokens_total",
+)
+
+
+def pack(header: dict[str, Any], *frames: bytes) -> list[bytes]:
+    return [orjson.dumps(header), *frames]
+
+
+def unpack_header(frame: bytes) -> dict[str, Any]:
+    return orjson.loads(frame)
+
+
+def encode_add(request: EngineRequest, handle: int) -> list[bytes]:
+    sp = request.sampling
+    header = {
+        "op": "add", "rid": request.request_id, "h": handle,
+        "sp": [sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.ignore_eos],
+        "pb": [int(b) for b in request.prefix_blocks], "nc": request.num_cached_tokens,
+        "kb": request.keep_blocks,
+    }
+    prompt = np.ascontiguousarray(request.prompt_ids, dtype="<i4")
+    return pack(header, prompt.tobytes())
+
+
+def decode_add(header: dict[str, Any], prompt_frame: bytes) -> EngineRequest:
+    max_tokens, temperature, top_p, top_k, seed, ignore_eos = header["sp"]
+    return EngineRequest(
+        request_id=header["rid"],
+        prompt_ids=np.frombuffer(prompt_frame, dtype="<i4").astype(np.int32),
+        sampling=SamplingParams(max_tokens, temperature, top_p, top_k, seed, ignore_eos),
+        prefix_blocks=tuple(header["pb"]),
+        num_cached_tokens=header["nc"],
+        keep_blocks=header["kb"],
+    )
+
+
+def stats_list(stats: EngineStats) -> list[int]:
+    return [getattr(stats, name) for name in STATS_FIELDS]
+
+
+def stats_from_list(values: list[int]) -> EngineStats:
+    return EngineStats(*values)
+
+
+def encode_step(outputs: list[RequestOutput], handles: dict[str, int], stats: EngineStats) -> list[bytes]:
+    """Encode a step's outputs; drops handles of finished requests from ``handles``."""
+    hs, counts, tokens = array("i"), array("i"), array("i")
+    fin = []
+    for i, out in enumerate(outputs):
+        if out.finished:
+            handle = handles.pop(out.request_id, -1)
+            fin.append([i, out.finish_reason.value if out.finish_reason else None, out.num_prompt_tokens,
+                        out.num_cached_tokens, out.kept_blocks, out.error])
+        else:
+            handle = handles.get(out.request_id, -1)
+        hs.append(handle)
+        counts.append(len(out.token_ids))
+        tokens.extend(out.token_ids)
+    header = {"t": "step", "stats": stats_list(stats), "fin": fin}
+    return pack(header, hs.tobytes(), counts.tobytes(), tokens.tobytes())

@@ -1,0 +1,307 @@
+"""Rank process main: ``python -m rank.worker --rank R --world-size N ...``.
+
+Started by ``RankGroup`` with the engine's interpreter (``<deepinfer_venv>/bin/python`` for
+DeepInfer, the backend's own for the reference engine) and the backend's code on PYTHONPATH.
+
+The loop is lockstep, as DeepInfer's is: each iteration drains commands, then every rank joins a
+collective vote (all_reduce MAX of [has_work, shutdown]) and, if any rank has work, every rank
+steps: ``step()`` where there is work, ``placeholder_step()`` elsewhere (the reference engine
+runs one tiny all_reduce in both, standing in for EP dispatch). A dead or stopped peer therefore
+blocks the others in a collective, exactly like production; the supervisor sees the death (exit)
+or the stall (no heartbeats) and replaces the whole group.
+
+When the whole group is idle, each rank waits up to ``IDLE_POLL_S`` for a command before voting,
+so an idle group costs a few collectives per second, not a spinning core. Heartbeats come from a
+thread with its own socket every ``HEARTBEAT_S``, also while the engine loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any
+
+MIN_PYTHON = (3, 10)
+HEARTBEAT_S = 0.5
+IDLE_POLL_S = 0.02
+STATS_EVERY_S = 0.1
+
+log = logging.getLogger("rank.worker")
+
+
+class _Status:
+    """What the heartbeat thread reports (written by the main thread; reads are racy by design:
+    a heartbeat only needs a recent value)."""
+
+    __slots__ = ("phase", "progress", "step_started", "num_steps")
+
+    def __init__(self) -> None:
+        self.phase = "starting"
+        self.progress = ""
+        self.step_started = 0.0  # monotonic time the current step/vote began, 0 when not in one
+        self.num_steps = 0
+
+
+def _heartbeat_loop(ctx: Any, out_addr: str, rank: int, status: _Status, stop: threading.Event) -> None:
+    import orjson
+    import zmq
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(out_addr)
+    parent = os.getppid()
+    try:
+        while not stop.wait(HEARTBEAT_S):
+            if os.getppid() != parent:  # the backend died: do not linger as an orphan
+                os._exit(3)
+            started = status.step_started
+            busy_s = time.monotonic() - started if started else 0.0
+            msg = {"t": "hb", "rank": rank, "pid": os.getpid(), "phase": status.phase,
+                   "progress": status.progress, "busy_s": busy_s, "steps": status.num_steps}
+            sock.send(orjson.dumps(msg), zmq.NOBLOCK)
+    except Exception:  # noqa: BLE001 - the socket closes under us at exit
+        pass
+    finally:
+        sock.close(0)
+
+
+def _load_config(path: str) -> Any:
+    import orjson
+
+    with open(path, "rb") as f:
+        raw = orjson.loads(f.read())
+    try:
+        from server.config import WorkloadConfig
+    except ImportError:  # the DeepInfer venv may lack pydantic; the backend validated it already
+        return SimpleNamespace(**raw)
+    return WorkloadConfig.model_validate(raw)
+
+
+class RankLoop:
+    """One rank: engine + sockets + the lockstep loop. Not thread-safe (main thread only)."""
+
+    def __init__(self, args: argparse.Namespace, ctx: Any, status: _Status) -> None:
+        import torch
+        import torch.distributed as dist
+        import zmq
+
+        self.args, self.status = args, status
+        self.rank = args.rank
+        self.zmq = zmq
+        self.cmd = ctx.socket(zmq.PULL)
+        self.cmd.connect(args.cmd_addr)
+        self.out = ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(args.out_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.cmd, zmq.POLLIN)
+        config = _load_config(args.config)
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        host_pool = None
+        if args.host_pool_path and args.host_pool_bytes > 0:
+            from cache.l1_pool import HostPool
+
+            host_pool = HostPool(args.host_pool_path, args.host_pool_bytes)
+        status.phase, status.progress = "loading", f"building {config.engine} engine"
+        from rank.engines import make_engine
+
+        self.engine = make_engine(config, self.rank, host_pool)
+        bytes_per_block = int(getattr(self.engine, "bytes_per_block", 0))
+        if host_pool is not None and not host_pool.is_open and bytes_per_block:
+            host_pool.open(bytes_per_block)
+        self.host_pool = host_pool
+        status.progress = "joining the rank group"
+        if not dist.is_initialized():  # DeepInfer initialises its own group while loading
+            use_nccl = str(getattr(config, "reference_device", "cpu")).startswith("cuda") and config.engine == "reference"
+            dist.init_process_group(
+                "nccl" if use_nccl else "gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}",
+                rank=self.rank, world_size=args.world_size,
+            )
+            if use_nccl:
+                torch.cuda.set_device(0)
+        self.dist = dist
+        self.vote_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.vote = torch.zeros(2, dtype=torch.int32, device=self.vote_device)
+        self._tick = torch.zeros(1, dtype=torch.int32, device=self.vote_device)
+        if hasattr(self.engine, "step_collective"):
+            self.engine.step_collective = lambda: dist.all_reduce(self._tick)
+        self.handles: dict[str, int] = {}
+        self.shutdown = False
+        self.stats_sent_at = 0.0
+        from rank import wire
+
+        self.wire = wire
+
+    def send(self, frames: list[bytes]) -> None:
+        self.out.send_multipart(frames)
+
+    def announce_ready(self) -> None:
+        e = self.engine
+        pool = self.host_pool
+        self.send(self.wire.pack({
+            "t": "ready", "rank": self.rank, "pid": os.getpid(), "block_size": e.block_size,
+            "num_blocks": e.num_blocks, "bytes_per_block": int(getattr(e, "bytes_per_block", 0)),
+            "num_host_slots": pool.num_slots if pool is not None and pool.is_open else 0,
+            "python": sys.version.split()[0], "stats": self.wire.stats_list(e.stats()),
+        }))
+        self.status.phase, self.status.progress = "ready", ""
+
+    def run(self) -> None:
+        group_busy = False
+        while True:
+            self._drain(0.0 if group_busy or self.engine.has_work() else IDLE_POLL_S)
+            has_work = self.engine.has_work()
+            self.status.step_started = time.monotonic()
+            self.vote[0] = int(has_work)
+            self.vote[1] = int(self.shutdown)
+            self.dist.all_reduce(self.vote, op=self.dist.ReduceOp.MAX)
+            votes = self.vote.tolist()
+            if votes[1]:
+                return
+            group_busy = votes[0] > 0
+            if group_busy:
+                if has_work:
+                    outputs = self.engine.step()
+                    self.status.num_steps += 1
+                    if outputs:
+                        self.send(self.wire.encode_step(outputs, self.handles, self.engine.stats()))
+                        self.stats_sent_at = time.monotonic()
+                else:
+                    self.engine.placeholder_step()
+            self.status.step_started = 0.0
+            if time.monotonic() - self.stats_sent_at > STATS_EVERY_S:
+                self.send(self.wire.encode_step([], self.handles, self.engine.stats()))
+                self.stats_sent_at = time.monotonic()
+
+    def _drain(self, timeout_s: float) -> None:
+        zmq = self.zmq
+        if timeout_s > 0 and not self.poller.poll(int(timeout_s * 1000)):
+            return
+        while True:
+            try:
+                frames = self.cmd.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        from rank.engine import CapacityExhausted, EngineMisuse
+
+        header = self.wire.unpack_header(frames[0])
+        op = header["op"]
+        if op == "add":
+            try:
+                request = self.wire.decode_add(header, frames[1])
+                self.engine.add(request)
+                self.handles[request.request_id] = header["h"]
+            except (EngineMisuse, ValueError, KeyError, IndexError) as exc:
+                etype = "EngineMisuse" if isinstance(exc, EngineMisuse) else "InvalidCommand"
+                self.send(self.wire.pack({"t": "reject", "h": header.get("h"), "etype": etype, "msg": str(exc)}))
+            return
+        if op == "abort":
+            self.engine.abort(header["rids"])
+            return
+        if op == "shutdown":
+            self.shutdown = True
+            return
+        cid = header.get("cid")
+        try:
+            if op == "release":
+                self.engine.release(header["ids"])
+                result: Any = None
+            elif op == "export":
+                self.engine.export_blocks(header["ids"], header["slot"])
+                result = None
+            elif op == "import":
+                result = self.engine.import_blocks(header["slot"], header["n"])
+            else:
+                raise EngineMisuse(f"unknown command {op!r}")
+            reply = {"t": "reply", "cid": cid, "ok": True, "result": result}
+        except (EngineMisuse, CapacityExhausted, ValueError) as exc:
+            reply = {"t": "reply", "cid": cid, "ok": False, "etype": type(exc).__name__, "msg": str(exc)}
+        reply["stats"] = self.wire.stats_list(self.engine.stats())
+        self.send(self.wire.pack(reply))
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.host_pool is not None:
+            self.host_pool.close()
+        try:
+            self.dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+        self.cmd.close(0)
+        self.out.close()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rank.worker")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--config", required=True, help="workload config JSON file")
+    p.add_argument("--cmd-addr", required=True)
+    p.add_argument("--out-addr", required=True)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--host-pool-path", default="")
+    p.add_argument("--host-pool-bytes", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--min-python", default="")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"rank{args.rank} %(levelname)s %(name)s: %(message)s")
+    import zmq
+
+    ctx = zmq.Context()
+    need = MIN_PYTHON
+    if args.min_python:
+        need = tuple(int(x) for x in args.min_python.split("."))  # type: ignore[assignment]
+    if sys.version_info[: len(need)] < need:
+        msg = f"rank {args.rank}: Python {sys.version.split()[0]} at {sys.executable} is too old; need {'.'.join(map(str, need))}+"
+        _send_fatal(ctx, args.out_addr, msg)
+        return 2
+    status = _Status()
+    stop = threading.Event()
+    hb = threading.Thread(target=_heartbeat_loop, args=(ctx, args.out_addr, args.rank, status, stop), daemon=True)
+    hb.start()
+    loop: RankLoop | None = None
+    try:
+        loop = RankLoop(args, ctx, status)
+        loop.announce_ready()
+        loop.run()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - reported to the supervisor, then exit non-zero
+        log.error("rank %d failed: %s", args.rank, traceback.format_exc())
+        _send_fatal(ctx, args.out_addr, f"rank {args.rank}: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        stop.set()
+        if loop is not None:
+            loop.close()
+        hb.join(timeout=2)
+        ctx.destroy(linger=1000)
+
+
+def _send_fatal(ctx: Any, out_addr: str, msg: str) -> None:
+    import orjson
+    import zmq
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(out_addr)
+    sock.send_multipart([orjson.dumps({"t": "fatal", "msg": msg})])
+    sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

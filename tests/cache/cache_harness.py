@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from prometheus_client import CollectorRegistry
 
 from cache.config import CacheConfig
@@ -15,6 +16,7 @@ from cache.metrics import CacheMetrics
 from cache.sessions import StopKind
 from rank.engine import SamplingParams
 from rank.local_group import LocalRankGroup
+from rank.reference_model import MODEL_SPECS, kv_bytes_per_block
 from server.config import WorkloadConfig
 
 BLOCK_SIZE = 16
@@ -38,7 +40,7 @@ async def make_group(
     model: str = "null", num_blocks: int = 96, num_ranks: int = 2, host_slots: int = 256
 ) -> LocalRankGroup:
     cfg = workload(model, num_blocks, num_ranks)
-    probe_bytes = 4096 if model == "tiny" else BLOCK_SIZE * 4
+    probe_bytes = kv_bytes_per_block(MODEL_SPECS[model], BLOCK_SIZE, torch.float32)
     group = LocalRankGroup.from_config(
         cfg, num_ranks=num_ranks, host_pool_bytes=host_slots * probe_bytes,
         name=f"cachetest-{os.getpid()}-{next(_ids)}",

@@ -151,6 +151,7 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
     """One step (``num_agents`` at ``context_tokens``) under ``config.policy``; virtual time."""
     loop = asyncio.get_running_loop()
     params = params or WorkloadParams(context_target_tokens=context_tokens)
+    config = config.model_copy(update={"deployment": config.deployment.for_context(context_tokens)})
     group = SimGroup(config.deployment, config.engine, seed=config.seed)
     group.start()
     manager = make_manager(config, group, loop.time)

@@ -284,6 +284,7 @@ class SimGroup:
             wants = [self._wants_prefill(r) for r in self.ranks]
             any_running = any(r.running for r in self.ranks)
             chunk_in_progress = any(r.waiting and r.waiting[0].admitted and r.waiting[0].computed > r.waiting[0].num_cached for r in self.ranks)
+            chunk_in_progress = chunk_in_progress and self.model.prefill_back_to_back
             if any(wants) and (not any_running or chunk_in_progress or self._steps_since_prefill >= self.model.vote_interval_steps):
                 await self._prefill_step()
             elif any_running:

@@ -24,8 +24,8 @@ Cost model of one rank (lockstep: every step of the group lasts as long as its s
 
 The free parameters (decode costs, vote interval, tokenize rate, the seed's L1 idle rule) were
 fitted to the seed's four published rows; ``python -m bench.simulator calibrate`` shows the fit.
-Sessions are simulated at ``block_tokens`` per block (default 2048, 16 DeepInfer blocks), which
-shifts cached-token counts by at most one block per turn (<= 2% of a 100K prompt).
+Sessions are simulated at ``block_tokens`` per block (default: context / 256, e.g. 512 at 128K and
+2048 at 500K-1M), which adds up to one block of replayed tokens per turn (<= 1% of the prompt).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class EngineModel(BaseModel):
     decode_per_kv_token_s: float = Field(2.0e-9, ge=0)
     decode_tokens_per_step: float = Field(2.5, gt=0)
     vote_interval_steps: int = Field(100, ge=1)
+    prefill_back_to_back: bool = Field(
+        True, description="a request whose prefill needs several chunks gets them in consecutive steps"
+    )
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(16_384, ge=1)
 
@@ -65,10 +68,19 @@ class Deployment(BaseModel):
     num_ranks: int = Field(4, ge=1)
     gpu_kv_tokens_per_rank: int = Field(14_300_000, ge=1)
     l1_tokens_per_rank: int = Field(154_000_000, ge=0)
-    block_tokens: int = Field(2048, ge=16, description="simulated block size (DeepInfer: 128)")
+    block_tokens: int = Field(0, ge=0, description="simulated block size (DeepInfer: 128); 0 = context / 256")
     kv_bytes_per_token: int = Field(890, ge=1, description="~890 B/token (reference/measurements.md)")
     restore_tokens_per_s: float = Field(16.7e6, gt=0, description="seed: ~60 ms per 1M-token session")
     tokenize_tokens_per_s: float = Field(250_000.0, gt=0, description="measured, one core")
+
+    def for_context(self, context_tokens: int) -> Deployment:
+        """Resolve ``block_tokens=0``: the largest power of two <= context/256, within 128..2048."""
+        if self.block_tokens:
+            return self
+        bs = 128
+        while bs * 2 <= min(2048, context_tokens // 256):
+            bs *= 2
+        return self.model_copy(update={"block_tokens": bs})
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,121 @@
+"""The capacity simulator's bookkeeping: tokens conserved, every request ends, pools never overfull."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from bench.simulator.agents import simulate_step
+from bench.simulator.engine import SimGroup
+from bench.simulator.model import Deployment, EngineModel, SimConfig
+from bench.simulator.vclock import SimulationDeadlock, run_virtual
+from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, SamplingParams
+
+
+def _small(policy: str, gpu_tokens: int = 120_000) -> SimConfig:
+    return SimConfig(
+        policy=policy,
+        deployment=Deployment(num_ranks=2, gpu_kv_tokens_per_rank=gpu_tokens, l1_tokens_per_rank=2_000_000,
+                              block_tokens=256),
+        engine=EngineModel(max_num_seqs=8, max_num_batched_tokens=4096),
+        duration_s=120.0,
+        warmup_s=20.0,
+        ramp_s=5.0,
+    )
+
+
+def test_virtual_time_jumps_and_detects_deadlock() -> None:
+    async def sleeper() -> float:
+        await asyncio.sleep(3600)
+        return asyncio.get_running_loop().time()
+
+    assert run_virtual(sleeper()) == pytest.approx(3600)
+
+    async def stuck() -> None:
+        await asyncio.Event().wait()
+
+    with pytest.raises(SimulationDeadlock):
+        run_virtual(stuck())
+
+
+_L0_DEPTH_BUG = pytest.mark.xfail(
+    reason="cache/l0_index.py check(): after L1 restores in a tight pool the real CacheManager files nodes "
+    "whose depth != parent depth + 1 (found by this simulator, reported to the cache owner)",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize(
+    ("policy", "gpu_tokens"),  # roomy, and tight (evictions, L1 restores, queueing)
+    [("seed", 400_000), ("ours", 400_000), ("seed", 60_000), pytest.param("ours", 60_000, marks=_L0_DEPTH_BUG)],
+)
+def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens: int) -> None:
+    config = _small(policy, gpu_tokens)
+    peaks: list[int] = []
+
+    async def run() -> object:
+        task = asyncio.create_task(simulate_step(config, 20_000, 6, check=True))
+        while not task.done():
+            await asyncio.sleep(0.5)
+            # the group is created inside simulate_step; sample it through the task's frame-free API
+            for group in _groups:
+                for rank in range(group.num_ranks):
+                    st = group.stats(rank)
+                    assert 0 <= st.num_free_blocks <= st.num_blocks - 1
+                    held = int(np.count_nonzero(group.ranks[rank].seq_refs + group.ranks[rank].cache_refs))
+                    assert held + st.num_free_blocks == st.num_blocks - 1
+                    peaks.append(held)
+        return task.result()
+
+    _groups.clear()
+    result = run_virtual(run())
+    t = result.totals
+    assert t.num_submitted > 50
+    assert t.num_finished == t.num_submitted  # every submitted request ended with a terminal output
+    assert t.output_tokens_received == t.output_tokens_expected
+    assert t.cached_tokens <= t.prompt_tokens
+    ok = [r for r in result.records if r.error is None]
+    assert len(ok) == t.num_finished and len(result.records) == t.num_finished + t.num_failed
+    assert sum(r.output_tokens for r in ok) == t.output_tokens_received
+    assert sum(r.total_input_tokens for r in ok) == t.prompt_tokens
+    assert all(r.ttft_s is not None and r.ttft_s >= 0 for r in ok)
+    assert peaks and max(peaks) <= config.deployment.for_context(20_000).num_blocks - 1
+    # after the run nothing is running and no sequence holds a block
+    for r in result.group.ranks:
+        assert not r.running and not r.waiting and not r.seq_refs.any()
+
+
+_groups: list[SimGroup] = []
+_orig_init = SimGroup.__init__
+
+
+def _tracking_init(self: SimGroup, *args: object, **kwargs: object) -> None:
+    _orig_init(self, *args, **kwargs)
+    _groups.append(self)
+
+
+SimGroup.__init__ = _tracking_init  # type: ignore[method-assign]
+
+
+def test_engine_rejects_bad_prefix_and_reports_capacity() -> None:
+    async def run() -> None:
+        group = SimGroup(Deployment(num_ranks=1, gpu_kv_tokens_per_rank=2048, block_tokens=256), EngineModel())
+        group.start()
+        req = EngineRequest("r", np.arange(600, dtype=np.int32), SamplingParams(max_tokens=5), prefix_blocks=[3],
+                            num_cached_tokens=256)
+        with pytest.raises(EngineMisuse):
+            group.submit(0, req)  # block 3 is not held by anyone
+        with pytest.raises(CapacityExhausted):
+            await group.import_blocks(0, 0, 100)
+        stream = group.submit(0, EngineRequest("ok", np.arange(600, dtype=np.int32), SamplingParams(max_tokens=5)))
+        outs = [o async for o in stream]
+        assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 5
+        assert len(outs[-1].kept_blocks) == (600 + 5 - 1) // 256
+        await group.release(0, outs[-1].kept_blocks)
+        group.check_accounting()
+        assert group.stats(0).num_free_blocks == group.num_blocks - 1
+        await group.close()
+
+    run_virtual(run())

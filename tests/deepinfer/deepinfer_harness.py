@@ -113,3 +113,32 @@ def cold_tokens(rid: str, ids: np.ndarray, max_tokens: int, **engine_kwargs: Any
     engine = make_engine(**engine_kwargs)
     engine.add(request(rid, ids, max_tokens))
     return drive(engine).tokens(rid)
+
+
+def random_scenario(engine: DeepInferEngine, num_requests: int = 40, seed: int = 5) -> Transcript:
+    """Many requests of random lengths, random aborts and releases; everything balances after."""
+    from rank.engine import FinishReason
+
+    rng = np.random.default_rng(seed)
+    kept_all: list[list[int]] = []
+    ids = [f"r{i}" for i in range(num_requests)]
+    for rid in ids:
+        engine.add(request(rid, prompt(int(rng.integers(1, 700)), int(rng.integers(1 << 30))),
+                           int(rng.integers(1, 12)), keep=bool(rng.integers(2))))
+
+    def churn(step: int) -> None:
+        if step % 4 == 0:
+            engine.abort([ids[int(rng.integers(len(ids)))]])
+
+    t = drive(engine, max_steps=3000, before_step=churn)
+    for rid in ids:
+        term = t.terminal(rid)
+        assert term.finish_reason in (FinishReason.LENGTH, FinishReason.ABORT, FinishReason.STOP), term
+        if term.kept_blocks:
+            kept_all.append(list(term.kept_blocks))
+    assert engine.stats().num_cached_blocks == len({b for k in kept_all for b in k})
+    for kept in kept_all:
+        engine.release(kept)
+    engine.check_accounting()
+    assert engine.stats().num_free_blocks == engine.num_blocks - 1
+    return t

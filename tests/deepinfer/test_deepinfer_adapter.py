@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from deepinfer_harness import BS, Transcript, cold_tokens, drive, make_engine, prompt, request
+from deepinfer_harness import BS, Transcript, cold_tokens, drive, make_engine, prompt, random_scenario, request
 
 from rank.engine import CapacityExhausted, EngineMisuse, FinishReason, usable_prefix_blocks
 
@@ -262,31 +262,19 @@ def test_stop_on_eos_keeps_blocks() -> None:
 
 
 def test_many_requests_random_aborts_balance() -> None:
-    rng = np.random.default_rng(5)
-    engine = make_engine(num_gpu_blocks=200, settings_overrides={"max_num_seqs": 6})
-    kept_all: list[list[int]] = []
-    ids = [f"r{i}" for i in range(40)]
-    for rid in ids:
-        engine.add(request(rid, prompt(int(rng.integers(1, 700)), int(rng.integers(1 << 30))),
-                           int(rng.integers(1, 12)), keep=bool(rng.integers(2))))
+    random_scenario(make_engine(num_gpu_blocks=200, settings_overrides={"max_num_seqs": 6}))
 
-    def maybe_abort(step: int) -> None:
-        if step % 4 == 0:
-            engine.abort([ids[int(rng.integers(len(ids)))]])
-        for kept in kept_all:
-            if kept and rng.random() < 0.3:
-                engine.release(kept)
-                kept.clear()
 
-    t = Transcript()
-    drive(engine, t, max_steps=3000, before_step=maybe_abort)
-    for rid in ids:
-        term = t.terminal(rid)
-        assert term.finish_reason in (FinishReason.LENGTH, FinishReason.ABORT, FinishReason.STOP), term
-        if term.kept_blocks:
-            kept_all.append(list(term.kept_blocks))
-    for kept in kept_all:
-        if kept:
-            engine.release(kept)
-    engine.check_accounting()
+def test_out_of_blocks_in_decode_ends_with_error() -> None:
+    """stop_preempted_request: the engine ends a sequence it cannot grow; the adapter says why."""
+    engine = make_engine(num_gpu_blocks=8)
+    for i in range(3):
+        engine.add(request(f"g{i}", prompt(250, 90 + i), 300, ignore_eos=True))
+    t = drive(engine)
+    reasons = {t.terminal(f"g{i}").finish_reason for i in range(3)}
+    assert FinishReason.ERROR in reasons
+    errors = [t.terminal(f"g{i}").error for i in range(3) if t.terminal(f"g{i}").error]
+    assert all("insufficient_system_resource" in e for e in errors)
+    for i in range(3):
+        engine.release(t.terminal(f"g{i}").kept_blocks)
     assert engine.stats().num_free_blocks == engine.num_blocks - 1

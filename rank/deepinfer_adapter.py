@@ -6,6 +6,9 @@ is cited there by file and line); the prefix-cache hooks come from
 
 Lockstep (how the rank worker drives this engine)
 -------------------------------------------------
+DeepInfer creates its own torch.distributed default group (gloo, ``init_process_group`` at
+``tcp://$MASTER_ADDR:$MASTER_PORT-50+engine_group_rank``) while ``LLMEngine`` is built, so a worker
+must not initialise its own default group for this engine (nor pick a ``MASTER_PORT`` below 50).
 DeepInfer's own loop is ``step() if has_unfinished_requests() else flush_inflight_reqs()``, run
 on every rank every iteration: ``has_unfinished_requests()`` is itself the collective (all_reduce
 MAX over the DP group, gloo under zero-overhead scheduling), ``step()`` on a rank with nothing to
@@ -195,6 +198,11 @@ def apply_environment(env: Mapping[str, str]) -> None:
     os.environ.update(env)
 
 
+def make_deepinfer_engine(config: Any, rank: int, host_pool: HostPool | None = None) -> DeepInferEngine:
+    """The rank worker's entry (``rank/engines.py``): sets the environment, imports DeepInfer, builds."""
+    return DeepInferEngine(DeepInferSettings.from_workload(config, rank), host_pool)
+
+
 @dataclass(slots=True)
 class _Req:
     request_id: str
@@ -262,9 +270,10 @@ class DeepInferEngine(Engine):
         self._num_states = int(self._sm.num_blocks) if (self._sm is not None and self.patch_present) else 0
         self._vocab_size = int(self.llm.model_config.get_vocab_size())
         self._finished_status = int(api.SequenceStatus.FINISHED_STOPPED)
+        self.bytes_per_block = int(self._gpu_blocks().shape[1])
         self.host_pool = host_pool
         if host_pool is not None:
-            host_pool.open(int(self._gpu_blocks().shape[1]))
+            host_pool.open(self.bytes_per_block)
         self._active: dict[str, _Req] = {}
         self._aborting: list[str] = []
         self._owed: list[RequestOutput] = []  # terminal outputs the adapter emits next step

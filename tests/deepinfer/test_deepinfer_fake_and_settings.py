@@ -127,3 +127,28 @@ def test_fake_engine_zos_outputs_arrive_one_step_late() -> None:
         per_step.append([api.RequestOutput.get_token_id(p) for p in ptrs])
     # prefill: first token in the same call; decode step 1 has nothing yet (in flight)
     assert len(per_step[0]) == 1 and per_step[1] == [] and sum(map(len, per_step)) == 3
+
+
+def test_make_deepinfer_engine_sets_the_environment_before_importing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from rank import deepinfer_adapter
+
+    env: dict[str, str] = {}
+    seen_at_import: dict[str, str] = {}
+    monkeypatch.setattr(os, "environ", env)
+
+    def fake_import():
+        seen_at_import.update(env)
+        return fake.make_api()
+
+    monkeypatch.setattr(deepinfer_adapter, "import_deepinfer", fake_import)
+    cfg = load_config({"engine": "deepinfer", "deepinfer_venv": "/venv", "model_dir": "/m", "ep": 2,
+                       "max_model_len": 4096, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+                       "prefill_attempt_interval": 3})
+    engine = deepinfer_adapter.make_deepinfer_engine(cfg, 1)
+    assert seen_at_import["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert seen_at_import["DEEPINFER_PREFILL_ATTEMPT_INTERVAL"] == "3"
+    assert engine.owns_lockstep and engine.prefix_cache_supported
+    assert engine.bytes_per_block == engine._gpu_blocks().shape[1]
+    assert engine.llm.args.engine_rank == 1 and engine.llm.args.data_parallel_size == 2

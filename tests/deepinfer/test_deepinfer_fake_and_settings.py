@@ -8,7 +8,6 @@ from deepinfer_harness import drive, make_engine, prompt, request
 
 from rank import fake_deepinfer as fake
 from rank.deepinfer_adapter import DeepInferSettings, patch_missing_reason
-from server.config import load_config
 
 
 def _engine_with_kept(n_prompt: int = 600):
@@ -93,6 +92,8 @@ def test_invalid_token_ids_are_dropped_like_deepinfer() -> None:
 
 
 def test_settings_from_workload_config_and_environment() -> None:
+    from server.config import load_config  # (pydantic: not in the DeepInfer build venv)
+
     cfg = load_config({
         "engine": "deepinfer", "deepinfer_venv": "/venv", "model_dir": "/models/v41", "ep": 4,
         "max_num_seqs": 64, "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.8, "eplb": True,
@@ -133,6 +134,7 @@ def test_make_deepinfer_engine_sets_the_environment_before_importing(monkeypatch
     import os
 
     from rank import deepinfer_adapter
+    from server.config import load_config
 
     env: dict[str, str] = {}
     seen_at_import: dict[str, str] = {}

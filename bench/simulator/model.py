@@ -41,7 +41,7 @@ class EngineModel(BaseModel):
     prefill_tokens_per_s: float = Field(88_000.0, gt=0)
     prefill_attn_s_per_token2: float = Field(3.9e-11, ge=0)
     decode_base_s: float = Field(0.010, ge=0)
-    decode_per_seq_s: float = Field(0.00035, ge=0)
+    decode_per_seq_s: float = Field(0.0009, ge=0)
     decode_per_kv_token_s: float = Field(2.0e-9, ge=0)
     decode_tokens_per_step: float = Field(2.5, gt=0)
     vote_interval_steps: int = Field(100, ge=1)

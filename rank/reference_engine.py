@@ -292,7 +292,7 @@ class ReferenceEngine(Engine):
             start = seq.num_computed
             token_chunks.append(seq.prompt_ids[start : start + chunk])
             pos_chunks.append(np.arange(start, start + chunk, dtype=np.int64))
-            items.append(SeqBatchItem(row, chunk, start, self._table(seq)))
+            items.append(SeqBatchItem(row, chunk, start, self._table(seq) if self.model is not None else seq.block_table))
             row += chunk
             seq.num_computed += chunk
             if seq.num_computed == seq.num_prompt:
@@ -319,7 +319,10 @@ class ReferenceEngine(Engine):
             return
         token_ids = np.fromiter((s.last_token for s in batch), dtype=np.int64, count=len(batch))
         positions = np.fromiter((s.num_tokens - 1 for s in batch), dtype=np.int64, count=len(batch))
-        items = [SeqBatchItem(i, 1, int(positions[i]), self._table(s)) for i, s in enumerate(batch)]
+        if self.model is not None:
+            items = [SeqBatchItem(i, 1, int(positions[i]), self._table(s)) for i, s in enumerate(batch)]
+        else:  # the null model indexes plain lists; no per-sequence tensors
+            items = [SeqBatchItem(i, 1, int(positions[i]), s.block_table) for i, s in enumerate(batch)]  # type: ignore[arg-type]
         for seq in batch:
             seq.num_computed += 1
         tokens = self._forward(token_ids, positions, items, list(range(len(batch))), batch)
@@ -349,10 +352,18 @@ class ReferenceEngine(Engine):
         sample_rows: list[int], sampled: list[_Seq],
     ) -> list[int]:
         bs = self.block_size
-        rows = self.pool.view(torch.int32).view(self.num_blocks, bs)
-        blocks = torch.cat([it.block_table[(it.start_pos + torch.arange(it.num_rows, device=self.device)) // bs] for it in items])
-        pos_t = torch.from_numpy(positions).to(self.device)
-        rows[blocks, pos_t % bs] = torch.from_numpy(token_ids.astype(np.int32)).to(self.device)
+        # "KV" = the token ids, written at block_table[pos // bs] * bs + pos % bs of the flat view.
+        slots = np.empty(len(positions), dtype=np.int64)
+        for it in items:
+            table = it.block_table  # a plain list for the null model
+            if it.num_rows == 1:
+                p = it.start_pos
+                slots[it.row_start] = table[p // bs] * bs + p % bs
+            else:
+                pos = positions[it.row_start : it.row_start + it.num_rows]
+                slots[it.row_start : it.row_start + it.num_rows] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+        flat = self.pool.view(torch.int32).view(-1)
+        flat[torch.from_numpy(slots).to(self.device)] = torch.from_numpy(token_ids.astype(np.int32)).to(self.device)
         if not sampled:
             return []
         idx = np.asarray(sample_rows, dtype=np.int64)

@@ -135,6 +135,7 @@ class RankLoop:
         self.handles: dict[str, int] = {}
         self.shutdown = False
         self.stats_sent_at = 0.0
+        self.stats_last: list[int] = []
         from rank import wire
 
         self.wire = wire
@@ -177,7 +178,10 @@ class RankLoop:
                     self.engine.placeholder_step()
             self.status.step_started = 0.0
             if time.monotonic() - self.stats_sent_at > STATS_EVERY_S:
-                self.send(self.wire.encode_step([], self.handles, self.engine.stats()))
+                stats = self.wire.stats_list(self.engine.stats())
+                if stats != self.stats_last:  # an idle rank stays quiet (heartbeats show it lives)
+                    self.send(self.wire.encode_step([], self.handles, self.engine.stats()))
+                    self.stats_last = stats
                 self.stats_sent_at = time.monotonic()
 
     def _drain(self, timeout_s: float) -> None:

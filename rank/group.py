@@ -235,7 +235,7 @@ class RankGroup:
 
     async def _lifecycle(self) -> None:
         consecutive_failures = 0
-        while True:
+        while not self._closing:
             reason, was_ready = await self._run_epoch()
             await self._teardown(reason)
             if self._closing:
@@ -262,6 +262,8 @@ class RankGroup:
         """Launch every rank, wait for READY, then for the first failure. Returns (reason, was_ready)."""
         loop = asyncio.get_running_loop()
         self._failure = failure = loop.create_future()
+        if self._closing:  # close() came during a restart's backoff
+            return "rank group closed", False
         started = time.monotonic()
         try:
             await self._launch()

@@ -148,6 +148,21 @@ class Backend:
         """Sum of every sample of ``name`` over all label values."""
         return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
 
+    def messages_requests(self, status: int) -> float:
+        """``/v1/messages`` requests answered with ``status`` so far."""
+        return self.metrics().get(f'deepinfer_requests_total{{route="messages",status="{status}"}}', 0.0)
+
+    def busy_rank_pid(self) -> int | None:
+        """pid (from /healthz) of a rank that reports a running request, else None."""
+        busy = [int(m.group(1)) for k, v in self.metrics().items()
+                if v >= 1 and (m := re.match(r'deepinfer_rank_num_running\{rank="(\d+)"\}', k))]
+        if not busy:
+            return None
+        for info in self.health().get("ranks", {}).get("ranks", []):
+            if info.get("rank") == busy[0] and info.get("pid"):
+                return int(info["pid"])
+        return None
+
     def rank_pids(self) -> list[int]:
         """Rank processes: the backend's descendants running ``rank.worker`` (or any python child)."""
         try:

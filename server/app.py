@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -36,8 +36,10 @@ from starlette.types import Receive, Scope, Send
 from protocol.errors import (
     InternalError,
     InvalidRequest,
+    ModelNotAvailable,
     NotFound,
     Overloaded,
+    PromptTooLong,
     ProtocolError,
     RequestTooLarge,
     error_from_exception,
@@ -80,6 +82,7 @@ class AppState:
     health: Callable[[], HealthReport]
     protocol: Any = None  # protocol.api.Protocol
     service: Any = None  # server.service.ChatService
+    symptoms: Any = None  # server.symptoms.RuntimeSymptoms
     request_ids: Callable[[], str] = field(default_factory=lambda: RequestIds())
 
 
@@ -122,11 +125,15 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
             raise RequestTooLarge(f"request body is {declared_bytes} bytes; the limit is {limit_bytes}")
     chunks: list[bytes] = []
     num_bytes = 0
-    async for chunk in request.stream():
-        num_bytes += len(chunk)
-        if num_bytes > limit_bytes:
-            raise RequestTooLarge(f"request body exceeds the limit of {limit_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            num_bytes += len(chunk)
+            if num_bytes > limit_bytes:
+                raise RequestTooLarge(f"request body exceeds the limit of {limit_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Normal for a client that gives up; no one reads the answer, and it is no server error.
+        raise InvalidRequest("the client disconnected before the request body was complete") from None
     return b"".join(chunks)
 
 
@@ -229,6 +236,7 @@ class Routes:
             body = await read_body(request, self.state.config.max_body_bytes)
             protocol, service = self._ready_parts()
             headers = request.headers
+            service.prefetch(headers.get("x-claude-code-session-id"))
             prepared = (protocol.prepare_anthropic(body, headers) if api == "anthropic"
                         else protocol.prepare_openai(body, headers))
             request_id = self.state.request_ids()
@@ -246,7 +254,17 @@ class Routes:
         except Exception as exc:  # noqa: BLE001 - every error in the caller's shape
             perr = _log_unexpected(exc)
             metrics.count_request(route, perr.http_status)
+            self._observe_refusal(perr)
             return error_response(perr, api)
+
+    def _observe_refusal(self, perr: ProtocolError) -> None:
+        symptoms = self.state.symptoms
+        if symptoms is None:
+            return
+        if isinstance(perr, ModelNotAvailable):
+            symptoms.observe_unknown_model(perr.model)
+        elif isinstance(perr, PromptTooLong):
+            symptoms.observe_prompt_too_long(perr.num_prompt_tokens, perr.max_prompt_tokens)
 
     async def count_tokens(self, request: Request) -> Response:
         try:

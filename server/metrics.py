@@ -44,6 +44,10 @@ class StateCollector(Collector):
     def __init__(self, snapshot: Callable[[], StateSnapshot]) -> None:
         self._snapshot = snapshot
 
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        # The per-rank families depend on the live state; nothing to declare up front.
+        return []
+
     def collect(self) -> Iterable[GaugeMetricFamily]:
         snap = self._snapshot()
         state = GaugeMetricFamily(

@@ -1,0 +1,319 @@
+"""The InferenceKey custom backend (``deepinfer_backend:DeepInferBackend``) and its command line.
+
+The worker runs ``python -m inferencekey.backend.serve --backend deepinfer_backend:DeepInferBackend``
+and hands the workload config to ``setup()``. ``setup()`` validates it, puts the DeepInfer venv's
+site-packages on ``sys.path``, runs the preflight checks, starts the rank group, the cache tiers and
+the HTTP server (``/v1/messages``, ``/v1/chat/completions``) on a background event loop, and
+returns only when the model is ready. ``process()`` answers the SDK's non-streaming jobs;
+``chat()`` streams OpenAI chunks for SDKs that stream.
+
+Outside the SDK the same runtime runs from the command line::
+
+    python -m deepinfer_backend serve [--config FILE] [--engine reference|deepinfer|scripted]
+        [--script FILE] [--host H] [--port P] [--ranks N] [--api-key KEY]
+    python -m deepinfer_backend preflight --config FILE [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from inferencekey.backend import BackendContext, CustomBackend, InvalidInput, Job, Result
+
+from server.config import ConfigError, WorkloadConfig, load_config
+
+log = logging.getLogger("deepinfer.backend")
+
+_HERE = Path(__file__).resolve().parent
+# Job input keys passed through to the OpenAI request (everything else is ignored, not an error:
+# the platform may add envelope keys of its own).
+_OPENAI_PASSTHROUGH = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+                       "stop", "tools", "tool_choice", "reasoning_effort", "response_format",
+                       "chat_template_kwargs", "thinking")
+
+
+def _backend_version() -> str:
+    """The version stamped by publish.py into BUILD_INFO.json, else pyproject's."""
+    info = _HERE / "BUILD_INFO.json"
+    if info.is_file():
+        try:
+            return str(json.loads(info.read_text(encoding="utf-8"))["version"])
+        except (ValueError, KeyError, OSError):
+            pass
+    try:
+        from importlib.metadata import version
+
+        return version("deepinfer-backend")
+    except Exception:  # noqa: BLE001 - metadata is optional (the worker does not pip-install us)
+        return "0.0.0+unknown"
+
+
+def add_venv_site_packages(venv: str | None) -> list[str]:
+    """Append the DeepInfer venv's site-packages to ``sys.path`` (after ours: our pins win)."""
+    if not venv:
+        return []
+    root = Path(venv)
+    if not root.is_dir():
+        raise ConfigError(f"config key 'deepinfer_venv': {venv} is not a directory")
+    tag = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    added: list[str] = []
+    for candidate in sorted(root.glob("lib*/python3*/site-packages")):
+        if candidate.parent.name != tag:
+            log.warning("deepinfer_venv site-packages %s is for %s, this process runs %s; skipping",
+                        candidate, candidate.parent.name, tag)
+            continue
+        if str(candidate) not in sys.path:
+            sys.path.append(str(candidate))
+            added.append(str(candidate))
+    if not added:
+        log.warning("deepinfer_venv %s has no site-packages for %s; rank processes still use its "
+                    "interpreter", venv, tag)
+    return added
+
+
+def run_preflight(config: WorkloadConfig) -> Any | None:
+    """Run the preflight checks when the module is present; raise on a fatal finding."""
+    try:
+        from server import preflight
+    except ImportError:
+        log.warning("server.preflight is not available; skipping preflight checks")
+        return None
+    report = preflight.run_preflight(config)
+    report.log(log)
+    report.raise_if_fatal()  # PreflightError lists every fatal check and its fix
+    return report
+
+
+def job_to_openai_body(job: Job) -> dict[str, Any]:
+    """The SDK job (``input.messages`` or ``input.prompt``) as an OpenAI chat request body."""
+    data = job.input
+    messages = data.get("messages")
+    if messages is None:
+        prompt = data.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidInput("job input needs 'messages' (a list) or 'prompt' (a non-empty string)")
+        messages = [{"role": "user", "content": prompt}]
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("job input 'messages' must be a non-empty list of chat messages")
+    body: dict[str, Any] = {"model": data.get("model") or "default", "messages": messages, "stream": False}
+    for key in _OPENAI_PASSTHROUGH:
+        if key in data:
+            body[key] = data[key]
+    return body
+
+
+def _request_to_body(request: Any) -> dict[str, Any]:
+    """Accept what a streaming SDK may hand ``chat()``: a dict, a Job, or a pydantic/dataclass."""
+    if isinstance(request, Job):
+        return job_to_openai_body(request)
+    if isinstance(request, dict):
+        body = dict(request)
+    elif hasattr(request, "model_dump"):
+        body = request.model_dump(exclude_none=True)
+    elif hasattr(request, "to_wire"):
+        body = request.to_wire()
+    else:
+        raise InvalidInput(f"unsupported chat request type {type(request).__name__}")
+    if "messages" not in body and ("prompt" in body or "input" in body):
+        return job_to_openai_body(Job(id="chat", input=body.get("input", body)))
+    return body
+
+
+class DeepInferBackend(CustomBackend):
+    """DeepSeek-V4.1-Flash on DeepInfer (or the reference engine) behind native HTTP endpoints.
+
+    Lifecycle invariant: ``self._runtime`` is set only while its loop thread runs; ``close()``
+    (also registered with ``atexit``) stops the HTTP server, the cache and the rank processes.
+    """
+
+    name = "deepinfer-v41-flash"
+    version = _backend_version()
+    task_type = "text2text"
+    requirements = "requirements.txt"
+    requires_python = "3.12"
+    api = "openai-chat"  # read by SDKs whose manifest has an ``api`` field
+
+    def __init__(self) -> None:
+        self._runtime: Any = None
+        self._loop: Any = None
+        self._lock = threading.Lock()
+        self.config: WorkloadConfig | None = None
+
+    # -- SDK contract ----------------------------------------------------------------------------
+    def setup(self, ctx: BackendContext) -> None:
+        from server.background import LoopThread
+        from server.runtime import Runtime
+
+        started_s = time.monotonic()
+        _configure_logging()
+        config = load_config(ctx.config)  # ConfigError names the key and the allowed values
+        self.config = config
+        log.info("setup: engine=%s ranks=%d model=%s http=%s:%d (%s)", config.engine, config.ep,
+                 config.model_name, config.host, config.port, config.http_mode)
+        add_venv_site_packages(config.deepinfer_venv)
+        report = run_preflight(config)
+        runtime = Runtime(config, preflight_report=report)
+        loop = LoopThread()
+        try:
+            loop.start(runtime.start, timeout_s=config.ready_timeout_secs)
+        except TimeoutError:
+            raise RuntimeError(f"the model was not ready within ready_timeout_secs "
+                               f"({config.ready_timeout_secs:g} s)") from None
+        with self._lock:
+            self._runtime, self._loop = runtime, loop
+        atexit.register(self.close)
+        log.info("setup: ready in %.1f s; %s", time.monotonic() - started_s, runtime.describe())
+
+    def process(self, job: Job) -> Result:
+        body = job_to_openai_body(job)
+        runtime, loop = self._require_ready()
+        response = self._call(loop, runtime.openai_chat(body))
+        choice = response["choices"][0]
+        message = choice.get("message") or {}
+        output = {
+            "text": message.get("content") or "",
+            "finish_reason": choice.get("finish_reason"),
+            "usage": response.get("usage"),
+            "response": response,
+        }
+        if message.get("tool_calls"):
+            output["tool_calls"] = message["tool_calls"]
+        if message.get("reasoning_content"):
+            output["reasoning"] = message["reasoning_content"]
+        return Result(output=output)
+
+    def chat(self, request: Any) -> Iterator[dict[str, Any]]:
+        """Stream a chat request as OpenAI ``chat.completion.chunk`` dicts (``stream`` forced on)."""
+        body = _request_to_body(request)
+        body["stream"] = True
+        runtime, loop = self._require_ready()
+        from protocol.errors import ProtocolError
+
+        try:
+            # Validation happens on the first item; map 4xx to the SDK's InvalidInput.
+            yield from loop.iterate(runtime.openai_chat_chunks(body))
+        except ProtocolError as exc:
+            if exc.http_status < 500:
+                raise InvalidInput(exc.message) from None
+            raise RuntimeError(exc.message) from None
+
+    def close(self) -> None:
+        with self._lock:
+            runtime, loop = self._runtime, self._loop
+            self._runtime = self._loop = None
+        if runtime is not None:
+            loop.stop(runtime.stop)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _require_ready(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._runtime is None:
+                raise RuntimeError("backend is not set up (setup() has not finished)")
+            return self._runtime, self._loop
+
+    @staticmethod
+    def _call(loop: Any, coro: Any) -> Any:
+        from protocol.errors import ProtocolError
+
+        try:
+            return loop.call(coro)
+        except ProtocolError as exc:
+            if exc.http_status < 500:
+                raise InvalidInput(exc.message) from None
+            raise RuntimeError(exc.message) from None
+
+
+# -- command line ------------------------------------------------------------------------------------
+def _configure_logging(level: int = logging.INFO) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("deepinfer").setLevel(level)
+
+
+def _cli_config(args: argparse.Namespace) -> WorkloadConfig:
+    raw: dict[str, Any] = {}
+    if args.config:
+        raw = json.loads(Path(args.config).read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{args.config}: the workload config must be a JSON object")
+    overrides = {"engine": args.engine, "script_file": args.script, "host": args.host, "port": args.port,
+                 "ep": args.ranks, "api_key": args.api_key, "reference_model": args.reference_model}
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return load_config(raw)
+
+
+async def _serve_forever(config: WorkloadConfig) -> None:
+    from server.runtime import Runtime
+
+    report = run_preflight(config)
+    runtime = Runtime(config, preflight_report=report)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runtime.start(on_listening=lambda url: print(f"listening on {url}", flush=True))
+        print(f"ready: {runtime.describe()}", flush=True)
+        await stop.wait()
+        print("shutting down", flush=True)
+    finally:
+        await runtime.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["preflight"]:  # the preflight helper owns its flags (--json, --skip, ...)
+        from server import preflight
+
+        _configure_logging()
+        return int(preflight.main(argv[1:]))
+    parser = argparse.ArgumentParser(prog="python -m deepinfer_backend")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the backend's HTTP server outside the SDK")
+    serve.add_argument("--config", help="workload config, JSON (the same keys as the SDK config)")
+    serve.add_argument("--engine", choices=["reference", "deepinfer", "scripted"])
+    serve.add_argument("--script", help="replies file for --engine scripted")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--ranks", type=int, help="number of rank processes (config key ep)")
+    serve.add_argument("--api-key", help="require this key (x-api-key or Bearer)")
+    serve.add_argument("--reference-model", choices=["null", "tiny", "small", "medium", "large"])
+    sub.add_parser("preflight", help="check the machine against a workload config "
+                   "(--config FILE [--json] [--skip CHECK]); see server/preflight.py")
+    args = parser.parse_args(argv)
+
+    _configure_logging()
+    try:
+        config = _cli_config(args)
+        add_venv_site_packages(config.deepinfer_venv)
+    except (ConfigError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from server.background import new_event_loop
+
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(_serve_forever(config))
+    except Exception as exc:  # noqa: BLE001 - one line for the operator; details are in the log
+        log.exception("serve failed")
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Build and run everything from one ``WorkloadConfig``: tokenizer, protocol, rank group, cache,
+service, HTTP app and server.
+
+Start order (``start``): metrics and the app first, then the HTTP server binds (so ``/healthz``
+answers ``loading`` while the model loads), then the tokenizer (in a thread), the rank group
+(bounded by ``load_timeout_seconds``), the cache manager and the service; the routes start
+serving chat only once ``AppState.protocol`` and ``AppState.service`` are set. Stop order is the
+reverse: HTTP (stop accepting, let streams finish for a grace period), cache, rank group.
+
+Rank modes: ``process`` (``RankGroup``, one process per rank, the production path) or ``local``
+(``LocalRankGroup``, engines in this process: tests and the simulator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+import uvicorn
+
+from protocol.errors import InternalError, ProtocolError
+from server.app import AppState, HealthReport, create_app
+from server.config import WorkloadConfig
+from server.metrics import ServerMetrics, StateSnapshot
+from server.service import ChatService
+
+log = logging.getLogger("deepinfer.runtime")
+
+HTTP_GRACE_S = 5.0
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handling: the runtime's owner decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+def _http_impl() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+class Runtime:
+    """Owns every long-lived piece of one backend instance.
+
+    Invariant: ``health()`` is ``loading`` until ``start`` completed, and the chat routes answer
+    503 until then; after ``stop`` nothing of the runtime (rank processes, sockets) is left.
+    """
+
+    def __init__(self, config: WorkloadConfig, *, preflight_report: Any = None, rank_mode: str = "process",
+                 metrics: ServerMetrics | None = None) -> None:
+        if rank_mode not in ("process", "local"):
+            raise ValueError(f"rank_mode must be 'process' or 'local', got {rank_mode!r}")
+        self.config = config
+        self.rank_mode = rank_mode
+        self.metrics = metrics or ServerMetrics()
+        self.metrics.attach_state(self._snapshot)
+        from server.symptoms import RuntimeSymptoms
+
+        self.symptoms = RuntimeSymptoms.from_config(config, self.metrics.registry)
+        self.state = AppState(config=config, metrics=self.metrics, health=self.health,
+                              symptoms=self.symptoms)
+        self.app = create_app(self.state)
+        self.group: Any = None
+        self.cache: Any = None
+        self.protocol: Any = None
+        self.service: ChatService | None = None
+        self._preflight = preflight_report
+        self._server: _EmbeddedServer | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+        self._ready = False
+        self._failed: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self, on_listening: Callable[[str], None] | None = None) -> None:
+        cfg = self.config
+        started_s = time.monotonic()
+        try:
+            if cfg.http_mode == "native":
+                await self._start_http()
+                log.info("HTTP listening on %s (loading)", self.url)
+                if on_listening is not None:
+                    on_listening(self.url)
+            self.protocol = await asyncio.to_thread(self._build_protocol)
+            log.info("tokenizer and protocol ready (%.1f s)", time.monotonic() - started_s)
+            self.group = self._build_group()
+            await asyncio.wait_for(self.group.start(), cfg.load_timeout_seconds)
+            log.info("rank group ready: %d %s rank(s), %d blocks of %d tokens each (%.1f s)",
+                     self.group.num_ranks, cfg.engine, self.group.num_blocks, self.group.block_size,
+                     time.monotonic() - started_s)
+            self.cache = self._build_cache()
+            self.service = ChatService(self.protocol, self.cache, self.group, self.metrics, cfg,
+                                       self.symptoms)
+            self.state.protocol, self.state.service = self.protocol, self.service
+            self._ready = True
+        except asyncio.TimeoutError:
+            self._failed = f"ranks did not load within load_timeout_seconds ({cfg.load_timeout_seconds:g} s)"
+            await self.stop()
+            raise TimeoutError(self._failed) from None
+        except BaseException as exc:
+            self._failed = f"start failed: {type(exc).__name__}: {exc}"
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        self._ready = False
+        self.state.protocol = self.state.service = None
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._server_task is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(self._server_task, HTTP_GRACE_S + 5)
+            self._server = self._server_task = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        if self.cache is not None and hasattr(self.cache, "close"):
+            with contextlib.suppress(Exception):
+                result = self.cache.close()
+                if asyncio.iscoroutine(result):
+                    await result
+        if self.group is not None:
+            await self.group.close()
+            self.group = None
+
+    # -- construction -----------------------------------------------------------------------------
+    def _build_protocol(self) -> Any:
+        from protocol.api import Protocol
+        from protocol.ledger import OutputLedger
+        from protocol.tokenize import PromptTokenizer
+
+        model_dir = self.config.resolved_model_dir()
+        tokenizer = PromptTokenizer.load(str(model_dir) if model_dir else None)
+        return Protocol(tokenizer, OutputLedger(), self.config.served_model_names, self.config.max_model_len)
+
+    def _build_group(self) -> Any:
+        if self.rank_mode == "local":
+            from rank.local_group import LocalRankGroup
+
+            cfg = self.config
+            # Tests size the pool with l1_host_gb directly (per rank, as in the seed guide).
+            pool_bytes = int(cfg.l1_host_gb * (1 << 30)) * cfg.ep if cfg.l1_cache else 0
+            return LocalRankGroup.from_config(cfg, host_pool_bytes=pool_bytes, name=f"rt-{id(self):x}")
+        from rank.group import RankGroup
+
+        return RankGroup(self.config)
+
+    def _build_cache(self) -> Any:
+        from cache.config import CacheConfig
+        from cache.manager import CacheManager
+        from cache.metrics import CacheMetrics
+
+        return CacheManager(self.group, CacheConfig.from_workload(self.config),
+                            CacheMetrics(self.metrics.registry))
+
+    async def _start_http(self) -> None:
+        cfg = self.config
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.host, cfg.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot bind the HTTP server to {cfg.host}:{cfg.port} (config keys host/port): "
+                          f"{exc.strerror}") from None
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._socket = sock
+        uv_config = uvicorn.Config(
+            self.app, http=_http_impl(), loop="none", lifespan="off", access_log=False,
+            log_level="warning", timeout_graceful_shutdown=HTTP_GRACE_S, backlog=2048,
+            timeout_keep_alive=75, server_header=False,
+        )
+        self._server = _EmbeddedServer(uv_config)
+        self._server_task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._server_task.done():
+                self._server_task.result()  # raises what uvicorn raised
+                raise RuntimeError("HTTP server exited during start-up")
+            await asyncio.sleep(0.01)
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._socket.getsockname()[1] if self._socket is not None else 0
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else (f"[{host}]" if ":" in host else host)
+        return f"http://{shown}:{self.port}"
+
+    def describe(self) -> str:
+        cfg = self.config
+        where = self.url if self._socket is not None else "no HTTP (IK_BACKEND_HTTP=sdk)"
+        return (f"{cfg.model_name} on {cfg.engine} ({cfg.ep} rank(s), {self.rank_mode}); {where}; "
+                f"health {self.health().status}")
+
+    def health(self) -> HealthReport:
+        warnings = list(self._preflight.warnings()) if self._preflight is not None else []
+        warnings += self.symptoms.active_warnings()
+        if self._failed:
+            return HealthReport("failed", [self._failed], warnings)
+        if not self._ready or self.group is None:
+            return HealthReport("loading", ["model loading"], warnings)
+        state = self.group.state.value
+        reasons: list[str] = []
+        if state != "ready":
+            reasons.append(f"rank group {state}")
+            status = "failed" if state in ("failed", "stopped") else "loading"
+            return HealthReport(status, reasons, warnings, {"rank_group": state})
+        cfg = self.config
+        if not cfg.prefix_cache:
+            reasons.append("prefix cache off (config prefix_cache: false)")
+        elif getattr(self.cache, "prefix_cache_enabled", True) is False:
+            reasons.append("prefix cache off (the engine lacks the prefix-cache API)")
+        if not cfg.l1_cache:
+            reasons.append("L1 host cache off (config l1_cache: false)")
+        elif self.cache is not None and not self.cache.l1_enabled:
+            reasons.append(f"L1 host cache off ({self.cache.l1_off_reason})")
+        details: dict[str, Any] = {"engine": cfg.engine, "rank_group": state, "epoch": self.group.epoch,
+                                   "num_ranks": self.group.num_ranks}
+        if hasattr(self.group, "health"):
+            details["ranks"] = self.group.health()
+        return HealthReport("degraded" if reasons else "ready", reasons, warnings, details)
+
+    def _snapshot(self) -> StateSnapshot:
+        if self.group is None:
+            return StateSnapshot("loading")
+        stats: list[dict[str, float]] = []
+        for rank in range(self.group.num_ranks):
+            with contextlib.suppress(Exception):
+                s = self.group.stats(rank)
+                stats.append({k: float(getattr(s, k)) for k in s.__slots__})  # type: ignore[attr-defined]
+        cache_stats: dict[str, float] = {}
+        if self.cache is not None and hasattr(self.cache, "gauges"):
+            with contextlib.suppress(Exception):
+                cache_stats = dict(self.cache.gauges())
+        return StateSnapshot(self.group.state.value, stats, cache_stats)
+
+    # -- in-process API (the SDK's process()/chat()) ----------------------------------------------
+    def _ready_service(self) -> ChatService:
+        if self.service is None or self.protocol is None:
+            from protocol.errors import Overloaded
+
+            raise Overloaded("the model is still loading", retry_after_s=5)
+        return self.service
+
+    async def openai_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A non-streaming OpenAI chat completion, in process (no HTTP)."""
+        service = self._ready_service()
+        prepared = self.protocol.prepare_openai(orjson.dumps({**body, "stream": False}), {})
+        return await service.complete(prepared, self.state.request_ids(), time.perf_counter())
+
+    async def openai_chat_chunks(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI ``chat.completion.chunk`` dicts of one streamed completion, in process."""
+        service = self._ready_service()
+        prepared = self.protocol.prepare_openai(orjson.dumps({**body, "stream": True}), {})
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def write(data: bytes) -> None:
+            queue.put_nowait(data)
+
+        async def run() -> None:
+            try:
+                await service.stream(prepared, self.state.request_ids(), write, time.perf_counter())
+            finally:
+                queue.put_nowait(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                data = await queue.get()
+                if data is None:
+                    break
+                for chunk in _sse_json(data):
+                    if "error" in chunk and "choices" not in chunk:
+                        raise InternalError(str(chunk["error"].get("message", "stream failed")))
+                    yield chunk
+            await task  # raises a ProtocolError from before the first chunk
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+def _sse_json(data: bytes) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            try:
+                out.append(orjson.loads(line[6:]))
+            except orjson.JSONDecodeError as exc:
+                raise ProtocolError(f"malformed stream frame: {exc}") from None
+    return out

@@ -1,0 +1,301 @@
+"""``ChatService``: one chat request end to end, from a prepared prompt to SSE bytes.
+
+    prepared request -> CacheManager.admit -> RankClient.submit(EngineRequest with prefix blocks)
+      -> RequestOutputs -> ResponseStream.feed -> write(SSE bytes) -> finish (cache + ledger)
+
+Invariants (what the tests check):
+
+* Every successful ``admit`` is settled exactly once: ``cache.finish`` when the engine finished
+  the request normally (its kept blocks are indexed for the next turn), ``cache.abort`` on every
+  other path (stop sequence, engine error, rank failure, timeout, client disconnect). The
+  ``finally`` in ``_generate`` is the single place that guarantees it.
+* An engine request that is still running when we stop listening (stop sequence, disconnect,
+  timeout, error) is aborted in the engine.
+* Before the first byte is written, errors propagate as ``ProtocolError`` (the app answers with
+  an HTTP error in the caller's shape); after it, they are written as the stream's own error
+  event and the stream ends cleanly.
+
+Hot path: per engine step, one wake-up per request; every output already buffered for the
+request is taken at once (``drain_nowait``) and fed as one batch, so a stream that fell behind
+catches up with one ``feed`` and one write, not one per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from cache.sessions import StopKind
+from protocol.errors import InternalError, Overloaded, ProtocolError, RequestTimeout, error_from_exception
+from rank.client import GroupState, RequestStream
+from rank.engine import EngineMisuse, FinishReason, RequestOutput, SamplingParams
+from rank.errors import RankFailed, RankUnavailable
+from server.config import WorkloadConfig
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("deepinfer.service")
+
+Write = Callable[[bytes], Awaitable[None]]
+
+RESTART_RETRY_AFTER_S = 10.0
+_NORMAL_FINISH = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+class _Flight:
+    """Per-request bookkeeping shared by the generate loop and its error paths."""
+
+    __slots__ = ("request_id", "api", "arrival_s", "started", "first_token_s", "last_write_s",
+                 "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "finish_reason",
+                 "output_ids", "last_output")
+
+    def __init__(self, request_id: str, api: str, arrival_s: float) -> None:
+        self.request_id = request_id
+        self.api = api
+        self.arrival_s = arrival_s
+        self.started = False  # bytes were written to the client
+        self.first_token_s = 0.0
+        self.last_write_s = 0.0
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason = "error"
+        self.output_ids: list[int] = []  # generated so far (the cache hashes kept blocks from them)
+        self.last_output: RequestOutput | None = None  # latest engine output taken from the stream
+
+
+class ChatService:
+    def __init__(self, protocol: Any, cache: Any, client: Any, metrics: ServerMetrics,
+                 config: WorkloadConfig, symptoms: Any = None) -> None:
+        self._protocol = protocol
+        self._symptoms = symptoms  # server.symptoms.RuntimeSymptoms (optional)
+        self._cache = cache
+        self._client = client
+        self._metrics = metrics
+        self._timeout_s = config.request_timeout_secs
+        self._keep_blocks = config.prefix_cache
+
+    # -- public API --------------------------------------------------------------------------------
+    async def stream(self, prepared: Any, request_id: str, write: Write, arrival_s: float) -> None:
+        """Stream one request as SSE through ``write``. Raises ProtocolError only before the
+        first write; afterwards every failure becomes the stream's own error event."""
+        flight = _Flight(request_id, prepared.api, arrival_s)
+        flight.num_prompt_tokens = prepared.num_prompt_tokens
+        rs = self._protocol.new_stream(prepared, request_id)
+
+        async def counted_write(data: bytes) -> None:
+            flight.started = True
+            await write(data)
+
+        try:
+            await self._bounded(self._generate(prepared, rs, flight, counted_write))
+        except asyncio.CancelledError:
+            flight.finish_reason = "cancelled"  # the client went away; _generate cleaned up
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced in the caller's format below
+            perr = self._as_protocol_error(exc, flight)
+            if not flight.started:
+                raise perr from None
+            await write(rs.error(perr))
+        finally:
+            self._record(flight)
+
+    async def complete(self, prepared: Any, request_id: str, arrival_s: float) -> dict[str, Any]:
+        """Run one request to the end and return the non-streaming response body."""
+        flight = _Flight(request_id, prepared.api, arrival_s)
+        flight.num_prompt_tokens = prepared.num_prompt_tokens
+        rs = self._protocol.new_stream(prepared, request_id)
+        try:
+            await self._bounded(self._generate(prepared, rs, flight, None))
+        except asyncio.CancelledError:
+            flight.finish_reason = "cancelled"
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise self._as_protocol_error(exc, flight) from None
+        finally:
+            self._record(flight)
+        return rs.response_body()
+
+    def prefetch(self, session_hint: str | None) -> None:
+        """Start an L1 restore for a known session before its prompt is tokenized."""
+        if session_hint:
+            self._cache.prefetch(session_hint)
+
+    # -- the request ---------------------------------------------------------------------------------
+    async def _bounded(self, coro: Awaitable[None]) -> None:
+        try:
+            await asyncio.wait_for(coro, self._timeout_s)
+        except asyncio.TimeoutError:
+            self._metrics.timeouts.inc()
+            raise RequestTimeout(
+                f"request exceeded request_timeout_secs ({self._timeout_s:g} s)"
+            ) from None
+
+    async def _generate(self, prepared: Any, rs: Any, flight: _Flight, write: Write | None) -> None:
+        client = self._client
+        if client.state is not GroupState.READY:
+            raise Overloaded(f"rank group is {client.state.value}; retry shortly",
+                             retry_after_s=RESTART_RETRY_AFTER_S)
+        prompt_ids: np.ndarray = prepared.prompt_ids
+        admission = await self._cache.admit(prompt_ids, prepared.session_key, prepared.max_tokens)
+        settled = False
+        engine_stream: RequestStream | None = None
+        symptoms = self._symptoms
+        if symptoms is not None:
+            symptoms.observe_request_start(prepared.session_key)
+            symptoms.observe_turn(prepared.session_key, prepared.num_prompt_tokens, admission.num_cached_tokens)
+        try:
+            self._count_admission(admission, flight)
+            sampling = SamplingParams(max_tokens=prepared.max_tokens, temperature=prepared.temperature,
+                                      top_p=prepared.top_p, top_k=prepared.top_k, seed=prepared.seed)
+            request = admission.engine_request(flight.request_id, prompt_ids, sampling)
+            try:
+                engine_stream = client.submit(admission.rank, request)
+            except RankUnavailable as exc:
+                raise Overloaded(str(exc) or "rank group not ready",
+                                 retry_after_s=RESTART_RETRY_AFTER_S) from None
+            if write is not None:
+                await write(rs.start(admission.num_cached_tokens))
+            output_ids, last = await self._pump(engine_stream, rs, flight, write)
+            stop_hit = rs.stop_hit
+            if stop_hit:
+                engine_stream.abort()
+                reason = "stop"
+            elif last is not None and last.finish_reason in _NORMAL_FINISH:
+                reason = last.finish_reason.value
+            else:
+                settled = True
+                self._cache.abort(admission)
+                raise _engine_failure(last)
+            # finish() first: it records the ledger entry and decides the API's stop reason.
+            tail = rs.finish(reason, prepared.num_prompt_tokens, admission.num_cached_tokens,
+                             len(output_ids))
+            settled = True  # before the call: a raising finish/abort must not settle twice
+            if stop_hit:
+                self._cache.abort(admission)  # aborted in the engine: it keeps no blocks
+            else:
+                self._cache.finish(admission, prompt_ids, np.asarray(output_ids, dtype=np.int32), last,
+                                   _stop_kind(rs))
+            flight.finish_reason = "stop_sequence" if stop_hit else reason
+            if write is not None and tail:
+                await write(tail)
+        finally:
+            if not settled:
+                last_out = flight.last_output
+                if last_out is not None and last_out.finished and last_out.kept_blocks:
+                    # The engine finished and handed its blocks to the cache, but we stopped
+                    # (client gone during the last write) before filing them: file them now,
+                    # or their cache refs leak in the engine.
+                    self._cache.finish(admission, prompt_ids, np.asarray(flight.output_ids, dtype=np.int32),
+                                       last_out)
+                else:
+                    self._cache.abort(admission)
+            if engine_stream is not None and not engine_stream.done:
+                engine_stream.abort()
+            if symptoms is not None:
+                symptoms.observe_request_end(prepared.session_key)
+
+    async def _pump(self, engine_stream: RequestStream, rs: Any, flight: _Flight,
+                    write: Write | None) -> tuple[list[int], RequestOutput | None]:
+        """Feed engine outputs to the response stream until finished or a stop sequence."""
+        output_ids = flight.output_ids
+        last: RequestOutput | None = None
+        metrics = self._metrics
+        inter_token = metrics.inter_token
+        anext = engine_stream.__anext__
+        drain = engine_stream.drain_nowait
+        while True:
+            try:
+                first = await anext()
+            except StopAsyncIteration:
+                break
+            batch = drain()
+            if batch:
+                batch.insert(0, first)
+                tokens = [t for out in batch for t in out.token_ids]
+                last = batch[-1]
+            else:
+                tokens = first.token_ids
+                last = first
+            flight.last_output = last
+            if tokens:
+                output_ids.extend(tokens)
+                flight.num_output_tokens += len(tokens)
+                data = rs.feed(tokens)
+                if data and write is not None:
+                    await write(data)
+                    now = time.perf_counter()
+                    if flight.first_token_s:
+                        inter_token.observe(now - flight.last_write_s)
+                    else:
+                        flight.first_token_s = now
+                        metrics.ttft.labels(flight.api).observe(now - flight.arrival_s)
+                    flight.last_write_s = now
+                elif not flight.first_token_s:
+                    flight.first_token_s = time.perf_counter()
+                if rs.stop_hit:
+                    break
+            if last.finished:
+                break
+        return output_ids, last
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _count_admission(self, admission: Any, flight: _Flight) -> None:
+        flight.num_cached_tokens = admission.num_cached_tokens
+        self._metrics.queue_time.observe(admission.queue_time_s)
+        for tier, num_tokens in admission.cached_tokens_by_tier.items():
+            if num_tokens:
+                self._metrics.cached_tokens.labels(tier).inc(num_tokens)
+
+    def _as_protocol_error(self, exc: BaseException, flight: _Flight) -> ProtocolError:
+        if isinstance(exc, RankFailed):
+            log.warning("request %s: rank group failed: %s", flight.request_id, exc)
+            return Overloaded(f"the engine restarted while serving this request: {exc}",
+                              retry_after_s=RESTART_RETRY_AFTER_S)
+        if isinstance(exc, RankUnavailable):
+            return Overloaded(str(exc) or "rank group not ready", retry_after_s=RESTART_RETRY_AFTER_S)
+        if isinstance(exc, EngineMisuse):
+            log.error("request %s: engine rejected the request: %s", flight.request_id, exc)
+            return InternalError("the engine rejected the request")
+        if not isinstance(exc, ProtocolError):
+            log.error("request %s failed", flight.request_id, exc_info=exc)
+        return error_from_exception(exc)
+
+    def _record(self, flight: _Flight) -> None:
+        now = time.perf_counter()
+        metrics = self._metrics
+        metrics.prompt_tokens.inc(flight.num_prompt_tokens)
+        metrics.output_tokens.inc(flight.num_output_tokens)
+        metrics.finished.labels(flight.finish_reason).inc()
+        metrics.request_seconds.labels(flight.api).observe(now - flight.arrival_s)
+        ttft_ms = (flight.first_token_s - flight.arrival_s) * 1e3 if flight.first_token_s else -1.0
+        # Never the prompt or the output: sizes and timings only.
+        log.info("request %s api=%s finish=%s cached=%d output=%d ttft_ms=%.1f total_ms=%.1f",
+                 flight.request_id, flight.api, flight.finish_reason, flight.num_cached_tokens,
+                 flight.num_output_tokens, ttft_ms, (now - flight.arrival_s) * 1e3)
+
+
+def _stop_kind(rs: Any) -> StopKind:
+    """How the turn ended, for the cache's eviction value (a tool call returns in seconds)."""
+    # ResponseStream keeps its API-level finish reason private; "tool_calls" is its name for
+    # a turn that ended in tool calls on both APIs.
+    reason = getattr(rs, "finish_reason", None) or getattr(rs, "_finish_reason", "")
+    if reason == "tool_calls":
+        return StopKind.TOOL_USE
+    if reason == "stop":
+        return StopKind.END_TURN
+    return StopKind.UNKNOWN
+
+
+def _engine_failure(last: RequestOutput | None) -> ProtocolError:
+    if last is None:
+        return InternalError("the engine ended the request without output")
+    if last.finish_reason is FinishReason.ERROR:
+        # The engine could not run it (e.g. no KV capacity); retrying later can succeed.
+        return Overloaded(f"the engine could not run the request: {last.error or 'no capacity'}",
+                          retry_after_s=RESTART_RETRY_AFTER_S)
+    return Overloaded("the request was aborted by the engine", retry_after_s=RESTART_RETRY_AFTER_S)

@@ -1,0 +1,140 @@
+"""The SDK's own ``serve`` starts ``DeepInferBackend`` (real rank processes) and answers /process;
+the backend's native HTTP endpoint runs alongside. Also the in-process ``serve_backend`` API with
+``chat()`` streaming, and ``setup()`` refusing a bad config by key."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import psutil
+import pytest
+
+from inferencekey.backend import BackendContext, serve_backend
+from inferencekey.errors import BackendSetupError
+
+from deepinfer_backend import DeepInferBackend
+from server.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = {"replies": [{"name": "hello", "text": "Hello from the scripted model."}]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(tmp: Path, **extra: Any) -> dict[str, Any]:
+    script = tmp / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    return {"engine": "scripted", "script_file": str(script), "ep": 1, "block_size": 16,
+            "reference_num_blocks": 1024, "max_num_seqs": 8, "max_model_len": 4096, "l1_cache": False,
+            "ready_timeout_secs": 120, **extra}
+
+
+@pytest.fixture(scope="module")
+def sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
+    tmp = tmp_path_factory.mktemp("sdk")
+    sdk_port, http_port = _free_port(), _free_port()
+    config = _config(tmp, port=http_port, api_key="k-native")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    log = (tmp / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "inferencekey.backend.serve", "--port", str(sdk_port),
+         "--backend", "deepinfer_backend:DeepInferBackend", "--config-json", json.dumps(config)],
+        cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+    sdk_url = f"http://127.0.0.1:{sdk_port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp / "serve.log").read_text()
+        try:
+            if httpx.get(sdk_url + "/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail("SDK serve did not become ready: " + (tmp / "serve.log").read_text())
+    try:
+        yield sdk_url, f"http://127.0.0.1:{http_port}", proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def test_sdk_process_answers_messages_and_prompt(sdk_server: tuple[str, str, Any]) -> None:
+    sdk_url = sdk_server[0]
+    for job_input in ({"messages": [{"role": "user", "content": "Say hello."}]}, {"prompt": "Say hello."}):
+        resp = httpx.post(sdk_url + "/process", json={"id": "j1", "input": job_input}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        output = resp.json()["output"]
+        assert output["text"] == "Hello from the scripted model."
+        assert output["response"]["object"] == "chat.completion"
+        assert output["finish_reason"] == "stop" and output["usage"]["completion_tokens"] > 0
+    meta = httpx.get(sdk_url + "/meta").json()
+    assert meta["name"] == "deepinfer-v41-flash" and meta["task_type"] == "text2text"
+
+
+def test_sdk_process_malformed_input_is_400(sdk_server: tuple[str, str, Any]) -> None:
+    sdk_url = sdk_server[0]
+    resp = httpx.post(sdk_url + "/process", json={"id": "j2", "input": {}})
+    assert resp.status_code == 400 and "messages" in resp.json()["error"]
+    resp = httpx.post(sdk_url + "/process", json={"id": "j3", "input": {
+        "model": "claude-opus-4-8", "messages": [{"role": "user", "content": "x"}]}})
+    assert resp.status_code == 400
+    assert resp.json()["error"] == "Model 'claude-opus-4-8' is not available on this endpoint"
+
+
+def test_native_http_runs_next_to_sdk_and_sigterm_stops_ranks(sdk_server: tuple[str, str, Any]) -> None:
+    _, http_url, proc = sdk_server
+    with anthropic.Anthropic(base_url=http_url, api_key="k-native", max_retries=0) as client:
+        msg = client.messages.create(model="default", max_tokens=32,
+                                     messages=[{"role": "user", "content": "Hi"}])
+    assert msg.content[0].text == "Hello from the scripted model."
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "expected rank processes"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert not alive, f"rank processes left behind: {alive}"
+
+
+def test_setup_rejects_unknown_key_naming_it(tmp_path: Path) -> None:
+    backend = DeepInferBackend()
+    with pytest.raises(ConfigError, match="unknown config key 'l1_host_gib'"):
+        backend.setup(BackendContext(config={"l1_host_gib": 4}, port=0))
+    with pytest.raises(BackendSetupError, match="config key 'ep'"):
+        serve_backend(DeepInferBackend, port=0, config={"ep": 0}, block=False)
+
+
+def test_serve_backend_python_api_streams_chat_chunks(tmp_path: Path) -> None:
+    config = _config(tmp_path, env={"IK_BACKEND_HTTP": "sdk"})
+    backend = DeepInferBackend()
+    httpd, _state = serve_backend(backend, port=0, config=config, block=False)
+    try:
+        chunks = list(backend.chat({"model": "default", "messages": [{"role": "user", "content": "Hi"}]}))
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+        assert text == "Hello from the scripted model."
+        resp = httpx.post(f"http://127.0.0.1:{httpd.server_address[1]}/process",
+                          json={"id": "j", "input": {"prompt": "Hi"}}, timeout=60)
+        assert resp.json()["output"]["text"] == "Hello from the scripted model."
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        backend.close()

@@ -212,7 +212,11 @@ def _openai_text(content: str | list[Any] | None) -> str:
     out: list[str] = []
     for p in content:
         if p.type in ("text", "input_text"):
-            out.append(p.text)
+            # a text part without a string "text" fails TextPart and lands in OtherPart
+            text = getattr(p, "text", None)
+            if not isinstance(text, str):
+                raise InvalidRequest(f"a content part of type {p.type!r} needs a string 'text'", param="messages")
+            out.append(text)
         elif p.type in ("image_url", "input_image"):
             out.append(IMAGE_TEXT)
         else:

@@ -51,8 +51,13 @@ FORBIDDEN_NAME_RE = re.compile(
 )
 # Data (non-.py) files whose names suggest a secret.
 SECRET_NAME_RE = re.compile(r"token|secret|credential|password|api[_-]?key", re.IGNORECASE)
-# Content that looks like a real InferenceKey or API credential (placeholders like ik_live_... pass).
-SECRET_CONTENT_RE = re.compile(rb"(ik_(sdk|live)_[A-Za-z0-9]{16,})|(sk-[A-Za-z0-9]{20,})")
+# Content that looks like a real InferenceKey or API credential (placeholders like ik_live_... pass):
+# InferenceKey tokens, OpenAI (sk-, sk-proj-) and Anthropic (sk-ant-api03-) keys, Hugging Face and
+# GitHub tokens, AWS access key ids, PEM private keys.
+SECRET_CONTENT_RE = re.compile(
+    rb"(ik_(sdk|live)_[A-Za-z0-9]{16,})|(sk-[A-Za-z0-9][A-Za-z0-9_-]{19,})|(hf_[A-Za-z0-9]{30,})"
+    rb"|(gh[pousr]_[A-Za-z0-9]{36,})|(AKIA[0-9A-Z]{16})|(-----BEGIN [A-Z ]*PRIVATE KEY-----)"
+)
 BUILD_INFO_NAME = "BUILD_INFO.json"
 EXIT_CONFLICT = 3
 EXIT_AUTH = 4

@@ -18,6 +18,7 @@ stream carries no internal error frame.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -212,9 +213,9 @@ def mutated_body(draw: st.DrawFn, path: str) -> tuple[Any, str]:
                      "image", "thinking", None, 5, "function", "input_audio"])))
         elif op == "max_tokens" and isinstance(body, dict):
             key = "max_tokens" if path != "/v1/chat/completions" or draw(st.booleans()) else "max_completion_tokens"
-            body[key] = draw(st.sampled_from(BAD_MAX_TOKENS))
+            body[key] = copy.deepcopy(draw(st.sampled_from(BAD_MAX_TOKENS)))
         elif op == "tool_schema" and isinstance(body, dict):
-            bad = draw(st.sampled_from(BAD_SCHEMAS))
+            bad = copy.deepcopy(draw(st.sampled_from(BAD_SCHEMAS)))
             if path == "/v1/chat/completions":
                 body["tools"] = [{"type": "function", "function": {"name": "T", "parameters": bad}}]
             else:

@@ -5,8 +5,12 @@ a turn is admitted only when ``resident + restored + new prompt blocks + expecte
 blocks`` fit in the rank's pool without evicting a session that is about to return (see
 ``cache/eviction.py``). If they do not fit, the turn waits in its rank's FIFO queue:
 
-* Only the head of a rank's queue may be admitted (FIFO-fair: a stream of small turns cannot
-  starve a big one), and a new turn never overtakes a non-empty queue.
+* Only the head of a rank's queue may evict to make room (FIFO-fair). A new turn may overtake
+  a waiting head only if it fits in the blocks that are free right now without evicting
+  anything (typically a returning session whose prefix is resident: resident turns first), and
+  only while the head has waited less than ``force_after_s``, so a stream of small turns
+  cannot starve a big one. Queued turns hold no pins, so a waiting turn never blocks the
+  eviction the head needs (that would deadlock).
 * The head is retried whenever blocks are freed on the rank (``notify``) and every
   ``recheck_s`` (sessions lose their protection as time passes).
 * After ``force_after_s`` in the queue the head may evict protected sessions too (bounded
@@ -14,19 +18,28 @@ blocks`` fit in the rank's pool without evicting a session that is about to retu
 * After ``fail_after_s`` (or if the queue already holds ``max_queue_depth`` turns) the turn
   fails with ``Overloaded`` (HTTP 503, retryable) instead of hanging.
 
-The fit test itself (``try_admit(force) -> bool``) belongs to the caller (the cache manager),
+The fit test itself (``try_admit(level) -> bool``) belongs to the caller (the cache manager),
 which knows the ledgers; this module only orders the waiters and keeps the queue metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.errors import Overloaded
+
+
+class AdmitLevel(enum.Enum):
+    """What ``try_admit`` may do to make room."""
+
+    FREE_ONLY = 0  # use free blocks only (a turn overtaking the queue)
+    NORMAL = 1  # may evict sessions that are not about to return
+    FORCE = 2  # may evict any unused block (the head after ``force_after_s``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +69,7 @@ class AdmissionQueue:
         self.num_forced = 0
         self.num_rejected = 0
         self.num_queued = 0
+        self.num_overtaken = 0
 
     def depth(self, rank: int) -> int:
         return len(self._queues[rank])
@@ -63,14 +77,18 @@ class AdmissionQueue:
     def waiting_tokens(self, rank: int) -> int:
         return sum(t.num_tokens for t in self._queues[rank])
 
-    async def enter(self, rank: int, num_tokens: int, try_admit: Callable[[bool], bool]) -> float:
+    async def enter(self, rank: int, num_tokens: int, try_admit: Callable[[AdmitLevel], bool]) -> float:
         """Return once ``try_admit`` said yes for this turn; the result is the time queued (s).
 
-        ``try_admit(force)`` must be synchronous and, when it returns True, must have reserved
+        ``try_admit(level)`` must be synchronous and, when it returns True, must have reserved
         the turn's blocks. Raises ``Overloaded`` when the turn cannot be admitted in time."""
         queue = self._queues[rank]
-        if not queue and try_admit(False):
+        if not queue and try_admit(AdmitLevel.NORMAL):
             return 0.0
+        if queue and self._clock() - queue[0].enqueued_s < self.config.force_after_s:
+            if try_admit(AdmitLevel.FREE_ONLY):
+                self.num_overtaken += 1
+                return 0.0
         if len(queue) >= self.config.max_queue_depth:
             self.num_rejected += 1
             raise Overloaded(
@@ -85,7 +103,7 @@ class AdmissionQueue:
                 waited_s = self._clock() - ticket.enqueued_s
                 if queue[0] is ticket:
                     force = waited_s >= self.config.force_after_s
-                    if try_admit(force):
+                    if try_admit(AdmitLevel.FORCE if force else AdmitLevel.NORMAL):
                         if force:
                             self.num_forced += 1
                         return waited_s

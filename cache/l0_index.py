@@ -9,9 +9,9 @@ Invariants (``check`` asserts them; tests call it after every scenario):
 * Prefix-closed: a node's parent is in the index. Insertion goes parent first, eviction only
   takes leaves (nodes with no children), so a parent is never evicted before its children.
   Hence the present blocks of any chain form a prefix of it and ``match`` is a binary search.
-* ``use_count`` counts admitted requests using the block as a prefix block (and in-progress
-  exports). A node with ``use_count > 0`` is never evicted. Uses are taken on whole chain
-  prefixes, so in-use nodes are prefix-closed too: an in-use leaf's ancestors are all in use.
+* ``use_count`` counts admitted requests (and exports in progress) whose prefix *ends* at the
+  node. A node with ``use_count > 0`` is never evicted, and neither are its ancestors (they have
+  a child, so they are not leaves), so one use on the deepest block pins a whole prefix in O(1).
 * ``_leaves[owner]`` holds exactly the nodes with ``num_children == 0`` owned by ``owner``.
   The owner is the session that last used the block; eviction weighs blocks by their owner.
 * One hash, one block: a finished request's kept block whose hash is already filed is a
@@ -87,37 +87,31 @@ class RankIndex:
 
     # ----------------------------------------------------------------- uses
 
-    def acquire(self, hashes: Sequence[BlockHash], owner: SessionId | None, now_s: float) -> list[int]:
-        """Take one use on each block of ``hashes`` (all must be filed) and make ``owner`` their
-        owner. Returns their block ids in order."""
-        out: list[int] = []
-        nodes = self.nodes
-        for h in hashes:
-            node = nodes[h]
-            node.use_count += 1
-            node.last_used_s = now_s
-            if node.owner != owner:
-                self._set_owner(node, owner)
-            out.append(node.block_id)
-        return out
+    def acquire(self, hashes: Sequence[BlockHash], owner: SessionId | None, now_s: float) -> None:
+        """Pin the chain prefix ``hashes`` (all filed) for a request and make ``owner`` the owner
+        of its deepest block. One use on the deepest node protects the whole prefix: its
+        ancestors have a child, so they are never leaves while it is filed. O(1)."""
+        if not hashes:
+            return
+        node = self.nodes[hashes[-1]]
+        node.use_count += 1
+        node.last_used_s = now_s
+        if node.owner != owner:
+            self._set_owner(node, owner)
 
-    def pin(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Take one use on each block without touching recency or owner (exports use this:
-        copying a block to L1 is not a sign that anyone wants it)."""
-        out: list[int] = []
-        nodes = self.nodes
-        for h in hashes:
-            node = nodes[h]
-            node.use_count += 1
-            out.append(node.block_id)
-        return out
+    def pin(self, hashes: Sequence[BlockHash]) -> None:
+        """Like ``acquire`` without touching recency or owner (exports: copying a block to L1
+        is not a sign that anyone wants it)."""
+        if hashes:
+            self.nodes[hashes[-1]].use_count += 1
 
     def release_uses(self, hashes: Sequence[BlockHash]) -> None:
-        nodes = self.nodes
-        for h in hashes:
-            node = nodes[h]
-            assert node.use_count > 0, f"use count underflow on block {node.block_id}"
-            node.use_count -= 1
+        """Undo one ``acquire``/``pin`` of the same prefix."""
+        if not hashes:
+            return
+        node = self.nodes[hashes[-1]]
+        assert node.use_count > 0, f"use count underflow on block {node.block_id}"
+        node.use_count -= 1
 
     # ----------------------------------------------------------------- insert
 
@@ -127,33 +121,40 @@ class RankIndex:
         block_ids: Sequence[int],
         owner: SessionId | None,
         now_s: float,
+        num_known: int = 0,
     ) -> list[int]:
         """File the blocks of a chain (``block_ids[i]`` holds the block named ``hashes[i]``).
 
         Each ``block_ids[i]`` carries one cache ref the caller hands over. Returns the block ids
         whose ref must be released because their hash was already filed (duplicates). Already
-        filed blocks are touched (recency, owner)."""
+        filed blocks are touched (recency, owner), except the first ``num_known``, which the
+        caller knows are filed (a request's pinned prefix): they are duplicates by definition,
+        and skipping them keeps a 1M-token turn's insert proportional to its new blocks."""
         if len(hashes) != len(block_ids):
             raise ValueError(f"{len(hashes)} hashes for {len(block_ids)} blocks")
-        duplicates: list[int] = []
         nodes = self.nodes
-        parent: Node | None = None
-        for depth, (h, block_id) in enumerate(zip(hashes, block_ids)):
+        duplicates: list[int] = list(block_ids[:num_known])
+        parent: Node | None = nodes[hashes[num_known - 1]] if num_known else None
+        last_new: Node | None = None
+        for depth in range(num_known, len(hashes)):
+            h = hashes[depth]
             node = nodes.get(h)
             if node is not None:
-                duplicates.append(block_id)
+                duplicates.append(block_ids[depth])
                 node.last_used_s = now_s
                 if node.owner != owner:
                     self._set_owner(node, owner)
             else:
-                node = Node(h, block_id, parent, depth, owner, now_s)
+                node = Node(h, block_ids[depth], parent, depth, owner, now_s)
                 nodes[h] = node
                 if parent is not None:
-                    if parent.num_children == 0:
+                    if parent.num_children == 0 and parent is not last_new:
                         self._leaves[parent.owner].discard(parent)
                     parent.num_children += 1
-                self._leaves.setdefault(owner, set()).add(node)
+                last_new = node
             parent = node
+        if last_new is not None and last_new.num_children == 0:
+            self._leaves.setdefault(owner, set()).add(last_new)
         return duplicates
 
     # ----------------------------------------------------------------- eviction
@@ -255,8 +256,6 @@ class RankIndex:
                 assert self.nodes.get(node.parent.block_hash) is node.parent, "parent not filed"
                 assert node.depth == node.parent.depth + 1
                 children[id(node.parent)] = children.get(id(node.parent), 0) + 1
-                if node.use_count:
-                    assert node.parent.use_count > 0, "in-use node under an unused parent"
             else:
                 assert node.depth == 0
         ids = [n.block_id for n in self.nodes.values()]

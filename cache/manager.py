@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from cache.admission import AdmissionQueue
+from cache.admission import AdmissionQueue, AdmitLevel
 from cache.config import CacheConfig
 from cache.eviction import EvictionPolicy
 from cache.hashing import BlockHash, ChainHasher, as_token_array
@@ -224,6 +224,7 @@ class CacheManager:
         stop_kind: StopKind = StopKind.UNKNOWN,
     ) -> None:
         """The turn ended with ``output`` (its terminal RequestOutput): file its kept blocks."""
+        num_known = admission.num_used_blocks  # filed and pinned until _close, no await between
         if not self._close(admission):
             return
         rank = admission.rank
@@ -243,7 +244,9 @@ class CacheManager:
             else:
                 full = np.concatenate([as_token_array(prompt_ids), as_token_array(output_ids)])
                 full_hashes = self.hasher.extend(admission.hashes, full)[: len(kept)]
-                duplicates = self.l0[rank].insert(full_hashes, kept, admission.session_id, now)
+                duplicates = self.l0[rank].insert(
+                    full_hashes, kept, admission.session_id, now, num_known=num_known
+                )
                 if self.metrics is not None and duplicates:
                     self.metrics.duplicate_blocks.inc(len(duplicates))
                 self._release_later(rank, duplicates)
@@ -353,45 +356,50 @@ class CacheManager:
         epoch = self.epoch
         num_prompt = len(tokens)
         sid = session.session_id
-        m0 = idx.match(hashes)
-        entry, m1 = self.l1.match(hashes) if self.l1_enabled else (None, 0)
-        usable = usable_prefix_blocks(max(m0, m1), num_prompt, bs) if self.config.prefix_cache else 0
-        num_l0 = min(m0, usable)
-        num_restore = usable - num_l0 if entry is not None else 0
-        usable = num_l0 + num_restore
-        idx.acquire(hashes[:num_l0], sid, self._clock())  # pinned while it waits for room
-        seq_blocks = -(-(num_prompt + num_output) // bs) - usable
-        need = seq_blocks + num_restore
         limit = ledger.capacity_blocks - self.config.reserve_blocks
-        if need > limit:
-            min_need = -(-(num_prompt + 1) // bs) - usable + num_restore
-            if min_need > limit:
-                idx.release_uses(hashes[:num_l0])
-                raise PromptTooLong(num_prompt, max(0, (limit - 1) * bs))
-            seq_blocks -= need - limit  # the output estimate is a guess; keep what fits
-            need = limit
+        # A running sequence holds all its blocks (shared prefix ones too), so a turn must fit
+        # the rank's pool whole; the output estimate is trimmed to what fits.
+        if -(-(num_prompt + 1) // bs) > limit:
+            raise PromptTooLong(num_prompt, max(0, limit * bs - 1))
+        total_blocks = min(-(-(num_prompt + num_output) // bs), limit)
+        plan: dict[str, int] = {}
         victims: list[Node] = []
 
-        def try_admit(force: bool) -> bool:
+        def try_admit(level: AdmitLevel) -> bool:
+            """Plan against the index as it is *now* (blocks may have gone while queued), pin the
+            prefix, evict what ``level`` allows, reserve. Nothing is pinned while queued, so a
+            waiting turn never blocks the eviction the head of the queue needs."""
             if self.epoch != epoch:
                 return True  # the group restarted: admit and fail below
             now = self._clock()
+            m0 = idx.match(hashes)
+            m1 = self.l1.match(hashes)[1] if self.l1_enabled else 0
+            usable = usable_prefix_blocks(max(m0, m1), num_prompt, bs) if self.config.prefix_cache else 0
+            num_l0 = min(m0, usable)
+            num_restore = usable - num_l0
+            need = total_blocks - num_l0  # the sequence's own blocks + the restored ones
             free = ledger.capacity_blocks - len(idx) - ledger.reserved_blocks - self.config.reserve_blocks
+            idx.acquire(hashes[:num_l0], sid, now)  # before evicting: never evict our own prefix
             if need > free:
+                if level is AdmitLevel.FREE_ONLY:
+                    idx.release_uses(hashes[:num_l0])
+                    return False
+                force = level is AdmitLevel.FORCE
                 got = idx.evict(need - free, self.policy.scorer(rank, now), self.policy.chooser(rank, now, force))
                 victims.extend(got)
                 ledger.num_releasing += len(got)
                 free += len(got)
                 if need > free:
+                    idx.release_uses(hashes[:num_l0])
                     return False
             ledger.reserved_blocks += need
+            plan.update(num_l0=num_l0, num_restore=num_restore, need=need)
             return True
 
+        first_l0 = min(idx.match(hashes), len(hashes))
         try:
-            queue_s = await self.queue.enter(rank, num_prompt - num_l0 * bs, try_admit)
+            queue_s = await self.queue.enter(rank, num_prompt - first_l0 * bs, try_admit)
         except BaseException:
-            if self.epoch == epoch:
-                idx.release_uses(hashes[:num_l0])
             if victims:
                 self._spawn(self._retire(rank, victims, epoch))
             raise
@@ -399,6 +407,7 @@ class CacheManager:
             await self._retire(rank, victims, epoch)
         if self.epoch != epoch:
             raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
+        num_l0, num_restore, need = plan["num_l0"], plan["num_restore"], plan["need"]
         adm = Admission(
             rank=rank, prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier={"l0": 0, "l1": 0},
             queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
@@ -412,7 +421,8 @@ class CacheManager:
             if not restored and num_l0:
                 # Without the L1 part the last L0 block is the replayed one (not a prefix block).
                 keep = usable_prefix_blocks(num_l0, num_prompt, bs)
-                idx.release_uses(hashes[keep:num_l0])
+                idx.acquire(hashes[:keep], sid, self._clock())
+                idx.release_uses(hashes[:num_l0])
                 adm.reserved_blocks += num_l0 - keep
                 ledger.reserved_blocks += num_l0 - keep
                 adm.num_used_blocks = keep
@@ -441,10 +451,14 @@ class CacheManager:
             adm.restore_s = self._clock() - started
             if ids is not None and self.epoch == epoch:
                 idx = self.l0[rank]
-                part = hashes[first : first + count]
-                duplicates = idx.insert(part, ids, adm.session_id, self._clock())
+                # File the restored blocks under their filed prefix (depth and parent links
+                # intact); the prefix's own ids come back first among the duplicates: skip them.
+                known = idx.block_ids(hashes[:first])
+                duplicates = idx.insert(hashes[: first + count], known + list(ids), adm.session_id,
+                                        self._clock())[first:]
                 self._release_later(rank, duplicates)
-                idx.acquire(part, adm.session_id, self._clock())
+                idx.acquire(hashes[: first + count], adm.session_id, self._clock())  # move the pin
+                idx.release_uses(hashes[:first])
                 adm.num_used_blocks = first + count
                 adm.cached_tokens_by_tier["l1"] = count * self.block_size
                 ok = True
@@ -490,12 +504,12 @@ class CacheManager:
             if idx.match(chain) < len(chain):
                 self.l1.abort(plan)
                 return False
-            pinned = part
-            ids = idx.pin(part)
-        else:
-            pinned = [n.block_hash for n in nodes[plan.first_block :] if idx.nodes.get(n.block_hash) is n]
-            idx.pin(pinned)
+            pinned = chain
+            ids = idx.block_ids(part)
+        else:  # an evicted tail (held until released) under a still-filed prefix
+            pinned = [n.block_hash for n in nodes if idx.nodes.get(n.block_hash) is n]
             ids = [n.block_id for n in nodes[plan.first_block :]]
+        idx.pin(pinned)
         ok = False
         try:
             await self.client.export_blocks(rank, ids, plan.host_slot)
@@ -582,7 +596,10 @@ class CacheManager:
             if anchor is not None and anchor not in idx.nodes:
                 self._release_later(rank, ids)  # its parent was evicted meanwhile
                 return
-            duplicates = idx.insert(hashes, ids, session.session_id, self._clock())
+            # File them under their filed prefix (an anchored slice is not a chain of its own).
+            known = idx.block_ids(entry.hashes[:first])
+            duplicates = idx.insert(entry.hashes[: first + count], known + list(ids),
+                                    session.session_id, self._clock())[first:]
             self._release_later(rank, duplicates)
             if self.metrics is not None:
                 self.metrics.restored_tokens.inc(count * self.block_size)

@@ -441,7 +441,13 @@ class CacheManager:
             self.l1.begin_read(entry)
             started = self._clock()
             try:
-                ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
+                try:
+                    ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
+                except CapacityExhausted:
+                    # The ledger counts evicted blocks as free once chosen; the engine frees
+                    # them when their release (after any L1 write) lands. Wait for those, once.
+                    await self._await_releases(rank, epoch)
+                    ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
             except _RANK_ERRORS as exc:
                 log.warning("L1 restore of %d blocks on rank %d failed: %s", count, rank, exc)
                 ids = None
@@ -550,14 +556,11 @@ class CacheManager:
                     chain = [n.block_hash for n in chain_nodes]
                     await self._write_through(rank, owner, chain, epoch, nodes=chain_nodes)
         finally:
-            ledger = self._ledgers[rank]
-            if self.epoch == epoch:
-                ledger.num_releasing -= len(victims)
-                if self.metrics is not None:
-                    for node in victims:
-                        backed = node.owner is not None and self.l1.backed_blocks(node.owner) > node.depth
-                        self.metrics.evicted_blocks.labels("l0", str(backed).lower()).inc()
-            await self._release(rank, [n.block_id for n in victims], epoch, counted=False)
+            if self.epoch == epoch and self.metrics is not None:
+                for node in victims:
+                    backed = node.owner is not None and self.l1.backed_blocks(node.owner) > node.depth
+                    self.metrics.evicted_blocks.labels("l0", str(backed).lower()).inc()
+            await self._release(rank, [n.block_id for n in victims], epoch, counted=True)
 
     async def _move(
         self, session: Session, src: int, dst: int, hashes: list[BlockHash], num_src_blocks: int
@@ -628,6 +631,12 @@ class CacheManager:
         return best
 
     # ================================================================= releases & tasks
+
+    async def _await_releases(self, rank: int, epoch: int, timeout_s: float = 2.0) -> None:
+        """Wait (bounded) until no release is pending on ``rank``."""
+        deadline = time.monotonic() + timeout_s  # a wall bound, whatever clock the policy uses
+        while self.epoch == epoch and self._ledgers[rank].num_releasing > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
 
     def _release_later(self, rank: int, block_ids: list[int]) -> None:
         if block_ids:

@@ -18,7 +18,13 @@ Printed figures:
   null engine computes nothing, so the gap is what the serving path itself adds between two
   tokens reaching a client. Under load one delivery carries several tokens (the service feeds
   every buffered step at once): "tokens per delivery" says how many on average;
-* time to first token p50/p99, and deliveries per stream (how much batching kicked in).
+* the same two figures in steady state: the window from the moment every stream has its first
+  token to the first stream's end (no admissions in flight), with tokens/s from the server's
+  live ``deepinfer_output_tokens_total`` counter sampled every 0.25 s;
+* time to first token p50/p99, and deliveries per stream (how much batching kicked in);
+* CPU seconds of the backend process and of the rank processes during the round, and tokens per
+  backend CPU-second: a figure that does not depend on what else the machine is running (the
+  2-core build machine is shared, so wall-clock figures vary from run to run).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +45,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
+import psutil
 
 _DELTA = b"event: content_block_delta"
 _USAGE_RE = re.compile(rb'"output_tokens":\s*(\d+)')
@@ -53,6 +61,7 @@ class StreamStats:
     output_tokens: int = 0
     num_deliveries: int = 0
     gaps_s: list[float] = field(default_factory=list)
+    gap_times_s: list[float] = field(default_factory=list)  # when each gap ended
     error: str = ""
 
 
@@ -93,6 +102,7 @@ class _SSECounter(asyncio.Protocol):
             st = self._stats
             if st.first_token_s:
                 st.gaps_s.append(now - self._last_delivery_s)
+                st.gap_times_s.append(now)
             else:
                 st.first_token_s = now
             st.num_deliveries += 1
@@ -131,19 +141,56 @@ def _request_bytes(host: str, port: int, max_tokens: int, i: int) -> bytes:
     return head + body
 
 
-async def run_client(url: str, concurrency: int, max_tokens: int) -> tuple[list[StreamStats], float]:
+_TOKENS_RE = re.compile(rb"^deepinfer_output_tokens_total (\S+)$", re.M)
+
+
+async def _scrape_tokens(host: str, port: int) -> float:
+    """The server's live output-token counter (bumped once per streamed batch)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    found = _TOKENS_RE.search(data)
+    return float(found.group(1)) if found else float("nan")
+
+
+async def _sample(host: str, port: int, samples: list[tuple[float, float]], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        value = await _scrape_tokens(host, port)
+        samples.append(((t0 + time.perf_counter()) / 2, value))
+        try:
+            await asyncio.wait_for(stop.wait(), 0.25)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_client(url: str, concurrency: int, max_tokens: int
+                     ) -> tuple[list[StreamStats], float, list[tuple[float, float]]]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     loop = asyncio.get_running_loop()
     stats = [StreamStats() for _ in range(concurrency)]
     futures = [loop.create_future() for _ in range(concurrency)]
+    samples: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    sampler = asyncio.ensure_future(_sample(host, port, samples, stop))
+    requests = [_request_bytes(host, port, max_tokens, i) for i in range(concurrency)]
+    address = (socket.gethostbyname(host), port)  # resolved once: no getaddrinfo per connection
+
+    async def open_one(i: int) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await loop.sock_connect(sock, address)
+        await loop.create_connection(lambda: _SSECounter(requests[i], stats[i], futures[i]), sock=sock)
+
     start_s = time.perf_counter()
-    for i in range(concurrency):
-        req = _request_bytes(host, port, max_tokens, i)
-        await loop.create_connection(lambda r=req, s=stats[i], f=futures[i]: _SSECounter(r, s, f),
-                                     host, port)
+    await asyncio.gather(*(open_one(i) for i in range(concurrency)))
     await asyncio.gather(*futures)
-    return stats, start_s
+    stop.set()
+    await sampler
+    return stats, start_s, samples
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -166,9 +213,11 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
     per_rank = -(-args.concurrency // args.ranks)
     blocks_per_seq = -(-(args.max_tokens + 256) // 128) + 1
+    # Room for every round's finished sessions to stay cached (the prefix cache is on, and a
+    # session returning within protect_s is not evicted): the pool is not what is measured here.
     config = {
         "engine": "reference", "reference_model": "null", "ep": args.ranks, "port": args.port,
-        "max_num_seqs": max(per_rank, 1), "reference_num_blocks": per_rank * blocks_per_seq + 64,
+        "max_num_seqs": max(per_rank, 1), "reference_num_blocks": (args.rounds + 1) * per_rank * blocks_per_seq + 64,
         "l1_cache": False, "max_model_len": 8192, "api_key": "bench",
     }
     tmp = Path(tempfile.mkdtemp(prefix="serving-bench-"))
@@ -185,7 +234,20 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     return proc, f"http://127.0.0.1:{args.port}", tmp
 
 
-def report(stats: list[StreamStats], start_s: float, args: argparse.Namespace) -> dict[str, float]:
+def _steady(stats: list[StreamStats], samples: list[tuple[float, float]]) -> tuple[float, float, float, list[float]]:
+    """Window where every stream is streaming: from the last first-token to the first finish."""
+    begin_s = max(s.first_token_s for s in stats)
+    end_s = min(s.done_s for s in stats)
+    inside = [(t, v) for t, v in samples if begin_s <= t <= end_s]
+    rate = float("nan")
+    if len(inside) >= 2 and inside[-1][0] > inside[0][0]:
+        rate = (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+    gaps = [g for s in stats for g, t in zip(s.gaps_s, s.gap_times_s) if begin_s <= t <= end_s]
+    return rate, begin_s, end_s, gaps
+
+
+def report(stats: list[StreamStats], start_s: float, args: argparse.Namespace,
+           samples: list[tuple[float, float]]) -> dict[str, float]:
     errors = [s for s in stats if s.error or s.status != 200]
     ok = [s for s in stats if not (s.error or s.status != 200)]
     end_s = max(s.done_s for s in stats)
@@ -202,10 +264,21 @@ def report(stats: list[StreamStats], start_s: float, args: argparse.Namespace) -
         "deliveries_per_stream_mean": float(deliveries.mean()),
         "tokens_per_delivery": total_tokens / max(1, int(deliveries.sum())),
     }
+    figures["steady_tokens_per_s"] = float("nan")
+    if ok and not errors:
+        rate, begin_s, end_s, steady_gaps = _steady(ok, samples)
+        sg = np.array(steady_gaps or [float("nan")]) * 1e3
+        figures.update({"steady_tokens_per_s": rate, "steady_window_s": end_s - begin_s,
+                        "steady_inter_token_ms_p50": float(np.percentile(sg, 50)),
+                        "steady_inter_token_ms_p99": float(np.percentile(sg, 99))})
     print(f"streams {len(stats)} (errors {len(errors)}), max_tokens {args.max_tokens}, ranks {args.ranks}")
     print(f"streamed tokens/s: {figures['tokens_per_s']:.0f}  ({total_tokens} tokens in {wall_s:.2f} s)")
     print(f"added inter-token delay: p50 {figures['inter_token_ms_p50']:.2f} ms, "
           f"p99 {figures['inter_token_ms_p99']:.2f} ms")
+    if figures.get("steady_window_s", 0) > 0:
+        print(f"steady state (all {len(stats)} streams active, {figures['steady_window_s']:.1f} s): "
+              f"{figures['steady_tokens_per_s']:.0f} tokens/s, inter-token delay p50 "
+              f"{figures['steady_inter_token_ms_p50']:.2f} ms, p99 {figures['steady_inter_token_ms_p99']:.2f} ms")
     print(f"time to first token: p50 {figures['ttft_ms_p50']:.1f} ms, p99 {figures['ttft_ms_p99']:.1f} ms; "
           f"deliveries per stream {figures['deliveries_per_stream_mean']:.1f}, "
           f"tokens per delivery {figures['tokens_per_delivery']:.2f}")
@@ -214,10 +287,25 @@ def report(stats: list[StreamStats], start_s: float, args: argparse.Namespace) -
     return figures
 
 
+def _cpu_s(server: psutil.Process | None) -> tuple[float, float]:
+    """CPU seconds (user + system) of the backend process and of its rank processes."""
+    if server is None:
+        return 0.0, 0.0
+    own = server.cpu_times()
+    ranks = 0.0
+    for child in server.children(recursive=True):
+        try:
+            t = child.cpu_times()
+            ranks += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return own.user + own.system, ranks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serving_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--ranks", type=int, default=1, help="rank processes of the null engine")
     parser.add_argument("--port", type=int, default=18431)
     parser.add_argument("--url", default=None, help="benchmark a running server instead")
@@ -240,10 +328,22 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             runner = asyncio.run
         figures: dict[str, float] = {}
+        server = psutil.Process(proc.pid) if proc is not None else None
         for round_no in range(args.rounds):
-            print(f"-- round {round_no + 1}/{args.rounds}")
-            stats, start_s = runner(run_client(url, args.concurrency, args.max_tokens))
-            figures = report(stats, start_s, args)
+            print(f"-- round {round_no + 1}/{args.rounds} (load average {os.getloadavg()[0]:.1f} "
+                  f"on {os.cpu_count()} CPUs)")
+            before = _cpu_s(server)
+            stats, start_s, samples = runner(run_client(url, args.concurrency, args.max_tokens))
+            after = _cpu_s(server)
+            figures = report(stats, start_s, args, samples)
+            if server is not None:
+                tokens = figures["output_tokens"]
+                http_s, ranks_s = after[0] - before[0], after[1] - before[1]
+                figures.update({"server_cpu_s": http_s, "ranks_cpu_s": ranks_s,
+                                "tokens_per_server_cpu_s": tokens / http_s if http_s else 0.0})
+                print(f"CPU: backend process {http_s:.2f} s ({1e6 * http_s / max(tokens, 1):.1f} us/token, "
+                      f"{figures['tokens_per_server_cpu_s']:.0f} tokens per backend CPU-second), "
+                      f"rank processes {ranks_s:.2f} s")
         if args.json:
             print(json.dumps(figures))
     finally:

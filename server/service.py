@@ -206,6 +206,7 @@ class ChatService:
         last: RequestOutput | None = None
         metrics = self._metrics
         inter_token = metrics.inter_token
+        output_tokens = metrics.output_tokens
         anext = engine_stream.__anext__
         drain = engine_stream.drain_nowait
         while True:
@@ -225,6 +226,7 @@ class ChatService:
             if tokens:
                 output_ids.extend(tokens)
                 flight.num_output_tokens += len(tokens)
+                output_tokens.inc(len(tokens))  # per batch, so /metrics shows live throughput
                 data = rs.feed(tokens)
                 if data and write is not None:
                     await write(data)
@@ -269,7 +271,6 @@ class ChatService:
         now = time.perf_counter()
         metrics = self._metrics
         metrics.prompt_tokens.inc(flight.num_prompt_tokens)
-        metrics.output_tokens.inc(flight.num_output_tokens)
         metrics.finished.labels(flight.finish_reason).inc()
         metrics.request_seconds.labels(flight.api).observe(now - flight.arrival_s)
         ttft_ms = (flight.first_token_s - flight.arrival_s) * 1e3 if flight.first_token_s else -1.0

@@ -546,6 +546,8 @@ class CacheManager:
                         continue  # nobody will ask for these here again
                     if owner not in deepest or node.depth > deepest[owner].depth:
                         deepest[owner] = node
+                held = {id(n) for n in victims}  # ours until the release below
+                idx = self.l0[rank]
                 for owner, node in deepest.items():
                     chain_nodes: list[Node] = []
                     walk: Node | None = node
@@ -553,6 +555,12 @@ class CacheManager:
                         chain_nodes.append(walk)
                         walk = walk.parent
                     chain_nodes.reverse()
+                    # Before this ran (task start, an earlier owner's export) another eviction may
+                    # have dropped and released an ancestor; its block may already hold someone
+                    # else's KV, so exporting it would file wrong data in L1. Skip such a chain.
+                    # (No await between this check and the pin in _write_through.)
+                    if any(id(n) not in held and idx.nodes.get(n.block_hash) is not n for n in chain_nodes):
+                        continue
                     chain = [n.block_hash for n in chain_nodes]
                     await self._write_through(rank, owner, chain, epoch, nodes=chain_nodes)
         finally:

@@ -90,31 +90,31 @@ class BlockManager:
         _check(num_blocks > 1, "GPU blocks too few:", num_blocks)
         self._num_blocks = num_blocks
         self._refs = [0] * num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free_list: deque[int] = deque(range(1, num_blocks))
         self._locked = False
         self.corrupted = False
 
     # The C++ mutex is not recursive: taking it twice deadlocks. Here it raises instead.
     def lock(self) -> None:
-        _check(not self._locked, "BlockManager mutex taken twice (would deadlock)")
+        _check(not self._locked, "failed to lock mutex: Resource deadlock avoided")
         self._locked = True
 
     def unlock(self) -> None:
         self._locked = False
 
     def get_num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free_list)
 
     def can_allocate_nolock(self, num_blocks: int) -> str:
         if num_blocks >= self._num_blocks:
             return "NEVER"
-        return "OK" if len(self._free) >= num_blocks else "LATER"
+        return "OK" if len(self._free_list) >= num_blocks else "LATER"
 
     def allocate_nolock(self, num_blocks: int) -> list[int]:
         out = []
         for _ in range(num_blocks):  # like the C++: throws part-way when the list runs dry
-            _check(bool(self._free), "list is empty, but pop_front is called")
-            block_id = self._free.popleft()
+            _check(bool(self._free_list), "list is empty, but pop_front is called")
+            block_id = self._free_list.popleft()
             self._refs[block_id] = 1
             out.append(block_id)
         return out
@@ -124,27 +124,42 @@ class BlockManager:
         _check(self._refs[block_id] > 0, "try to pin free block", block_id)
         self._refs[block_id] += 1
 
-    def pin_blocks(self, block_ids: Iterable[int]) -> None:
+    def _free(self, block_id: int) -> None:
+        _check(0 < block_id < self._num_blocks, "block id out of range:", block_id)
+        self._refs[block_id] -= 1
+        if self._refs[block_id] < 0:
+            self.corrupted = True
+            raise RuntimeError(f"ref_count corrupted: ref_count < 0 (block {block_id})")
+        if self._refs[block_id] == 0:
+            self._free_list.append(block_id)
+
+    def pin_blocks_nolock(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
             self._pin(int(block_id))
 
+    def free_blocks_nolock(self, block_ids: Iterable[int]) -> None:
+        for block_id in reversed([int(b) for b in block_ids]):
+            self._free(block_id)
+
+    # The locking variants take the mutex without RAII, like the C++: when the loop throws, the
+    # mutex stays locked and the engine's next schedule() fails ("Resource deadlock avoided").
+    def pin_blocks(self, block_ids: Iterable[int]) -> None:
+        self.lock()
+        self.pin_blocks_nolock(block_ids)
+        self.unlock()
+
     def pin_block(self, block_id: int) -> None:
-        self._pin(int(block_id))
+        self.pin_blocks([block_id])
 
     def unpin_blocks(self, block_ids: Iterable[int]) -> None:
-        for block_id in reversed([int(b) for b in block_ids]):
-            _check(0 < block_id < self._num_blocks, "block id out of range:", block_id)
-            self._refs[block_id] -= 1
-            if self._refs[block_id] < 0:
-                self.corrupted = True
-                raise RuntimeError(f"ref_count corrupted: ref_count < 0 (block {block_id})")
-            if self._refs[block_id] == 0:
-                self._free.append(block_id)
+        self.lock()
+        self.free_blocks_nolock(block_ids)
+        self.unlock()
 
     free_blocks = unpin_blocks
 
     def reset(self) -> None:
-        _check(len(self._free) == self._num_blocks - 1, "still some blocks in use when reset")
+        _check(len(self._free_list) == self._num_blocks - 1, "still some blocks in use when reset")
 
     def ref_count(self, block_id: int) -> int:
         """Fake-only: lets tests check per-block counts (the C++ exposes no such call)."""
@@ -306,8 +321,8 @@ class Scheduler:
 
     def free_seq(self, seq: Sequence) -> None:
         if seq.state_id != -1 and self.state_manager is not None:
-            self.state_manager.unpin_blocks([seq.state_id])
-        self.block_manager.unpin_blocks(seq._table)
+            self.state_manager.free_blocks_nolock([seq.state_id])
+        self.block_manager.free_blocks_nolock(seq._table)
         seq._table = []
 
     def _can_allocate_with_state(self, num_blocks: int) -> str:
@@ -482,7 +497,7 @@ class PatchedScheduler(Scheduler):
             for b in blocks:
                 _check(0 < b < self.block_manager._num_blocks, "prefix block", b, "out of range")
                 _check(self.block_manager._refs[b] > 0, "prefix block", b, "is free")
-            self.block_manager.pin_blocks(blocks)
+            self.block_manager.pin_blocks_nolock(blocks)
         finally:
             self.block_manager.unlock()
         seq._table = blocks

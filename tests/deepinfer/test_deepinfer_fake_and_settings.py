@@ -54,24 +54,31 @@ def test_add_sequence_with_prefix_validates_before_mutating(case: str) -> None:
     assert seq.block_table == [] and seq.num_cached_tokens == 0
 
 
-def test_block_manager_refuses_bad_pins_and_unpins() -> None:
+@pytest.mark.parametrize("bad", [0, 8, 5])  # scratch, out of range, free
+def test_block_manager_bad_pin_raises_and_keeps_its_mutex_like_deepinfer(bad: int) -> None:
     bm = fake.PatchedBlockManager(8)
     assert bm.num_blocks == 8 and bm.get_num_free_blocks() == 7
     bm.lock()
     ids = bm.allocate_nolock(3)
     bm.unlock()
     assert 0 not in ids
-    for bad in ([0], [8], [5]):  # scratch, out of range, free
-        with pytest.raises(RuntimeError):
-            bm.pin_blocks(bad)
+    with pytest.raises(RuntimeError):
+        bm.pin_blocks([bad])
+    with pytest.raises(RuntimeError, match="deadlock"):  # no RAII in the C++: still locked
+        bm.lock()
+
+
+def test_block_manager_unpin_of_a_free_block_corrupts_like_deepinfer() -> None:
+    bm = fake.BlockManager(4)
+    bm.lock()
+    ids = bm.allocate_nolock(2)
+    bm.unlock()
     bm.unpin_blocks(ids)
     with pytest.raises(RuntimeError, match="corrupted"):
         bm.unpin_blocks([ids[0]])
     assert bm.corrupted
     bm2 = fake.BlockManager(4)
     bm2.lock()
-    with pytest.raises(RuntimeError, match="twice"):
-        bm2.lock()
     with pytest.raises(RuntimeError, match="empty"):
         bm2.allocate_nolock(4)
 

@@ -44,30 +44,19 @@ def host_pool_path(group_name: str, shm_dir: str = SHM_DIR) -> str:
 def plan_host_pool_bytes(l1_host_gb: float, num_ranks: int, shm_dir: str = SHM_DIR) -> tuple[int, str]:
     """The shared pool's size: ``l1_host_gb`` per rank, lowered to what the machine can spare.
 
-    Returns (bytes, reason). Limits: 90% of the free space of ``shm_dir`` (tmpfs: writing past it
-    kills the writer with SIGBUS) and 75% of available RAM (pinned pages cannot be swapped).
+    Returns (bytes, reason). The RAM rule is the cache's own (``cache.l1_budget.plan_l1_budget``:
+    available RAM minus a safety margin), so the pool the ranks map, the L1 index and the
+    preflight report agree. On top of it the pool must fit in 90% of ``shm_dir``'s free space:
+    the pool is a tmpfs file, and writing past the filesystem kills the writer with SIGBUS.
     """
-    wanted = int(l1_host_gb * GIB) * num_ranks
+    from cache.l1_budget import plan_l1_budget
+
+    budget = plan_l1_budget(l1_cache=True, l1_host_gb=l1_host_gb, num_ranks=num_ranks, bytes_per_block=1)
     stat = os.statvfs(shm_dir)
     shm_free = int(stat.f_bavail * stat.f_frsize * 0.9)
-    mem_free = int(_mem_available_bytes() * 0.75)
-    budget = min(wanted, shm_free, mem_free)
-    reason = (
-        f"L1 host pool {budget / GIB:.2f} GiB (asked {wanted / GIB:.2f} GiB = {l1_host_gb} GiB x "
-        f"{num_ranks} ranks; {shm_dir} allows {shm_free / GIB:.2f}, RAM allows {mem_free / GIB:.2f})"
-    )
-    return budget, reason
-
-
-def _mem_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    pool_bytes = min(budget.pool_bytes, shm_free)
+    reason = f"L1 host pool {pool_bytes / GIB:.2f} GiB ({budget.reason}; {shm_dir} allows {shm_free / GIB:.2f} GiB)"
+    return pool_bytes, reason
 
 
 class HostPool:

@@ -20,7 +20,7 @@ VERSION=${CLAUDE_CODE_VERSION:-2.1.197}
 find_bin() {
   local b
   for b in "$CLI_DIR"/node_modules/@anthropic-ai/claude-code-*/claude; do
-    [ -x "$b" ] && { echo "$b"; return 0; }
+    [ -x "$b" ] && { realpath "$b"; return 0; }
   done
   return 1
 }
@@ -37,6 +37,6 @@ echo "claude: $BIN ($(HOME=$(mktemp -d) DISABLE_AUTOUPDATER=1 "$BIN" --version))
 start=$(date +%s)
 status=0
 CLAUDE_BIN="$BIN" .venv/bin/python -m pytest -m "claude_cli or not claude_cli" -p no:cacheprovider \
-  -o addopts="" tests/e2e -v -rA "$@" || status=$?
+  -o addopts="" tests/e2e -v -ra --durations=12 "$@" || status=$?
 echo "claude_e2e: wall time $(( $(date +%s) - start )) s, exit $status"
 exit $status

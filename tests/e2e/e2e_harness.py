@@ -44,14 +44,14 @@ def find_claude() -> Path | None:
     is used directly.
     """
     if os.environ.get("CLAUDE_BIN"):
-        return Path(os.environ["CLAUDE_BIN"])
+        return Path(os.environ["CLAUDE_BIN"]).resolve()  # the CLI runs with cwd = the project
     scoped = CLI_DIR / "node_modules" / "@anthropic-ai"
     for candidate in sorted(scoped.glob("claude-code-*/claude")):
         if os.access(candidate, os.X_OK):
-            return candidate
+            return candidate.resolve()
     placeholder = scoped / "claude-code" / "bin" / "claude.exe"
     if placeholder.is_file() and placeholder.stat().st_size > 1_000_000:
-        return placeholder
+        return placeholder.resolve()
     found = shutil.which("claude")
     return Path(found) if found else None
 

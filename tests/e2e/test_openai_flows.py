@@ -20,7 +20,7 @@ from e2e_harness import API_KEY, MODEL, running_backend
 
 pytestmark = pytest.mark.timeout(300)
 
-MAX_TOKENS = 4096  # see test_no_max_tokens_with_a_cached_prefix_is_admitted
+MAX_TOKENS = 4096  # the no-max_tokens case has its own test at the end
 
 TOOLS = [
     {"type": "function", "function": {
@@ -146,11 +146,10 @@ def test_tool_call_ids_are_unique_and_echoed(client, tmp_path: Path):
     assert len(set(ids)) == 2 and all(ids)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="cache admission: with max_tokens omitted the output estimate is capped "
-                   "at the whole pool, so a turn whose prefix is cached can never fit (its own pinned prefix "
-                   "counts against it); it waits the 120 s admission limit, then 503")
 def test_no_max_tokens_with_a_cached_prefix_is_admitted(client, tmp_path: Path):
+    """Regression (found by this suite): with max_tokens omitted the output estimate was capped at
+    the whole pool, so a turn whose prefix was cached could never fit (its own pinned prefix
+    counted against it): it waited the 120 s admission limit, then got a 503."""
     (tmp_path / "README.md").write_text("The launch code is PURPLE-OTTER-42.\n")
     messages = [{"role": "user", "content": "[flow:read] What is the launch code in README.md?"}]
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)  # no max_tokens

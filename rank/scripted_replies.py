@@ -28,7 +28,7 @@ Conditions (all optional):
   ``match``         substring of the *last turn*: the decoded prompt after its last ``<｜User｜>``
                     token (the newest user message, tool results and trailing system messages).
   ``match_regex``   regular expression searched in the last turn.
-  ``prompt_match``  substring anywhere in the decoded prompt.
+  ``prompt_match``  substring (or list of substrings, all required) anywhere in the decoded prompt.
   ``not_match``     substring that must NOT be in the last turn.
   ``mode``          ``thinking`` (prompt ends with ``<think>``) or ``chat``.
 
@@ -99,7 +99,7 @@ class Reply(BaseModel):
     turn: int | None = Field(None, ge=1)
     match: str | None = None
     match_regex: str | None = None
-    prompt_match: str | None = None
+    prompt_match: str | list[str] | None = None
     not_match: str | None = None
     mode: Literal["thinking", "chat"] | None = None
     # Output.
@@ -141,7 +141,21 @@ class Reply(BaseModel):
             return False
         if self.match_regex is not None and re.search(self.match_regex, view.last_turn) is None:
             return False
-        return self.prompt_match is None or self.prompt_match in view.prompt
+        if self.prompt_match is None:
+            return True
+        needles = [self.prompt_match] if isinstance(self.prompt_match, str) else self.prompt_match
+        return all(n in view.prompt for n in needles)
+
+    def scoped(self, scope: str | None, tokens_per_step: int, step_delay_s: float) -> Reply:
+        """This reply as part of an including script: also requires ``scope`` in the prompt and
+        keeps its own script's pacing."""
+        needles = [] if self.prompt_match is None else (
+            [self.prompt_match] if isinstance(self.prompt_match, str) else list(self.prompt_match))
+        return self.model_copy(update={
+            "prompt_match": ([scope] if scope else []) + needles or None,
+            "tokens_per_step": self.tokens_per_step or tokens_per_step,
+            "step_delay_s": self.step_delay_s if self.step_delay_s is not None else step_delay_s,
+        })
 
 
 class Script(BaseModel):
@@ -150,6 +164,14 @@ class Script(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     description: str = ""
+    scope: str | None = Field(
+        None, min_length=1, description="Substring the prompt must hold for any reply of this script "
+        "to match (lets several scenarios share one backend through 'include')."
+    )
+    include: list[str] = Field(
+        default_factory=list, description="Other script files (paths relative to this one) whose "
+        "replies follow this script's own, each guarded by its script's scope."
+    )
     tokens_per_step: int = Field(4, ge=1, le=4096)
     step_delay_s: float = Field(0.0, ge=0, le=60)
     vars: dict[str, VarSpec] = Field(default_factory=dict)
@@ -198,8 +220,18 @@ class PromptView:
 
 
 def load_script(path: str | Path) -> Script:
-    """Read and validate a script file; raise ScriptError naming the file and the bad field."""
-    path = Path(path)
+    """Read and validate a script file and the files it includes (flattened into one script).
+
+    Raises ScriptError naming the file and the bad field, an include cycle, or a var that two
+    scripts define differently.
+    """
+    return _load(Path(path), ())
+
+
+def _load(path: Path, stack: tuple[Path, ...]) -> Script:
+    path = path.resolve()
+    if path in stack:
+        raise ScriptError(f"reply script {path} includes itself (via {' -> '.join(map(str, stack))})")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -207,12 +239,22 @@ def load_script(path: str | Path) -> Script:
     except json.JSONDecodeError as exc:
         raise ScriptError(f"reply script {path} is not valid JSON: {exc}") from None
     try:
-        return Script.model_validate(raw)
+        script = Script.model_validate(raw)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'script'}: {err['msg']}" for err in exc.errors()
         )
         raise ScriptError(f"invalid reply script {path}: {problems}") from None
+    replies = [r.scoped(script.scope, script.tokens_per_step, script.step_delay_s) for r in script.replies]
+    variables = dict(script.vars)
+    for name in script.include:
+        child = _load(path.parent / name, (*stack, path))
+        for var, spec in child.vars.items():
+            if var in variables and variables[var] != spec:
+                raise ScriptError(f"reply script {path}: var {var!r} is defined differently in {name}")
+            variables[var] = spec
+        replies += [r.scoped(script.scope, child.tokens_per_step, child.step_delay_s) for r in child.replies]
+    return script.model_copy(update={"replies": replies, "vars": variables, "include": []})
 
 
 def fill_template(text: str, values: dict[str, str], unresolved: set[str]) -> str:

@@ -370,3 +370,33 @@ def test_accounting_holds_under_random_operations(program):
         eng.release([block])
     eng.check_accounting()
     assert eng.stats().num_free_blocks == eng.num_blocks - 1
+
+
+def test_include_scopes_replies_and_merges_vars(tok, tmp_path: Path):
+    (tmp_path / "a.json").write_text(json.dumps({
+        "scope": "ALPHA", "tokens_per_step": 1, "vars": {"x": "x=(\\d+)"},
+        "replies": [{"name": "a1", "turn": 1, "text": "alpha {{x}}"}]}))
+    (tmp_path / "b.json").write_text(json.dumps({
+        "scope": "BETA", "replies": [{"name": "b1", "turn": 1, "prompt_match": "x=", "text": "beta"}]}))
+    (tmp_path / "all.json").write_text(json.dumps({"include": ["a.json", "b.json"], "default": {"text": "none"}}))
+    script = load_script(tmp_path / "all.json")
+    assert [r.name for r in script.replies] == ["a1", "b1"] and script.replies[1].prompt_match == ["BETA", "x="]
+    eng = make_engine(tok, script)
+    eng.add(req("a", prompt_ids(tok, ["ALPHA x=7"])))
+    eng.add(req("b", prompt_ids(tok, ["BETA x=7"])))
+    eng.add(req("c", prompt_ids(tok, ["GAMMA x=7"])))
+    outs = run(eng)
+    text = {rid: tok.decode(all_ids(o), skip_special_tokens=False) for rid, o in outs.items()}
+    assert text == {"a": "</think>alpha 7<｜end▁of▁sentence｜>", "b": "</think>beta<｜end▁of▁sentence｜>",
+                    "c": "</think>none<｜end▁of▁sentence｜>"}
+    assert max(len(o.token_ids) for o in outs["a"]) == 1  # the included script's pacing is kept
+
+
+def test_include_cycle_and_var_conflict_are_errors(tmp_path: Path):
+    (tmp_path / "self.json").write_text(json.dumps({"include": ["self.json"]}))
+    with pytest.raises(ScriptError, match="includes itself"):
+        load_script(tmp_path / "self.json")
+    (tmp_path / "v1.json").write_text(json.dumps({"vars": {"x": "a(\\d)"}}))
+    (tmp_path / "v2.json").write_text(json.dumps({"vars": {"x": "b(\\d)"}, "include": ["v1.json"]}))
+    with pytest.raises(ScriptError, match="var 'x' is defined differently"):
+        load_script(tmp_path / "v2.json")

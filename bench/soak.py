@@ -59,6 +59,12 @@ class Counters:
     count_tokens: int = 0
     sessions: int = 0
     http_errors: dict[str, int] = field(default_factory=dict)
+    error_kinds: dict[str, int] = field(default_factory=dict)  # first words of each error message
+
+    def error(self, what: str) -> None:
+        self.turns_error += 1
+        key = what[:90]
+        self.error_kinds[key] = self.error_kinds.get(key, 0) + 1
 
 
 TOOL = {"name": "Bash", "description": "Run a shell command",
@@ -77,7 +83,11 @@ class Agent:
         generation = 0
         while time.monotonic() < stop_at_s:
             generation += 1
-            await self._session(f"soak-{self.index}-{generation}", stop_at_s)
+            try:
+                await self._session(f"soak-{self.index}-{generation}", stop_at_s)
+            except httpx.HTTPError as exc:  # the agent survives a broken connection, as a user would
+                self.c.error(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(1.0)
 
     async def _session(self, sid: str, stop_at_s: float) -> None:
         self.c.sessions += 1
@@ -127,7 +137,7 @@ class Agent:
             resp = await self.client.post(self.url + "/v1/messages", json=body, headers=headers)
             self._count(resp.status_code)
             if resp.status_code != 200:
-                self.c.turns_error += 1
+                self.c.error(f"{resp.status_code} {resp.text}")
                 return None
             self.c.turns_ok += 1
             return _sendable(resp.json()["content"])
@@ -138,8 +148,7 @@ class Agent:
         async with self.client.stream("POST", self.url + "/v1/messages", json=body, headers=headers) as resp:
             self._count(resp.status_code)
             if resp.status_code != 200:
-                await resp.aread()
-                self.c.turns_error += 1
+                self.c.error(f"{resp.status_code} {(await resp.aread()).decode(errors='replace')}")
                 return None
             async for chunk in resp.aiter_raw():
                 for ev in parser.feed(chunk):
@@ -148,13 +157,13 @@ class Agent:
                         self.c.abandoned += 1
                         return None  # leaving the block closes the connection mid-stream
                     if is_error_event("anthropic", ev):
-                        self.c.turns_error += 1
+                        self.c.error(f"stream error: {ev.data['error'].get('message')}")
                         return None
                     _apply_event(blocks, ev)
                     if is_done_event("anthropic", ev):
                         self.c.turns_ok += 1
                         return _sendable([blocks[i] for i in sorted(blocks)])
-        self.c.turns_error += 1
+        self.c.error("anthropic stream ended without message_stop")
         return None
 
     async def _openai_turn(self, messages: list[dict[str, Any]], system: str, headers: dict[str, str]) -> bool:
@@ -165,19 +174,18 @@ class Agent:
         async with self.client.stream("POST", self.url + "/v1/chat/completions", json=body, headers=headers) as resp:
             self._count(resp.status_code)
             if resp.status_code != 200:
-                await resp.aread()
-                self.c.turns_error += 1
+                self.c.error(f"{resp.status_code} {(await resp.aread()).decode(errors='replace')}")
                 return False
             parser = SseParser()
             async for chunk in resp.aiter_raw():
                 for ev in parser.feed(chunk):
                     if is_error_event("openai", ev):
-                        self.c.turns_error += 1
+                        self.c.error(f"openai stream error: {ev.data['error'].get('message')}")
                         return False
                     if is_done_event("openai", ev):
                         self.c.turns_ok += 1
                         return True
-        self.c.turns_error += 1
+        self.c.error("openai stream ended without [DONE]")
         return False
 
 
@@ -270,9 +278,16 @@ async def _sample(rt: RuntimeThread, counters: Counters, t0: float) -> dict[str,
 
 
 # Series judged for flatness: (key, absolute floor of allowed change over the run).
-JUDGED = (("backend_rss_mib", 24.0), ("rank_rss_mib_max", 16.0), ("rank_rss_mib_sum", 48.0),
+JUDGED = (("backend_rss_mib", 24.0), ("backend_rss_unaccounted_mib", 24.0), ("rank_rss_mib_max", 16.0), ("rank_rss_mib_sum", 48.0),
           ("backend_fds", 4.0), ("rank_fds_max", 2.0), ("backend_threads", 2.0),
           ("open_admissions", 2.0), ("cache_tasks", 4.0))
+
+
+def _derive(sample: dict[str, Any]) -> dict[str, Any]:
+    """RSS not explained by the two byte-bounded caches (ledger, tokenizer pieces): a leak shows here."""
+    sample.setdefault("backend_rss_unaccounted_mib",
+                      sample["backend_rss_mib"] - sample["ledger_mib"] - sample["piece_cache_mib"])
+    return sample
 
 
 def slope_per_min(xs: list[float], ys: list[float]) -> float:
@@ -286,6 +301,7 @@ def slope_per_min(xs: list[float], ys: list[float]) -> float:
 
 def verdicts(samples: list[dict[str, Any]], tolerance: float) -> list[tuple[str, float, float, float, bool]]:
     """(series, slope per minute, fitted change over the measured span, allowed change, flat)."""
+    samples = [_derive(s) for s in samples]
     tail = samples[len(samples) // 4 :] if len(samples) >= 4 else samples
     xs = [s["t_min"] for s in tail]
     span = (xs[-1] - xs[0]) if len(xs) > 1 else 0.0
@@ -343,12 +359,18 @@ async def soak(rt: RuntimeThread, *, minutes: float, num_agents: int, sample_s: 
     # after the load: everything idle and balanced
     from bench.reliability.runtime_thread import settle
 
-    final = await rt.acall(lambda: settle(rt.runtime, 120.0))
-    print(f"settled after the load: free blocks {final['engine_free_blocks']}, cache-held "
-          f"{final['engine_cached_blocks']} == L0 {final['l0_blocks']}, L1 used slots {final['l1_used_slots']}, "
-          f"open admissions {final['open_admissions']}")
+    try:
+        final = await rt.acall(lambda: settle(rt.runtime, 120.0))
+        print(f"settled after the load: free blocks {final['engine_free_blocks']}, cache-held "
+              f"{final['engine_cached_blocks']} == L0 {final['l0_blocks']}, L1 used slots {final['l1_used_slots']}, "
+              f"open admissions {final['open_admissions']}")
+    except AssertionError as exc:
+        print(f"BALANCE FAILED after the load: {exc}")
+        samples[-1]["balance_failed"] = str(exc)
     print(f"turns ok {counters.turns_ok}, errors {counters.turns_error}, abandoned {counters.abandoned}, "
           f"count_tokens {counters.count_tokens}, sessions {counters.sessions}, HTTP errors {counters.http_errors}")
+    for what, n in sorted(counters.error_kinds.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {n:6d} x {what}")
     return samples
 
 
@@ -362,14 +384,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed fitted change, share of the mean")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the samples and verdicts as JSON")
+    p.add_argument("--analyze", default=None, help="only print the table and verdicts of a saved --out file")
     args = p.parse_args(argv)
+    if args.analyze:
+        with open(args.analyze, encoding="utf-8") as f:
+            samples = json.load(f)["samples"]
+        return _report(samples, args.tolerance)
     t0 = time.monotonic()
     with RuntimeThread(soak_config(num_ranks=args.ranks, model=args.model)) as rt:
         print(f"runtime up in {time.monotonic() - t0:.1f} s: {rt.runtime.describe()}", flush=True)
         samples = asyncio.run(soak(rt, minutes=args.minutes, num_agents=args.agents, sample_s=args.sample_s,
                                    seed=args.seed))
+    code = _report(samples, args.tolerance)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "samples": samples,
+                       "verdicts": [dict(zip(("series", "slope_per_min", "change", "allowed", "flat"), r))
+                                    for r in verdicts(samples, args.tolerance)]}, f, indent=1)
+    return code
+
+
+def _report(samples: list[dict[str, Any]], tolerance: float) -> int:
     print("\n" + format_table(samples))
-    results = verdicts(samples, args.tolerance)
+    results = verdicts(samples, tolerance)
     print("\nseries                 slope/min   change over run   allowed   verdict")
     for key, slope, change, allowed, flat in results:
         print(f"{key:20s} {slope:11.3f} {change:17.2f} {allowed:9.2f}   {'flat' if flat else 'GROWS'}")
@@ -379,13 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     bounded = l1_max <= samples[-1]["l1_slots"] and blocks_max <= samples[-1]["num_blocks"]
     print(f"L1 used slots peak {l1_max} of {samples[-1]['l1_slots']}; free + cache-held blocks peak {blocks_max} "
           f"of {samples[-1]['num_blocks']}: {'bounded' if bounded else 'OVER THE POOL'}")
-    all_flat = all(r[4] for r in results) and bounded
+    all_flat = all(r[4] for r in results) and bounded and "balance_failed" not in samples[-1]
     print(f"\nverdict: {'everything flat' if all_flat else 'something grows (see above)'}")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "samples": samples,
-                       "verdicts": [dict(zip(("series", "slope_per_min", "change", "allowed", "flat"), r)) for r in results]},
-                      f, indent=1)
     return 0 if all_flat else 1
 
 

@@ -81,7 +81,7 @@ class _Seq:
     prompt_len: int
     block_table: list[int] = field(default_factory=list)  # prefix blocks first, then own blocks
     num_computed_tokens: int = 0  # tokens whose KV is written (prefill progress)
-    plan_ids: list[int] = field(default_factory=list)  # the whole scripted output
+    plan_ids: list[int] | None = None  # the whole scripted output, chosen at first admission try
     plan_finish: FinishReason = FinishReason.STOP
     output_ids: list[int] = field(default_factory=list)
     tokens_per_step: int = 4
@@ -162,7 +162,9 @@ class ScriptedEngine(Engine):
         self._pool.validate_prefix(prefix, request.num_cached_tokens, len(prompt))
         seq = _Seq(request=request, prompt_len=len(prompt))
         if len(prompt) >= self._max_model_len:
-            seq.error = f"prompt of {len(prompt)} tokens leaves no room under max_model_len {self._max_model_len}"
+            seq.error = (
+                f"prompt of {len(prompt)} tokens leaves no room under max_model_len {self._max_model_len}"
+            )
         else:
             mismatch = self._pool.first_mismatch(prefix, prompt)
             if mismatch is not None:
@@ -189,7 +191,9 @@ class ScriptedEngine(Engine):
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = [self._finish(self._by_id[rid], FinishReason.ABORT, keep=False) for rid in list(self._abort_ids)]
+        outputs = [
+            self._finish(self._by_id[rid], FinishReason.ABORT, keep=False) for rid in list(self._abort_ids)
+        ]
         self._abort_ids.clear()
         outputs += self._admit()
         budget_tokens = self._max_num_batched_tokens
@@ -203,6 +207,7 @@ class ScriptedEngine(Engine):
                 self._write_kv(seq, seq.num_computed_tokens + chunk)
                 if seq.num_computed_tokens < seq.prompt_len:
                     continue
+            assert seq.plan_ids is not None  # planned at admission
             start = len(seq.output_ids)
             seq.output_ids.extend(seq.plan_ids[start : start + seq.tokens_per_step])
             self._write_kv(seq, self._kv_target(seq))
@@ -226,7 +231,8 @@ class ScriptedEngine(Engine):
         while self._waiting and len(self._running) < self._max_num_seqs:
             seq = self._waiting[0]
             if seq.error is None:
-                self._plan(seq)
+                if seq.plan_ids is None:  # plan once: a blocked head is retried every step
+                    self._plan(seq)
                 num_new = self._blocks_needed(seq) - len(seq.block_table)
                 if not self._pool.can_allocate(num_new):
                     if self._running:
@@ -267,9 +273,12 @@ class ScriptedEngine(Engine):
         seq.tokens_per_step = reply.tokens_per_step or self.script.tokens_per_step
         seq.step_delay_s = reply.step_delay_s if reply.step_delay_s is not None else self.script.step_delay_s
         if unresolved:
-            logger.warning("rank %d: reply %r: unresolved template vars %s", self.rank, reply.name, sorted(unresolved))
+            logger.warning(
+                "rank %d: reply %r: unresolved template vars %s", self.rank, reply.name, sorted(unresolved)
+            )
         logger.info(
-            "rank %d: scripted model: request %s (turn %d, %s mode, %d prompt tokens) -> reply %r, %d tokens, %s",
+            "rank %d: scripted model: request %s (turn %d, %s mode, %d prompt tokens) -> reply %r, "
+            "%d tokens, %s",
             self.rank, seq.request.request_id, view.turn, view.mode, seq.prompt_len,
             reply.name or "(unnamed)", len(plan), finish.value,
         )
@@ -290,6 +299,7 @@ class ScriptedEngine(Engine):
         return text, unresolved
 
     def _blocks_needed(self, seq: _Seq) -> int:
+        assert seq.plan_ids is not None
         return -(-(seq.prompt_len + len(seq.plan_ids)) // self.block_size)
 
     @staticmethod
@@ -299,14 +309,13 @@ class ScriptedEngine(Engine):
 
     def _write_kv(self, seq: _Seq, upto: int) -> None:
         """Record which token ids the sequence's own blocks hold, up to position ``upto``."""
-        if upto <= seq.num_computed_tokens:
-            return
-        prompt = seq.request.prompt_ids
         start = seq.num_computed_tokens
-        tokens = np.empty(upto - start, dtype=np.int32)
-        for i, pos in enumerate(range(start, upto)):
-            tokens[i] = prompt[pos] if pos < seq.prompt_len else seq.output_ids[pos - seq.prompt_len]
-        self._pool.write_tokens(seq.block_table, start, tokens)
+        if upto <= start:
+            return
+        prompt = np.asarray(seq.request.prompt_ids[start : min(upto, seq.prompt_len)], dtype=np.int32)
+        first_out, end_out = max(0, start - seq.prompt_len), max(0, upto - seq.prompt_len)
+        output = np.asarray(seq.output_ids[first_out:end_out], dtype=np.int32)
+        self._pool.write_tokens(seq.block_table, start, np.concatenate([prompt, output]))
         seq.num_computed_tokens = upto
 
     def _output(self, seq: _Seq, token_ids: list[int]) -> RequestOutput:

@@ -321,7 +321,12 @@ def case_strategy(path: str) -> st.SearchStrategy[FuzzCase]:
 def check_answer(case: FuzzCase, status: int, headers: dict[str, str], body: bytes) -> str | None:
     """None if the answer follows the rule (module docstring); else what is wrong."""
     route = case.path.split("?")[0]
-    api = api_of(route) if route in CHAT_ROUTES else ("anthropic" if "anthropic-version" in case.headers else "openai")
+    if route in CHAT_ROUTES:
+        api = api_of(route)
+    elif status == 405 or "anthropic-version" not in case.headers:
+        api = "openai"  # the router's 405 goes by path; /v1/models answers Anthropic clients in kind
+    else:
+        api = "anthropic"
     if status >= 500:
         return f"{case.kind}: HTTP {status}: {body[:300]!r}"
     if status == 200:
@@ -341,7 +346,5 @@ def check_answer(case: FuzzCase, status: int, headers: dict[str, str], body: byt
         return None
     if route == "/healthz" and status == 503:
         return None
-    if route in GET_ROUTES and status == 405:
-        api = api_of(route)
-    problem = error_body_problem(api if route in CHAT_ROUTES or status != 405 else "openai", status, body)
+    problem = error_body_problem(api, status, body)
     return f"{case.kind}: {problem}" if problem else None

@@ -559,6 +559,15 @@ def run(args: argparse.Namespace) -> int:
             "admissions_with_l1": sum(1 for a in recorder.admissions if a["l1"] > 0),
             "num_admissions": len(recorder.admissions),
         })
+        steady_adm = [a for a in recorder.admissions if t_from <= a["t"] < steady_to]
+        prompt_steady = sum(a["prompt"] for a in steady_adm)
+        res.doc["phases"]["cache"]["steady_admissions"] = {
+            "num": len(steady_adm), "prompt_tokens": prompt_steady,
+            "l0_tokens": sum(a["l0"] for a in steady_adm), "l1_tokens": sum(a["l1"] for a in steady_adm),
+            "hit_l0": sum(a["l0"] for a in steady_adm) / prompt_steady if prompt_steady else None,
+            "hit_l1": sum(a["l1"] for a in steady_adm) / prompt_steady if prompt_steady else None,
+        }
+        res.doc["raw_admissions"] = recorder.admissions
         res.put("samples", sampler.samples)
         res.doc["raw_restores"] = recorder.imports
         res.doc["raw_exports"] = recorder.exports

@@ -97,6 +97,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   f"{c.get('admissions_with_l1')}; admission queue p50 / p95 "
                   f"{_f((c.get('admission_queue_s_p50_p95') or [None, None])[0])} / "
                   f"{_f((c.get('admission_queue_s_p50_p95') or [None, None])[1])} s",
+                  *([f"- steady window (warm-up .. kill), from the admissions themselves: "
+                     f"{c['steady_admissions']['num']} admissions, L0 {_f(c['steady_admissions']['hit_l0'], '.1f', 100, '%')}, "
+                     f"L1 {_f(c['steady_admissions']['hit_l1'], '.1f', 100, '%')} of "
+                     f"{c['steady_admissions']['prompt_tokens']:,} prompt tokens"] if c.get("steady_admissions") else []),
                   "", "L1 transfers as the backend timed them (`RankGroup.import_blocks`/`export_blocks` round "
                   "trip: command, wait for the rank's step boundary, copy, reply) against the contiguous "
                   "pinned-copy time of the same bytes on that rank's GPU:", "",

@@ -193,8 +193,11 @@ class DeepInferBackend(CustomBackend):
             output["reasoning"] = message["reasoning_content"]
         return Result(output=output)
 
-    def chat(self, request: Any) -> Iterator[dict[str, Any]]:
-        """Stream a chat request as OpenAI ``chat.completion.chunk`` dicts (``stream`` forced on)."""
+    def chat(self, request: Any, *_args: Any, **_kwargs: Any) -> Iterator[dict[str, Any]]:
+        """Stream a chat request as OpenAI ``chat.completion.chunk`` dicts (``stream`` forced on).
+
+        Extra arguments a future streaming SDK may pass (a context, options) are accepted and
+        ignored, so a newer SDK's call shape does not break the published backend."""
         body = _request_to_body(request)
         body["stream"] = True
         runtime, loop = self._require_ready()

@@ -78,6 +78,7 @@ class ChatService:
         self._metrics = metrics
         self._timeout_s = config.request_timeout_secs
         self._keep_blocks = config.prefix_cache
+        self._late: set[asyncio.Task[None]] = set()  # admissions waiting for an aborted request's end
 
     # -- public API --------------------------------------------------------------------------------
     async def stream(self, prepared: Any, request_id: str, write: Write, arrival_s: float) -> None:
@@ -91,6 +92,7 @@ class ChatService:
             flight.started = True
             await write(data)
 
+        self._metrics.in_flight.inc()
         try:
             await self._bounded(self._generate(prepared, rs, flight, counted_write))
         except asyncio.CancelledError:
@@ -109,6 +111,7 @@ class ChatService:
         flight = _Flight(request_id, prepared.api, arrival_s)
         flight.num_prompt_tokens = prepared.num_prompt_tokens
         rs = self._protocol.new_stream(prepared, request_id)
+        self._metrics.in_flight.inc()
         try:
             await self._bounded(self._generate(prepared, rs, flight, None))
         except asyncio.CancelledError:
@@ -163,7 +166,6 @@ class ChatService:
             output_ids, last = await self._pump(engine_stream, rs, flight, write)
             stop_hit = rs.stop_hit
             if stop_hit:
-                engine_stream.abort()
                 reason = "stop"
             elif last is not None and last.finish_reason in _NORMAL_FINISH:
                 reason = last.finish_reason.value
@@ -176,7 +178,7 @@ class ChatService:
                              len(output_ids))
             settled = True  # before the call: a raising finish/abort must not settle twice
             if stop_hit:
-                self._cache.abort(admission)  # aborted in the engine: it keeps no blocks
+                self._close_admission(admission, prompt_ids, flight, engine_stream)
             else:
                 self._cache.finish(admission, prompt_ids, np.asarray(output_ids, dtype=np.int32), last,
                                    _stop_kind(rs))
@@ -185,19 +187,48 @@ class ChatService:
                 await write(tail)
         finally:
             if not settled:
-                last_out = flight.last_output
-                if last_out is not None and last_out.finished and last_out.kept_blocks:
-                    # The engine finished and handed its blocks to the cache, but we stopped
-                    # (client gone during the last write) before filing them: file them now,
-                    # or their cache refs leak in the engine.
-                    self._cache.finish(admission, prompt_ids, np.asarray(flight.output_ids, dtype=np.int32),
-                                       last_out)
-                else:
-                    self._cache.abort(admission)
-            if engine_stream is not None and not engine_stream.done:
-                engine_stream.abort()
+                self._close_admission(admission, prompt_ids, flight, engine_stream)
             if symptoms is not None:
                 symptoms.observe_request_end(prepared.session_key)
+
+    def _close_admission(self, admission: Any, prompt_ids: np.ndarray, flight: _Flight,
+                         engine_stream: RequestStream | None) -> None:
+        """Settle an admission we stopped listening for (stop sequence, client gone, timeout).
+
+        An abort travels to the rank while the rank keeps stepping, so the request may finish
+        there first and hand its blocks to the cache (``kept_blocks``); filing them is the only
+        way they are ever released. So an engine stream that has not ended is aborted and
+        drained in the background, and the admission is closed by its terminal output."""
+        if engine_stream is not None:
+            for out in engine_stream.drain_nowait():  # delivered but not consumed yet
+                flight.output_ids.extend(out.token_ids)
+                flight.last_output = out
+            if not engine_stream.done:
+                engine_stream.abort()
+                task = asyncio.get_running_loop().create_task(
+                    self._close_when_ended(admission, prompt_ids, flight, engine_stream))
+                self._late.add(task)
+                task.add_done_callback(self._late.discard)
+                return
+        self._file_or_abort(admission, prompt_ids, flight)
+
+    async def _close_when_ended(self, admission: Any, prompt_ids: np.ndarray, flight: _Flight,
+                                engine_stream: RequestStream) -> None:
+        try:
+            async for out in engine_stream:
+                flight.output_ids.extend(out.token_ids)
+                flight.last_output = out
+        except Exception:  # noqa: BLE001 - the group failed: the epoch's blocks are gone anyway
+            flight.last_output = None
+        finally:
+            self._file_or_abort(admission, prompt_ids, flight)
+
+    def _file_or_abort(self, admission: Any, prompt_ids: np.ndarray, flight: _Flight) -> None:
+        last = flight.last_output
+        if last is not None and last.finished and last.kept_blocks:
+            self._cache.finish(admission, prompt_ids, np.asarray(flight.output_ids, dtype=np.int32), last)
+        else:
+            self._cache.abort(admission)
 
     async def _pump(self, engine_stream: RequestStream, rs: Any, flight: _Flight,
                     write: Write | None) -> tuple[list[int], RequestOutput | None]:
@@ -270,6 +301,7 @@ class ChatService:
     def _record(self, flight: _Flight) -> None:
         now = time.perf_counter()
         metrics = self._metrics
+        metrics.in_flight.dec()
         metrics.prompt_tokens.inc(flight.num_prompt_tokens)
         metrics.finished.labels(flight.finish_reason).inc()
         metrics.request_seconds.labels(flight.api).observe(now - flight.arrival_s)

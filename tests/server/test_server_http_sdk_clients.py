@@ -307,3 +307,6 @@ def test_metrics_and_healthz_after_traffic(server: tuple[Runtime, Any, str]) -> 
                  "deepinfer_queue_time_seconds_bucket", 'deepinfer_rank_group_state{state="ready"} 1.0',
                  'deepinfer_cached_tokens_total{tier="l0"}'):
         assert name in text, name
+    # every request that entered the service left it, whichever way it ended
+    assert "deepinfer_requests_in_flight 0.0" in text
+    assert 'deepinfer_requests_finished_total{reason="cancelled"}' in text

@@ -26,6 +26,11 @@ class CacheConfig(BaseModel):
         30.0, ge=0, description="A session expected back within this many seconds is not evicted "
         "to admit another turn (until that turn has queued force_after_s)."
     )
+    output_reserve_tokens: int = Field(
+        8192, ge=1, description="Output tokens a turn reserves at admission (capped: clients such "
+        "as OpenAI SDKs without max_tokens would otherwise reserve the whole context). Longer "
+        "outputs grow block by block in the engine, out of the reserve_blocks slack and evictions."
+    )
     reserve_blocks: int = Field(
         2, ge=0, description="Blocks per rank kept out of admission (slack for decode overrun)."
     )

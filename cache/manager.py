@@ -120,6 +120,12 @@ class CacheManager:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
+        if config.prefix_cache and getattr(client, "prefix_cache_supported", True) is False:
+            # The engine cannot start from cached blocks (DeepInfer without the prefix-cache
+            # patch): no L0, and hence no L1 (_sync_l1 keys it off prefix_cache).
+            reason = getattr(client, "prefix_cache_reason", None) or "not supported by the engine"
+            log.warning("prefix cache (L0) and L1 off: %s", reason)
+            config = config.model_copy(update={"prefix_cache": False})
         self.config = config
         self.metrics = metrics
         self._clock = clock
@@ -205,7 +211,8 @@ class CacheManager:
         session.home_rank = rank
         session.num_in_flight += 1
         try:
-            adm = await self._admit_on(rank, session, tokens, hashes, max(1, num_output_tokens_hint))
+            num_reserve = max(1, min(num_output_tokens_hint, self.config.output_reserve_tokens))
+            adm = await self._admit_on(rank, session, tokens, hashes, num_reserve)
         except BaseException:
             session.num_in_flight -= 1
             if self.metrics is not None:

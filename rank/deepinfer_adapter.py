@@ -24,6 +24,12 @@ post-processes the step still in flight under ZOS). This class therefore sets
 instead of its generic ``all_reduce(has_work)`` + ``step()``/``placeholder_step()``. (The generic
 loop also works: ``placeholder_step()`` runs ``llm.step()`` too and keeps its outputs for the
 next ``step()``; only DeepInfer's own vote is then skipped, consistently on all ranks.)
+``rank/worker.py`` does exactly this; ``group_had_work`` (the vote's result, equal on every
+rank) tells it which iterations are idle group-wide, where it runs its own shutdown vote.
+
+Tests (only) run this adapter in real rank processes over the stand-in: ``make_deepinfer_engine``
+takes ``api_module``, a module whose ``deepinfer_api()`` returns what ``import_deepinfer`` would
+(``rank.fake_deepinfer_lockstep``); the worker passes it from ``DIB_DEEPINFER_MODULE``.
 
 Semantics the adapter papers over
 ---------------------------------
@@ -198,9 +204,23 @@ def apply_environment(env: Mapping[str, str]) -> None:
     os.environ.update(env)
 
 
-def make_deepinfer_engine(config: Any, rank: int, host_pool: HostPool | None = None) -> DeepInferEngine:
-    """The rank worker's entry (``rank/engines.py``): sets the environment, imports DeepInfer, builds."""
-    return DeepInferEngine(DeepInferSettings.from_workload(config, rank), host_pool)
+def make_deepinfer_engine(config: Any, rank: int, host_pool: HostPool | None = None,
+                          api_module: str | None = None) -> DeepInferEngine:
+    """The rank worker's entry (``rank/engines.py``): sets the environment, imports DeepInfer, builds.
+
+    ``api_module`` (TESTS ONLY): import ``<api_module>.deepinfer_api()`` instead of ``deepinfer``,
+    after the environment is set, as DeepInfer would be.
+    """
+    settings = DeepInferSettings.from_workload(config, rank)
+    apply_environment(settings.environment())
+    if api_module is None:
+        api = import_deepinfer()
+    else:
+        import importlib
+
+        api = importlib.import_module(api_module).deepinfer_api()
+        log.warning("deepinfer rank %d: TEST STAND-IN %s instead of DeepInfer", rank, api_module)
+    return DeepInferEngine(settings, host_pool, api=api)
 
 
 @dataclass(slots=True)
@@ -281,6 +301,7 @@ class DeepInferEngine(Engine):
         self._live_seqs: list[Any] = []
         self._cache_refs: dict[int, int] = {}
         self._vote: bool | None = None
+        self.group_had_work = False  # the last collective vote (the same on every rank)
         self._inflight = False
         self._num_cached_tokens_total = 0
         self._num_prompt_tokens_total = 0
@@ -374,7 +395,7 @@ class DeepInferEngine(Engine):
 
     def lockstep_has_work(self) -> bool:
         """DeepInfer's collective vote (every rank, once per loop iteration, before ``step``)."""
-        self._vote = bool(self.llm.has_unfinished_requests())
+        self._vote = self.group_had_work = bool(self.llm.has_unfinished_requests())
         return self._vote or bool(self._owed or self._stash or self._aborting)
 
     def step(self) -> list[RequestOutput]:

@@ -11,8 +11,12 @@ if TYPE_CHECKING:
     from cache.l1_pool import HostPool
 
 
-def make_engine(config: Any, rank: int, host_pool: HostPool | None) -> Engine:
-    """``config`` is a ``server.config.WorkloadConfig`` (or an object with the same fields)."""
+def make_engine(config: Any, rank: int, host_pool: HostPool | None, *, deepinfer_module: str | None = None) -> Engine:
+    """``config`` is a ``server.config.WorkloadConfig`` (or an object with the same fields).
+
+    ``deepinfer_module`` (tests only): a stand-in for DeepInfer's Python API, see
+    ``rank.deepinfer_adapter.make_deepinfer_engine``.
+    """
     if config.engine == "reference":
         from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
@@ -26,5 +30,5 @@ def make_engine(config: Any, rank: int, host_pool: HostPool | None) -> Engine:
     if config.engine == "deepinfer":
         from rank.deepinfer_adapter import make_deepinfer_engine  # issue 3 item 5
 
-        return make_deepinfer_engine(config, rank, host_pool)
+        return make_deepinfer_engine(config, rank, host_pool, api_module=deepinfer_module)
     raise ValueError(f"unknown engine {config.engine!r}; use reference, scripted or deepinfer")

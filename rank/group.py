@@ -54,6 +54,7 @@ KERNEL_CACHE_VARS = ("DG_JIT_CACHE_DIR", "EP_JIT_CACHE_DIR", "TILELANG_CACHE_DIR
 ENV_PREFIXES = ("NCCL_", "DEEPINFER_")  # engine knobs an operator may set; never credentials
 WATCHDOG_EVERY_S = 0.25
 SHUTDOWN_GRACE_S = 5.0
+DEEPINFER_PORT_OFFSET = 50  # DeepInfer's rendezvous: tcp://MASTER_ADDR:(MASTER_PORT-50+engine_group_rank)
 
 
 @dataclass(slots=True)
@@ -97,6 +98,18 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _master_port(engine: str) -> int:
+    """MASTER_PORT for a new epoch. DeepInfer rendezvouses at MASTER_PORT-50 (+engine_group_rank,
+    0 here), so for it the port that must be free is the one 50 below."""
+    if engine != "deepinfer":
+        return _free_port()
+    for _ in range(100):
+        port = _free_port() + DEEPINFER_PORT_OFFSET
+        if port <= 65535:
+            return port
+    raise RuntimeError("no free TCP port for DeepInfer's rendezvous")
 
 
 class RankGroup:
@@ -147,6 +160,10 @@ class RankGroup:
         self.restarts = 0
         self.last_failure: str | None = None
         self.last_detection_s: float | None = None  # failure seen -> in-flight requests failed
+        # From the ranks' ready messages: False when any rank's engine cannot start from cached
+        # blocks (DeepInfer without the prefix-cache patch); the cache then runs without L0/L1.
+        self.prefix_cache_supported = True
+        self.prefix_cache_reason: str | None = None
         self._ranks: list[_Rank] = []
         self._listeners: list[Callable[[int], None]] = []
         self._pending: dict[int, tuple[int, asyncio.Future[Any]]] = {}
@@ -211,8 +228,12 @@ class RankGroup:
                 with contextlib.suppress(zmq.ZMQError):
                     r.cmd.send_multipart(wire.pack({"op": "shutdown"}), zmq.NOBLOCK)
             procs = [r.proc for r in self._ranks if r.proc is not None]
+            started = time.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), SHUTDOWN_GRACE_S)
+            num_exited = sum(p.returncode is not None for p in procs)
+            log.info("rank group %s: %d of %d ranks exited on shutdown within %.1fs%s", self.name, num_exited,
+                     len(procs), time.monotonic() - started, "" if num_exited == len(procs) else "; killing the rest")
         self._fail_epoch("rank group closed")
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -282,6 +303,13 @@ class RankGroup:
         if len(geometry) != 1:
             return f"ranks disagree on KV geometry: {sorted(geometry)}", False
         self.block_size, self.num_blocks, self.bytes_per_block, self.num_host_slots = geometry.pop()
+        off = [(r.rank, i) for r, i in zip(self._ranks, infos) if i and not i.get("prefix_cache_supported", True)]
+        self.prefix_cache_supported = not off
+        self.prefix_cache_reason = (
+            f"rank {off[0][0]}: {off[0][1].get('prefix_cache_reason') or 'not supported by the engine'}" if off
+            else next((i.get("prefix_cache_reason") for i in infos if i and i.get("prefix_cache_reason")), None))
+        if off:
+            log.warning("rank group %s: prefix cache NOT supported (%s)", self.name, self.prefix_cache_reason)
         log.info(
             "rank group %s epoch %d ready in %.1fs: %d ranks, %d blocks x %d tokens per rank, %d host slots",
             self.name, self.epoch, time.monotonic() - started, self.num_ranks, self.num_blocks,
@@ -301,7 +329,7 @@ class RankGroup:
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(orjson.dumps(raw))
-        master_port = _free_port()
+        master_port = _master_port(self.config.engine)
         self._ranks = []
         now = time.monotonic()
         for rank in range(self.num_ranks):
@@ -429,6 +457,8 @@ class RankGroup:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(WATCHDOG_EVERY_S)
+            if self._closing:  # close() bounds the shutdown itself; ranks that exited send no heartbeats
+                continue
             now = time.monotonic()
             for r in self._ranks:
                 silent_s = now - r.last_seen
@@ -572,6 +602,8 @@ class RankGroup:
             "num_ranks": self.num_ranks,
             "restarts": self.restarts,
             "last_failure": self.last_failure,
+            "prefix_cache_supported": self.prefix_cache_supported,
+            "prefix_cache_reason": self.prefix_cache_reason,
             "ranks": [
                 {
                     "rank": r.rank,
@@ -581,6 +613,7 @@ class RankGroup:
                     "progress": r.progress,
                     "last_heartbeat_s_ago": round(now - r.last_seen, 3),
                     "in_flight": len(r.requests),
+                    "prefix_cache_supported": r.ready.get("prefix_cache_supported", True) if r.ready else None,
                 }
                 for r in self._ranks
             ],

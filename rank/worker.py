@@ -13,6 +13,24 @@ or the stall (no heartbeats) and replaces the whole group.
 When the whole group is idle, each rank waits up to ``IDLE_POLL_S`` for a command before voting,
 so an idle group costs a few collectives per second, not a spinning core. Heartbeats come from a
 thread with its own socket every ``HEARTBEAT_S``, also while the engine loads.
+
+Engines that own their lockstep (``owns_lockstep``: DeepInfer) create torch.distributed's default
+group themselves while loading, and vote with their own collective. For them the worker creates
+no group of its own and runs DeepInfer's loop: ``lockstep_has_work()`` (DeepInfer's
+``has_unfinished_requests`` all_reduce) then ``step()`` on every rank (DeepInfer's own placeholder
+forward on a rank without work, or its rank-local flush when the group is idle). Shutdown cannot
+ride in that vote, so the ranks agree on it with a separate 1-int gloo all_reduce on a group of
+their own (``new_group`` over DeepInfer's default group, so it never interleaves with DeepInfer's
+traffic), run only in iterations that the vote found idle group-wide (the vote's result is the
+same on every rank, so every rank joins it; a busy group pays nothing). A ``shutdown`` command
+aborts the rank's requests and mutes its outputs, so the group drains to idle within a few steps
+and every rank leaves the loop in the same iteration, then DeepInfer's ``close()`` runs its
+collective barriers on all ranks together. If that does not happen within the supervisor's grace
+period (a wedged rank), the supervisor SIGKILLs the group, as it does on any failure.
+
+TESTS ONLY: ``DIB_DEEPINFER_MODULE`` (see ``TEST_DEEPINFER_MODULE_ENV``) makes engine 'deepinfer'
+import that module's ``deepinfer_api()`` instead of DeepInfer (``rank.fake_deepinfer_lockstep``:
+the CI stand-in as a multi-process group), and lifts the Python 3.12 requirement DeepInfer has.
 """
 
 from __future__ import annotations
@@ -28,6 +46,7 @@ from types import SimpleNamespace
 from typing import Any
 
 MIN_PYTHON = (3, 10)
+TEST_DEEPINFER_MODULE_ENV = "DIB_DEEPINFER_MODULE"  # tests only: a stand-in for DeepInfer's Python API
 HEARTBEAT_S = 0.5
 IDLE_POLL_S = 0.02
 STATS_EVERY_S = 0.1
@@ -92,6 +111,7 @@ class RankLoop:
         import zmq
 
         self.args, self.status = args, status
+        self.torch = torch
         self.rank = args.rank
         self.zmq = zmq
         self.cmd = ctx.socket(zmq.PULL)
@@ -112,13 +132,24 @@ class RankLoop:
         status.phase, status.progress = "loading", f"building {config.engine} engine"
         from rank.engines import make_engine
 
-        self.engine = make_engine(config, self.rank, host_pool)
+        stand_in = (os.environ.get(TEST_DEEPINFER_MODULE_ENV) or None) if config.engine == "deepinfer" else None
+        self.engine = make_engine(config, self.rank, host_pool, deepinfer_module=stand_in)
         bytes_per_block = int(getattr(self.engine, "bytes_per_block", 0))
         if host_pool is not None and not host_pool.is_open and bytes_per_block:
             host_pool.open(bytes_per_block)
         self.host_pool = host_pool
         status.progress = "joining the rank group"
-        if not dist.is_initialized():  # DeepInfer initialises its own group while loading
+        self.dist = dist
+        self.owns_lockstep = bool(getattr(self.engine, "owns_lockstep", False))
+        self.control_group: Any = None
+        if self.owns_lockstep:
+            # DeepInfer built its default group while loading; ours would collide with it.
+            if not dist.is_initialized():
+                raise RuntimeError(f"engine {config.engine!r} owns the lockstep but created no torch.distributed group")
+            if dist.get_world_size() != args.world_size:
+                raise RuntimeError(f"engine's group has {dist.get_world_size()} ranks, the supervisor started {args.world_size}")
+            self.control_group = dist.new_group(backend="gloo")  # collective: every rank, same point
+        else:
             use_nccl = str(getattr(config, "reference_device", "cpu")).startswith("cuda") and config.engine == "reference"
             dist.init_process_group(
                 "nccl" if use_nccl else "gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}",
@@ -126,7 +157,6 @@ class RankLoop:
             )
             if use_nccl:
                 torch.cuda.set_device(0)
-        self.dist = dist
         self.vote_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.vote = torch.zeros(2, dtype=torch.int32, device=self.vote_device)
         self._tick = torch.zeros(1, dtype=torch.int32, device=self.vote_device)
@@ -151,10 +181,15 @@ class RankLoop:
             "num_blocks": e.num_blocks, "bytes_per_block": int(getattr(e, "bytes_per_block", 0)),
             "num_host_slots": pool.num_slots if pool is not None and pool.is_open else 0,
             "python": sys.version.split()[0], "stats": self.wire.stats_list(e.stats()),
+            "prefix_cache_supported": bool(getattr(e, "prefix_cache_supported", True)),
+            "prefix_cache_reason": getattr(e, "prefix_cache_reason", None),
         }))
         self.status.phase, self.status.progress = "ready", ""
 
     def run(self) -> None:
+        if self.owns_lockstep:
+            self._run_engine_lockstep()
+            return
         group_busy = False
         while True:
             self._drain(0.0 if group_busy or self.engine.has_work() else IDLE_POLL_S)
@@ -177,12 +212,38 @@ class RankLoop:
                 else:
                     self.engine.placeholder_step()
             self.status.step_started = 0.0
-            if time.monotonic() - self.stats_sent_at > STATS_EVERY_S:
-                stats = self.wire.stats_list(self.engine.stats())
-                if stats != self.stats_last:  # an idle rank stays quiet (heartbeats show it lives)
-                    self.send(self.wire.encode_step([], self.handles, self.engine.stats()))
-                    self.stats_last = stats
+            self._maybe_send_stats()
+
+    def _maybe_send_stats(self) -> None:
+        if time.monotonic() - self.stats_sent_at > STATS_EVERY_S:
+            stats = self.wire.stats_list(self.engine.stats())
+            if stats != self.stats_last:  # an idle rank stays quiet (heartbeats show it lives)
+                self.send(self.wire.encode_step([], self.handles, self.engine.stats()))
+                self.stats_last = stats
+            self.stats_sent_at = time.monotonic()
+
+    def _run_engine_lockstep(self) -> None:
+        """DeepInfer's loop (module docstring): the engine's vote, its step, our idle-time shutdown vote."""
+        engine = self.engine
+        flag = self.torch.zeros(1, dtype=self.torch.int32)
+        busy = False
+        while True:
+            self._drain(0.0 if busy or engine.has_work() else IDLE_POLL_S)
+            self.status.step_started = time.monotonic()
+            busy = engine.lockstep_has_work()  # the collective: every rank, every iteration
+            outputs = engine.step()
+            if busy:
+                self.status.num_steps += 1
+            if outputs and not self.shutdown:  # after shutdown the backend fails its streams itself
+                self.send(self.wire.encode_step(outputs, self.handles, engine.stats()))
                 self.stats_sent_at = time.monotonic()
+            if not engine.group_had_work:  # idle on every rank alike: all of them join this one
+                flag[0] = int(self.shutdown)
+                self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.control_group)
+                if int(flag[0]):
+                    return
+            self.status.step_started = 0.0
+            self._maybe_send_stats()
 
     def _drain(self, timeout_s: float) -> None:
         zmq = self.zmq
@@ -214,6 +275,8 @@ class RankLoop:
             return
         if op == "shutdown":
             self.shutdown = True
+            if self.owns_lockstep:  # let the group drain to idle, where the ranks agree to stop
+                self.engine.abort(list(self.handles))
             return
         cid = header.get("cid")
         try:
@@ -270,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     need = MIN_PYTHON
     if args.min_python:
         need = tuple(int(x) for x in args.min_python.split("."))  # type: ignore[assignment]
+    if os.environ.get(TEST_DEEPINFER_MODULE_ENV):  # the stand-in runs on any supported Python
+        log.warning("rank %d: %s=%s: TEST stand-in, not DeepInfer", args.rank, TEST_DEEPINFER_MODULE_ENV,
+                    os.environ[TEST_DEEPINFER_MODULE_ENV])
+        need = MIN_PYTHON
     if sys.version_info[: len(need)] < need:
         msg = f"rank {args.rank}: Python {sys.version.split()[0]} at {sys.executable} is too old; need {'.'.join(map(str, need))}+"
         _send_fatal(ctx, args.out_addr, msg)
@@ -308,4 +375,11 @@ def _send_fatal(ctx: Any, out_addr: str, msg: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Everything that matters is closed by now (engine, group, sockets after their linger, the
+    # L1 mapping). Skip the interpreter's teardown of torch & co: on a loaded host it took
+    # seconds (measured 1.5-4 s), long enough to overrun the supervisor's shutdown grace.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

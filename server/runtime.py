@@ -224,8 +224,8 @@ class Runtime:
         cfg = self.config
         if not cfg.prefix_cache:
             reasons.append("prefix cache off (config prefix_cache: false)")
-        elif getattr(self.cache, "prefix_cache_enabled", True) is False:
-            reasons.append("prefix cache off (the engine lacks the prefix-cache API)")
+        elif getattr(self.group, "prefix_cache_supported", True) is False:
+            reasons.append(f"prefix cache off: {getattr(self.group, 'prefix_cache_reason', None) or 'not supported'}")
         if not cfg.l1_cache:
             reasons.append("L1 host cache off (config l1_cache: false)")
         elif self.cache is not None and not self.cache.l1_enabled:

@@ -287,6 +287,79 @@ def report(stats: list[StreamStats], start_s: float, args: argparse.Namespace,
     return figures
 
 
+async def service_only(num_streams: int, num_steps: int) -> float:
+    """CPU per delivery of ChatService + protocol alone: no HTTP, no ranks, no cache decisions.
+
+    Stand-ins replace the cache (admits everything, no prefix) and the rank client (streams we
+    push one single-token output per step into); the protocol is the real one. Every step is
+    consumed before the next, so each token is its own delivery: the worst case for batching.
+    """
+    from protocol.api import Protocol
+    from protocol.ledger import OutputLedger
+    from protocol.tokenize import PromptTokenizer
+    from rank.client import GroupState, RequestStream
+    from rank.engine import FinishReason, RequestOutput
+    from server.config import load_config
+    from server.metrics import ServerMetrics
+    from server.service import ChatService
+
+    class _Admission:
+        rank, prefix_blocks, num_cached_tokens, queue_time_s = 0, (), 0, 0.0
+        cached_tokens_by_tier = {"l0": 0, "l1": 0}
+
+        def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: object) -> str:
+            return request_id
+
+    class _Cache:
+        async def admit(self, *_: object) -> _Admission:
+            return _Admission()
+
+        def finish(self, *_: object) -> None:
+            pass
+
+        def abort(self, *_: object) -> None:
+            pass
+
+    class _Client:
+        state = GroupState.READY
+
+        def __init__(self) -> None:
+            self.streams: list[RequestStream] = []
+
+        def submit(self, rank: int, request_id: str) -> RequestStream:
+            self.streams.append(RequestStream(request_id, rank, 1))
+            return self.streams[-1]
+
+    config = load_config({"max_model_len": 8192})
+    protocol = Protocol(PromptTokenizer.load(None), OutputLedger(), config.served_model_names, 8192)
+    client = _Client()
+    service = ChatService(protocol, _Cache(), client, ServerMetrics(), config)
+    text_ids = protocol.tokenizer.encode_plain(" the quick brown fox jumps over the lazy dog" * 20).tolist()
+
+    async def write(_: bytes) -> None:
+        return None
+
+    tasks = []
+    for i in range(num_streams):
+        body = json.dumps({"model": "default", "max_tokens": num_steps, "stream": True,
+                           "messages": [{"role": "user", "content": f"stream {i}"}]}).encode()
+        prepared = protocol.prepare_anthropic(body, {})
+        tasks.append(asyncio.ensure_future(service.stream(prepared, f"r{i}", write, time.perf_counter())))
+    await asyncio.sleep(0.05)
+    push_s = 0.0
+    start_cpu_s = time.process_time()
+    for step in range(num_steps):
+        last = step == num_steps - 1
+        t0 = time.process_time()
+        for stream in client.streams:
+            stream.push(RequestOutput(stream.request_id, [text_ids[step % len(text_ids)]], last,
+                                      FinishReason.LENGTH if last else None, 5, 0))
+        push_s += time.process_time() - t0
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    return (time.process_time() - start_cpu_s - push_s) / (num_streams * num_steps)
+
+
 def _cpu_s(server: psutil.Process | None) -> tuple[float, float]:
     """CPU seconds (user + system) of the backend process and of its rank processes."""
     if server is None:
@@ -312,7 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds; the first warms up")
     parser.add_argument("--profile", action="store_true", help="cProfile the server (server.prof)")
     parser.add_argument("--json", action="store_true", help="print the last round's figures as JSON")
+    parser.add_argument("--service-only", action="store_true",
+                        help="measure ChatService + protocol CPU per delivery in process (no HTTP, no ranks)")
     args = parser.parse_args(argv)
+    if args.service_only:
+        per_s = asyncio.run(service_only(args.concurrency, min(args.max_tokens, 256)))
+        print(f"ChatService + protocol: {per_s * 1e6:.1f} us CPU per delivery of one token "
+              f"({args.concurrency} streams, every step consumed: no batching)")
+        return 0
 
     proc = None
     tmp = None

@@ -327,7 +327,29 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return json_response(exc.status_code, perr.body(api))
 
 
-def create_app(state: AppState) -> Starlette:
+class ServerApp:
+    """The ASGI app: the chat routes directly (the streaming hot path skips Starlette's
+    middleware, whose ``send`` wrappers would add two coroutine calls to every SSE write), every
+    other route through Starlette. The chat handlers answer every error themselves."""
+
+    def __init__(self, routes: Routes, fallback: Starlette) -> None:
+        self._fast = {
+            "/v1/messages": routes.messages,
+            "/v1/chat/completions": routes.chat_completions,
+        }
+        self._fallback = fallback
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self._fast.get(scope["path"])
+            if handler is not None:
+                response = await handler(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await self._fallback(scope, receive, send)
+
+
+def create_app(state: AppState) -> ServerApp:
     r = Routes(state)
     routes = [
         Route("/v1/messages", r.messages, methods=["POST"]),
@@ -338,4 +360,4 @@ def create_app(state: AppState) -> Starlette:
         Route("/metrics", r.metrics, methods=["GET"]),
         Route("/", r.root, methods=["GET", "HEAD"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+    return ServerApp(r, Starlette(routes=routes, exception_handlers={HTTPException: _http_exception}))

@@ -4,7 +4,9 @@ Nothing here is module-global: the runtime creates one ``ServerMetrics`` and pas
 service and the app, so two servers in one process (tests) never share counters.
 
 Cost matters on the hot path (512 streams x tens of tokens/s): counters are bumped once per
-request, and the inter-token histogram is observed once per *write* to the client, not per token.
+request, and the two per-write metrics (the output-token counter and the inter-token histogram)
+are lock-free loop-thread objects (``LoopCounter``, ``LoopHistogram``) observed once per *write*
+to the client, not per token.
 Under load one write carries several tokens, so the histogram reports the gap between writes a
 client actually sees (which is the delay that matters for a streaming client).
 
@@ -14,12 +16,14 @@ the hot path never updates gauges.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -70,6 +74,60 @@ class StateCollector(Collector):
             yield GaugeMetricFamily(f"deepinfer_cache_{key}", f"cache state: {key}", value=float(value))
 
 
+class LoopHistogram:
+    """A histogram for the per-write hot path: a ``bisect`` and two additions per observation.
+
+    prometheus-client's ``Histogram.observe`` takes a lock and walks the buckets in Python
+    (several microseconds); this one is updated only from the event loop's thread, and read at
+    scrape time (``/metrics`` is served on the same loop), so it needs no lock.
+    """
+
+    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.doc = name, doc
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(bounds) + 1)  # last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, running = [], 0
+        for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], self.counts):
+            running += count
+            cumulative.append((bound, running))
+        return HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
+
+
+class LoopCounter:
+    """A counter for the hot path (same threading rule as ``LoopHistogram``)."""
+
+    __slots__ = ("name", "doc", "value")
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc, self.value = name, doc, 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.doc, value=self.value)
+
+
+class _LoopCollector(Collector):
+    def __init__(self, metrics: list[LoopHistogram | LoopCounter]) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[HistogramMetricFamily | CounterMetricFamily]:
+        return [m.family() for m in self._metrics]
+
+    def collect(self) -> Iterable[HistogramMetricFamily | CounterMetricFamily]:
+        return [m.family() for m in self._metrics]
+
+
 class ServerMetrics:
     """Counters and histograms the service and the app update."""
 
@@ -81,8 +139,8 @@ class ServerMetrics:
         self.in_flight = Gauge("deepinfer_requests_in_flight", "Requests being served", registry=r)
         self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
-        self.output_tokens = Counter("deepinfer_output_tokens", "Generated tokens streamed or returned",
-                                     registry=r)
+        # Bumped once per streamed batch (live throughput): the cheap loop-thread counter.
+        self.output_tokens = LoopCounter("deepinfer_output_tokens", "Generated tokens streamed or returned")
         self.cached_tokens = Counter("deepinfer_cached_tokens", "Prompt tokens served from cache",
                                      ["tier"], registry=r)
         self.finished = Counter("deepinfer_requests_finished", "Engine requests by finish reason",
@@ -90,9 +148,9 @@ class ServerMetrics:
         self.ttft = Histogram("deepinfer_time_to_first_token_seconds",
                               "Arrival to first streamed token", ["api"], buckets=_TTFT_BUCKETS_S,
                               registry=r)
-        self.inter_token = Histogram("deepinfer_inter_token_seconds",
-                                     "Gap between consecutive token writes to one client",
-                                     buckets=_GAP_BUCKETS_S, registry=r)
+        self.inter_token = LoopHistogram("deepinfer_inter_token_seconds",
+                                         "Gap between consecutive token writes to one client", _GAP_BUCKETS_S)
+        r.register(_LoopCollector([self.output_tokens, self.inter_token]))
         self.queue_time = Histogram("deepinfer_queue_time_seconds", "Admission wait before submit",
                                     buckets=_QUEUE_BUCKETS_S, registry=r)
         self.request_seconds = Histogram("deepinfer_request_duration_seconds", "Whole request",

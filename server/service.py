@@ -87,14 +87,9 @@ class ChatService:
         flight = _Flight(request_id, prepared.api, arrival_s)
         flight.num_prompt_tokens = prepared.num_prompt_tokens
         rs = self._protocol.new_stream(prepared, request_id)
-
-        async def counted_write(data: bytes) -> None:
-            flight.started = True
-            await write(data)
-
         self._metrics.in_flight.inc()
         try:
-            await self._bounded(self._generate(prepared, rs, flight, counted_write))
+            await self._bounded(self._generate(prepared, rs, flight, write))
         except asyncio.CancelledError:
             flight.finish_reason = "cancelled"  # the client went away; _generate cleaned up
             raise
@@ -162,6 +157,7 @@ class ChatService:
                 raise Overloaded(str(exc) or "rank group not ready",
                                  retry_after_s=RESTART_RETRY_AFTER_S) from None
             if write is not None:
+                flight.started = True  # from here on, errors go out as the stream's error event
                 await write(rs.start(admission.num_cached_tokens))
             output_ids, last = await self._pump(engine_stream, rs, flight, write)
             stop_hit = rs.stop_hit

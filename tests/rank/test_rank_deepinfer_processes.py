@@ -213,3 +213,56 @@ def test_unpatched_runtime_healthz_says_prefix_cache_off(tmp_path: Path) -> None
             await runtime.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_a_rank_fails_requests_and_the_group_restarts() -> None:
+    """The survivor blocks in DeepInfer's vote; the supervisor fails the epoch, replaces both ranks
+    (a fresh rendezvous at the new MASTER_PORT-50) and serves again."""
+    import signal
+
+    async def scenario() -> None:
+        group = RankGroup(_config(patched=True), python=sys.executable)
+        epochs: list[int] = []
+        group.add_restart_listener(epochs.append)
+        await group.start()
+        try:
+            streams = [group.submit(i % 2, _request(f"k-{i}", _ids(200, seed=i), 3000)) for i in range(4)]
+            for s in streams:
+                await s.__anext__()
+            os.kill(group.pids()[1], signal.SIGKILL)
+            for s in streams:
+                with pytest.raises(RankFailed, match="rank 1 .* was killed by SIGKILL"):
+                    await _collect(s)
+            await group.wait_ready(timeout_s=180)
+            assert group.epoch == 2 and epochs == [2] and group.health()["prefix_cache_supported"] is True
+            tokens, last = await _collect(group.submit(1, _request("again", _ids(300, seed=7), 4)))
+            assert len(tokens) == 4 and last.finish_reason == FinishReason.LENGTH
+            await group.release(1, last.kept_blocks)
+            await _wait_all_free(group)
+        finally:
+            await group.close()
+        assert _exit_codes(group) == [0, 0]
+
+    asyncio.run(scenario())
+
+
+def test_the_stand_in_refuses_a_default_group_made_by_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepInfer creates the default group itself; a worker that made one first must fail loudly."""
+    import socket
+
+    import torch.distributed as dist
+
+    from rank import fake_deepinfer_lockstep
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        monkeypatch.setenv("MASTER_PORT", str(port + 50))
+        api = fake_deepinfer_lockstep.deepinfer_api()
+        with pytest.raises(RuntimeError, match="DeepInfer creates the default group itself"):
+            api.LLMEngine.from_engine_args(api.EngineArgs(model="/m", data_parallel_size=1))
+    finally:
+        dist.destroy_process_group()

@@ -13,6 +13,7 @@ runtime state from the caller's thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -50,6 +51,10 @@ class LoopThread:
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
 
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
     def start(self, main: Callable[[], Awaitable[None]], timeout_s: float | None = None) -> None:
         """Start the loop and run ``main()`` (the runtime's start) to completion."""
         assert not self._started, "LoopThread started twice"
@@ -65,9 +70,9 @@ class LoopThread:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
         try:
             return future.result(timeout_s)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
-            raise
+            raise TimeoutError(f"no result within {timeout_s} s") from None
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
         """Consume ``agen`` on the loop and yield its items here; closing the iterator cancels it.

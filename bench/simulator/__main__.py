@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import orjson
@@ -41,18 +42,27 @@ def run_one(config: SimConfig, context: int, agents: int) -> StepStats:
     return stats
 
 
+def run_many(jobs: list[tuple[SimConfig, int, int]], num_procs: int) -> list[StepStats]:
+    """Independent steps in parallel processes (each step is single-threaded)."""
+    if num_procs <= 1 or len(jobs) <= 1:
+        return [run_one(*job) for job in jobs]
+    with ProcessPoolExecutor(max_workers=min(num_procs, len(jobs))) as pool:
+        return list(pool.map(run_one, *zip(*jobs)))
+
+
 def _within(sim: float, pub: float) -> bool:
     return abs(sim - pub) <= TOLERANCE * abs(pub)
 
 
-def seed_table(config: SimConfig) -> tuple[list[dict[str, Any]], bool]:
+def seed_table(config: SimConfig, num_procs: int = 2) -> tuple[list[dict[str, Any]], bool]:
     cfg = config.model_copy(update={"policy": "seed"})
     rows = []
     ok_all = True
+    steps = list(PUBLISHED.items()) + [((500_000, 200), None)]
+    results = run_many([(cfg, ctx, n) for (ctx, n), _pub in steps], num_procs)
     print(f"{'step':>12} | {'TTFT p50 sim/pub':>17} | {'TTFT p95 sim/pub':>17} | {'tok/s p50 sim/pub':>17} | "
           f"{'p10 sim/pub':>12} | {'cache sim/pub':>14} | within 25% (p50, hit)")
-    for (ctx, n), pub in list(PUBLISHED.items()) + [((500_000, 200), None)]:
-        s = run_one(cfg, ctx, n)
+    for ((ctx, n), pub), s in zip(steps, results):
         if pub is None:
             p50, hit = PUBLISHED_COLLAPSE[(ctx, n)]
             pub_row = (p50, float("nan"), float("nan"), float("nan"), hit)
@@ -99,7 +109,8 @@ def capacity(config: SimConfig, context: int, ttft_p95_s: float, lo: int, hi: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.simulator", description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=600.0, help="simulated seconds per step")
-    parser.add_argument("--warmup", type=float, default=200.0, help="simulated seconds left out of the stats")
+    parser.add_argument("--warmup", type=float, default=300.0, help="simulated seconds left out of the stats")
+    parser.add_argument("--jobs", type=int, default=2, help="steps simulated in parallel processes")
     parser.add_argument("--seed", type=int, default=0)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("seed-table", help="seed configuration vs the seed's published rows")
@@ -111,18 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=500_000)
     p.add_argument("--ttft-p95", type=float, default=30.0)
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
-    p.add_argument("--lo", type=int, default=100)
-    p.add_argument("--hi", type=int, default=800)
+    p.add_argument("--lo", type=int, default=50)
+    p.add_argument("--hi", type=int, default=400)
     p.add_argument("--step", type=int, default=25)
     p = sub.add_parser("all", help="seed table, our 500K x 200 step and the capacity answer")
     p.add_argument("--out", default=None)
-    p.add_argument("--hi", type=int, default=800)
+    p.add_argument("--hi", type=int, default=400)
     args = parser.parse_args(argv)
     config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed)
     doc: dict[str, Any] = {"config": config.model_dump(), "command": " ".join(sys.argv)}
     ok = True
     if args.cmd in ("seed-table", "all"):
-        doc["seed_table"], ok = seed_table(config)
+        doc["seed_table"], ok = seed_table(config, args.jobs)
     if args.cmd == "step":
         s = run_one(config.model_copy(update={"policy": args.policy}), args.context, args.agents)
         print(format_table([s]))
@@ -130,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "all":
         ours = config.model_copy(update={"policy": "ours"})
         s = run_one(ours, 500_000, 200)
-        print("\nour admission and L1 policy, 500K x 200 (seed: 41% hit, TTFT p50 151 s; target >= 90% and p95 <= 30 s):")
+        seed_row = next(r["sim"] for r in doc["seed_table"] if (r["context"], r["agents"]) == (500_000, 200))
+        print("\n500K x 200 side by side (target for ours: cache >= 90% and TTFT p95 <= 30 s):")
+        print(f"  {'':28} {'TTFT p50':>9} {'TTFT p95':>9} {'cache':>7} {'errors':>7}")
+        print(f"  {'seed, published':28} {151.0:8.1f}s {'-':>9} {41.0:6.1f}% {'-':>7}")
+        print(f"  {'seed, simulated (model)':28} {seed_row['ttft_p50_s']:8.1f}s {seed_row['ttft_p95_s']:8.1f}s "
+              f"{100 * seed_row['cache_hit']:6.1f}% {100 * seed_row['error_rate']:6.2f}%")
+        print(f"  {'ours, simulated (cache/)':28} {s.ttft_p50_s:8.1f}s {s.ttft_p95_s:8.1f}s "
+              f"{100 * s.cache_hit:6.1f}% {100 * s.error_rate:6.2f}%")
         print(format_table([s]))
         met = s.cache_hit >= 0.90 and s.ttft_p95_s <= 30.0
         print(f"target met: {'yes' if met else 'NO'}")
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         target = getattr(args, "ttft_p95", 30.0)
         print(f"\ncapacity ({policy}, {ctx // 1000}K, TTFT p95 <= {target:g} s):")
         n, tried = capacity(config.model_copy(update={"policy": policy}), ctx, target,
-                            getattr(args, "lo", 200), args.hi, getattr(args, "step", 25))
+                            getattr(args, "lo", 50), args.hi, getattr(args, "step", 25))
         print(f"capacity: {n} agents at {ctx // 1000}K hold TTFT p95 <= {target:g} s (seed's simulator claim: 400)")
         doc["capacity"] = {"policy": policy, "context": ctx, "ttft_p95_s": target, "agents": n,
                            "tried": [t.model_dump(exclude={"timeline"}) for t in tried]}

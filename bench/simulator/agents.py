@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from bench.loadgen.report import Criteria, StepStats, step_stats
 from bench.simulator.engine import SimGroup
 from bench.simulator.model import SimConfig
 from bench.simulator.seed_cache import SeedCacheManager
-from rank.engine import SamplingParams
+from rank.engine import FinishReason, SamplingParams
 
 
 @dataclass(slots=True)
@@ -38,6 +39,8 @@ class SimTotals:
     cached_tokens: int = 0
     output_tokens_expected: int = 0
     output_tokens_received: int = 0
+    output_tokens_lost: int = 0  # not generated because the engine failed the request
+    num_failed_in_engine: int = 0  # submitted, then failed by the engine (preempted)
 
 
 def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
@@ -46,7 +49,10 @@ def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
     from cache.config import CacheConfig
     from cache.manager import CacheManager
 
-    return CacheManager(group, CacheConfig(hash_salt="sim"), clock=clock)
+    # DeepInfer stops prefilling above its KV-usage watermark and counts cached blocks as used,
+    # so on DeepInfer our admission must keep (1 - watermark) of the pool out of its reach.
+    reserve = math.ceil((1.0 - config.engine.kv_watermark) * (group.num_blocks - 1)) + 2
+    return CacheManager(group, CacheConfig(hash_salt="sim", reserve_blocks=reserve), clock=clock)
 
 
 async def _agent(
@@ -66,11 +72,14 @@ async def _agent(
     request_ids = itertools.count()
     await asyncio.sleep(start_delay_s)
 
-    def new_conversation() -> tuple[np.ndarray, str]:
+    def new_conversation(steady: bool = False) -> tuple[np.ndarray, str]:
         size = initial_context_tokens(params, rng)
+        if steady:  # join at a uniform point of the conversation's life (see SimConfig.steady_start)
+            size += int(rng.uniform(0.0, 1.0) * max(0, int(0.97 * params.context_target_tokens) - size))
         return rng.integers(1000, 120_000, size, dtype=np.int32), f"a{agent_id}-c{next(request_ids)}"
 
-    tokens, session = new_conversation()
+    tokens, session = new_conversation(config.steady_start)
+    totals_first_turn = True
     new_tokens = len(tokens)
     turn = source.next_turn(rng)
     while loop.time() < stop_at:
@@ -88,6 +97,9 @@ async def _agent(
             continue
         request = adm.engine_request(f"{session}-{next(request_ids)}", tokens,
                                      SamplingParams(max_tokens=turn.output_tokens, ignore_eos=True))
+        if config.steady_start and totals_first_turn:
+            group.prewarmed_ids.add(request.request_id)
+        totals_first_turn = False
         totals.num_submitted += 1
         totals.output_tokens_expected += turn.output_tokens
         try:
@@ -109,16 +121,29 @@ async def _agent(
                 out_ids.extend(out.token_ids)
             last = out
         assert last is not None and last.finished
+        if last.finish_reason == FinishReason.ERROR:  # preempted: DeepInfer failed the request
+            manager.abort(adm)
+            totals.num_failed_in_engine += 1
+            totals.output_tokens_received += len(out_ids)
+            totals.output_tokens_lost += turn.output_tokens - len(out_ids)
+            record.error = f"engine: {last.error}"
+            record.t_end = loop.time()
+            records.append(record)
+            await asyncio.sleep(1.0)  # the load generator's retry: the same conversation again
+            continue
         manager.finish(adm, tokens, out_ids, last)
         totals.num_finished += 1
         totals.output_tokens_received += len(out_ids)
         record.t_end = loop.time()
         record.status = 200
         record.output_tokens = len(out_ids)
-        record.cached_tokens = adm.num_cached_tokens
-        record.input_tokens = len(tokens) - adm.num_cached_tokens
+        # What the engine really started from (the usage a client is told); the seed's L0 can
+        # drop a queued turn's prefix after admission, so this may be less than the admission's.
+        num_cached = last.num_cached_tokens
+        record.cached_tokens = num_cached
+        record.input_tokens = len(tokens) - num_cached
         totals.prompt_tokens += len(tokens)
-        totals.cached_tokens += adm.num_cached_tokens
+        totals.cached_tokens += num_cached
         if t_first is not None:
             record.ttft_s = t_first - record.t_start
             record.decode_s = (t_last or t_first) - t_first

@@ -65,6 +65,7 @@ class _Rank:
         self.free: list[int] = list(range(num_blocks - 1, 0, -1))
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.in_step: list[_Seq] = []  # prompts completing in the prefill step now running
         self.num_cached_tokens_total = 0
         self.num_prompt_tokens_total = 0
         self.num_preemptions = 0
@@ -102,13 +103,16 @@ class SimGroup:
         self.state = GroupState.READY
         self.ranks = [_Rank(r, self.num_blocks) for r in range(self.num_ranks)]
         self.pressure_hook: Callable[[int, int], int] | None = None  # (rank, blocks) -> freed
+        # Requests whose prefill costs nothing: each agent's very first turn, so a simulated step
+        # starts from a warmed-up deployment instead of a cold start of every session at once.
+        self.prewarmed_ids: set[str] = set()
         self.rng = np.random.default_rng(seed)
         self.num_steps = 0
         self.num_prefill_steps = 0
         self._listeners: list[Callable[[int], None]] = []
         self._wake = asyncio.Event()
         self._copy_locks = [asyncio.Lock() for _ in range(self.num_ranks)]
-        self._steps_since_prefill = 0
+        self._decode_step = 0  # DeepInfer's decode_step: steps since the last prompt step
         self._task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -213,6 +217,28 @@ class SimGroup:
             num_prompt_tokens_total=r.num_prompt_tokens_total,
         )
 
+    def unpin_waiting(self, rank: int, block_ids: list[int]) -> bool:
+        """The seed's L0 wants to drop cache blocks that queued (not yet admitted) sequences start
+        from. If no admitted or running sequence uses them, those queued sequences lose their
+        prefix (they will prefill it again) and True is returned; the caller then releases."""
+        r = self.ranks[rank]
+        wanted = set(block_ids)
+        for seq in r.running + r.in_step:
+            if not wanted.isdisjoint(seq.blocks):
+                return False
+        for i, seq in enumerate(r.waiting):
+            if (seq.admitted or i == 0) and not wanted.isdisjoint(seq.blocks):
+                return False  # admitted, or the head being admitted now
+        stripped = False
+        for seq in r.waiting:
+            if seq.blocks and not wanted.isdisjoint(seq.blocks):
+                r.drop_seq_refs(seq.blocks)
+                seq.blocks = []
+                seq.num_cached = 0
+                seq.computed = 0
+                stripped = True
+        return stripped  # False also when the user is between engine and cache (finishing)
+
     def add_restart_listener(self, fn: Callable[[int], None]) -> None:
         self._listeners.append(fn)
 
@@ -230,17 +256,45 @@ class SimGroup:
             assert free == {b for b in range(1, self.num_blocks) if not held[b]}, f"rank {r.rank}: free list wrong"
 
     # ----------------------------------------------------------------- stepping
+    def _usage(self, r: _Rank) -> float:
+        """DeepInfer's KV usage: every non-free block counts (cached and pinned ones too)."""
+        return 1.0 - len(r.free) / max(1, self.num_blocks - 1)
+
+    def _head_need(self, r: _Rank, seq: _Seq) -> int:
+        return -(-seq.target // self.block_size) - len(seq.blocks)
+
+    def _wants_prefill(self, r: _Rank) -> bool:
+        """DeepInfer's vote: KV usage <= the watermark and a schedulable waiting head. The
+        ``pressure_hook`` (the seed's L0) may evict idle cache blocks first to get there."""
+        if not r.waiting:
+            return False
+        head = r.waiting[0]
+        if not head.admitted and len(r.running) >= self.model.max_num_seqs:
+            return False
+        need = 0 if head.admitted else self._head_need(r, head)
+        if self.pressure_hook is not None:
+            floor = math.ceil((1.0 - self.model.kv_watermark) * (self.num_blocks - 1))
+            short = max(need - len(r.free), floor - len(r.free))
+            if short > 0:
+                self.pressure_hook(r.rank, short)
+        if head.admitted:
+            # A chunked prompt that already holds all its blocks goes on above the watermark
+            # (read strictly, the vote would stall it for good once waiting prefixes fill the pool).
+            return True
+        return self._usage(r) <= self.model.kv_watermark + 1e-12 and need <= len(r.free)
+
     def _try_admit(self, r: _Rank, seq: _Seq) -> bool:
         if len(r.running) + sum(1 for s in r.waiting if s.admitted) >= self.model.max_num_seqs:
             return False
-        need = -(-seq.target // self.block_size) - len(seq.blocks)
+        need = self._head_need(r, seq)
         if need > len(r.free) and self.pressure_hook is not None:
             self.pressure_hook(r.rank, need - len(r.free))
         if need > len(r.free):
             return False
-        seq.blocks.extend(r.take(need))
-        for b in seq.blocks[-need:] if need else []:
+        new = r.take(need)
+        for b in new:
             r.seq_refs[b] += 1
+        seq.blocks.extend(new)
         seq.admitted = True
         return True
 
@@ -252,22 +306,25 @@ class SimGroup:
             r.running.remove(seq)
             self._end(r, seq, FinishReason.ABORT, keep=False)
 
-    def _wants_prefill(self, r: _Rank) -> bool:
-        if not r.waiting:
-            return False
-        head = r.waiting[0]
-        return head.admitted or self._try_admit(r, head)
-
-    def _prefill_rank(self, r: _Rank) -> tuple[float, list[_Seq]]:
-        """One prefill step on one rank: (duration, sequences whose prompt completed)."""
+    def _prefill_rank(self, r: _Rank, wants: bool) -> tuple[float, list[_Seq]]:
+        """One prefill step on one rank: (duration, sequences whose prompt completed). At most
+        one sequence needs more than this step (DeepInfer NORMAL: one chunked seq per step)."""
+        if not wants:
+            return 0.0, []
         budget = self.model.max_num_batched_tokens
         duration = 0.0
         done: list[_Seq] = []
         for seq in list(r.waiting):
-            if budget <= 0:
-                break
             if not seq.admitted and not self._try_admit(r, seq):
                 break  # FIFO head-of-line blocking
+            if seq.request.request_id in self.prewarmed_ids:  # see ``prewarmed_ids``
+                self.prewarmed_ids.discard(seq.request.request_id)
+                seq.computed = seq.target
+                r.waiting.remove(seq)
+                done.append(seq)
+                continue
+            if budget <= 0:
+                break
             chunk = min(budget, seq.target - seq.computed)
             duration += self.model.prefill_s(chunk, seq.computed)
             seq.computed += chunk
@@ -275,30 +332,70 @@ class SimGroup:
             if seq.computed >= seq.target:
                 r.waiting.remove(seq)
                 done.append(seq)
+            else:
+                break  # a chunked sequence ends the batch
         return duration, done
+
+    def _vote_passes(self, wants: list[bool]) -> bool:
+        """DeepInfer's step-type vote at ``decode_step`` (0 right after a prompt step): "ALL"
+        points every ``prefill_all_interval_steps`` need every rank to want a prefill, "ANY"
+        points every ``prefill_any_interval_steps`` (not 0) need one rank."""
+        d, m = self._decode_step, self.model
+        if d % m.prefill_all_interval_steps == 0 and all(wants):
+            return True
+        return d != 0 and d % m.prefill_any_interval_steps == 0 and any(wants)
+
+    def _steps_to_next_vote(self, all_want: bool) -> int:
+        """Decode (or placeholder) steps from now to the next vote point that can pass."""
+        d, m = self._decode_step, self.model
+        any_at = (d // m.prefill_any_interval_steps + 1) * m.prefill_any_interval_steps
+        if d != 0 and d % m.prefill_any_interval_steps == 0:
+            any_at = d
+        best = any_at
+        if all_want:
+            best = min(best, -(-d // m.prefill_all_interval_steps) * m.prefill_all_interval_steps)
+        return best - d
+
+    def _is_vote_point(self) -> bool:
+        d, m = self._decode_step, self.model
+        return d % m.prefill_all_interval_steps == 0 or d % m.prefill_any_interval_steps == 0
 
     async def _run(self) -> None:
         while True:
             for r in self.ranks:
                 self._reap_aborted(r)
+            if any(r.running for r in self.ranks):
+                if self._is_vote_point():
+                    wants = [self._wants_prefill(r) for r in self.ranks]
+                    if self._vote_passes(wants):
+                        await self._prefill_step(wants)
+                        continue
+                await self._decode_segment()
+                continue
             wants = [self._wants_prefill(r) for r in self.ranks]
-            any_running = any(r.running for r in self.ranks)
-            chunk_in_progress = any(r.waiting and r.waiting[0].admitted and r.waiting[0].computed > r.waiting[0].num_cached for r in self.ranks)
-            chunk_in_progress = chunk_in_progress and self.model.prefill_back_to_back
-            if any(wants) and (not any_running or chunk_in_progress or self._steps_since_prefill >= self.model.vote_interval_steps):
-                await self._prefill_step()
-            elif any_running:
-                await self._decode_segment(any(wants))
-            else:
+            if not any(wants):
                 self._wake.clear()
                 await self._wake.wait()
+                continue
+            # Nothing decodes: the group runs placeholder steps up to the next passing vote.
+            k = self._steps_to_next_vote(all(wants))
+            if k:
+                await asyncio.sleep(k * self.model.placeholder_step_s)
+                self._decode_step += k
+                self.num_steps += k
+                continue
+            await self._prefill_step(wants)
 
-    async def _prefill_step(self) -> None:
-        results = [self._prefill_rank(r) for r in self.ranks]
-        await asyncio.sleep(max(d for d, _ in results))
+    async def _prefill_step(self, wants: list[bool]) -> None:
+        results = [self._prefill_rank(r, w) for r, w in zip(self.ranks, wants)]
+        for r, (_d, done) in zip(self.ranks, results):
+            r.in_step = done  # neither waiting nor running while the step runs
+        await asyncio.sleep(max(self.model.placeholder_step_s, max(d for d, _ in results)))
+        for r in self.ranks:
+            r.in_step = []
         self.num_steps += 1
         self.num_prefill_steps += 1
-        self._steps_since_prefill = 0
+        self._decode_step = 0
         for r, (_d, done) in zip(self.ranks, results):
             for seq in done:
                 if seq.aborted:
@@ -316,22 +413,27 @@ class SimGroup:
                     r.running.remove(seq)
                     self._end(r, seq, FinishReason.LENGTH, keep=seq.request.keep_blocks)
 
-    async def _decode_segment(self, someone_waits: bool) -> None:
+    async def _decode_segment(self) -> None:
+        """Decode steps up to the next vote point or the first sequence to finish."""
         alpha = self.model.decode_tokens_per_step
-        steps = math.inf
+        m = self.model
+        d = self._decode_step
+        next_vote = min((d // m.prefill_all_interval_steps + 1) * m.prefill_all_interval_steps,
+                        (d // m.prefill_any_interval_steps + 1) * m.prefill_any_interval_steps)
+        steps: float = next_vote - d
         for r in self.ranks:
             for seq in r.running:
                 steps = min(steps, math.ceil((seq.max_tokens - seq.generated) / alpha))
-        vote = self.model.vote_interval_steps
-        steps = min(steps, vote - self._steps_since_prefill % vote)
         steps = max(1, int(steps))
         step_s = max(self.model.decode_step_s(len(r.running), r.kv_tokens()) for r in self.ranks)
         await asyncio.sleep(steps * step_s)
         self.num_steps += steps
-        self._steps_since_prefill += steps
+        self._decode_step += steps
         for r in self.ranks:
             finished = []
             for seq in sorted(r.running, key=lambda s: -s.generated):
+                if seq not in r.running:
+                    continue  # failed by a preemption in this loop
                 seq.generated = min(seq.max_tokens, seq.generated + steps * alpha)
                 if not self._grow(r, seq):
                     continue
@@ -343,8 +445,9 @@ class SimGroup:
                 if seq.generated >= seq.max_tokens:
                     finished.append(seq)
             for seq in finished:
-                r.running.remove(seq)
-                self._end(r, seq, FinishReason.LENGTH, keep=seq.request.keep_blocks)
+                if seq in r.running:
+                    r.running.remove(seq)
+                    self._end(r, seq, FinishReason.LENGTH, keep=seq.request.keep_blocks)
 
     def _grow(self, r: _Rank, seq: _Seq) -> bool:
         """Blocks for the tokens generated so far; preempts (longest output first) when out."""
@@ -370,22 +473,27 @@ class SimGroup:
         return True
 
     def _preempt(self, r: _Rank, seq: _Seq) -> None:
-        """Free every block of a running sequence; it recomputes prompt + output from scratch."""
+        """Out of blocks in decode. DeepInfer's default (``stop_preempted_request``) finishes the
+        sequence with "insufficient_system_resource"; otherwise it is recomputed from scratch."""
         r.running.remove(seq)
+        seq.num_preemptions += 1
+        r.num_preemptions += 1
+        if self.model.stop_preempted_request:
+            self._end(r, seq, FinishReason.ERROR, keep=False)
+            return
         r.drop_seq_refs(seq.blocks)
         seq.blocks = []
         seq.admitted = False
-        seq.num_preemptions += 1
-        r.num_preemptions += 1
         seq.target = seq.prompt_len + int(seq.generated)
         seq.computed = 0
         r.num_recomputed_tokens += seq.target
         r.waiting.appendleft(seq)
 
     def _end(self, r: _Rank, seq: _Seq, reason: FinishReason, keep: bool) -> None:
-        num_out = seq.emitted if reason == FinishReason.ABORT else seq.max_tokens
+        failed = reason in (FinishReason.ABORT, FinishReason.ERROR)
+        num_out = seq.emitted if failed else seq.max_tokens
         kept: list[int] = []
-        if keep and reason != FinishReason.ABORT:
+        if keep and not failed:
             n_kept = min(len(seq.blocks), (seq.prompt_len + num_out - 1) // self.block_size)
             kept = seq.blocks[:n_kept]
             for b in kept:
@@ -396,10 +504,11 @@ class SimGroup:
             r.drop_seq_refs(seq.blocks)
         seq.blocks = []
         rest: list[int] = []
-        if seq.output_ids is not None and reason != FinishReason.ABORT:
+        if seq.output_ids is not None and not failed:
             rest = seq.output_ids[seq.emitted : seq.max_tokens].tolist()
         seq.stream.push(
             RequestOutput(seq.request.request_id, rest, finished=True, finish_reason=reason,
-                          num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached, kept_blocks=kept)
+                          num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached, kept_blocks=kept,
+                          error="insufficient_system_resource" if reason == FinishReason.ERROR else None)
         )
         self._wake.set()

@@ -44,10 +44,17 @@ class EngineModel(BaseModel):
     decode_per_seq_s: float = Field(0.0009, ge=0)
     decode_per_kv_token_s: float = Field(2.0e-9, ge=0)
     decode_tokens_per_step: float = Field(2.5, gt=0)
-    vote_interval_steps: int = Field(100, ge=1)
-    prefill_back_to_back: bool = Field(
-        True, description="a request whose prefill needs several chunks gets them in consecutive steps"
+    prefill_all_interval_steps: int = Field(
+        70, ge=1, description="DeepInfer DEEPINFER_PREFILL_ATTEMPT_INTERVAL: 'ALL' vote points (incl. step 0)"
     )
+    prefill_any_interval_steps: int = Field(
+        100, ge=1, description="DeepInfer DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL: 'ANY' vote points"
+    )
+    kv_watermark: float = Field(0.9, gt=0, le=1, description="a rank wants prefill only at KV usage <= this")
+    stop_preempted_request: bool = Field(
+        True, description="DeepInfer default: a sequence preempted in decode fails (insufficient_system_resource)"
+    )
+    placeholder_step_s: float = Field(0.010, ge=0, description="a step with nothing scheduled (1-token forward)")
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(16_384, ge=1)
 
@@ -71,7 +78,11 @@ class Deployment(BaseModel):
     block_tokens: int = Field(0, ge=0, description="simulated block size (DeepInfer: 128); 0 = context / 256")
     kv_bytes_per_token: int = Field(890, ge=1, description="~890 B/token (reference/measurements.md)")
     restore_tokens_per_s: float = Field(16.7e6, gt=0, description="seed: ~60 ms per 1M-token session")
-    tokenize_tokens_per_s: float = Field(250_000.0, gt=0, description="measured, one core")
+    tokenize_tokens_per_s: float = Field(
+        500_000.0, gt=0,
+        description="fitted (the one free TTFT parameter): 2x the 0.25M tokens/s measured on one core of "
+        "the loaded 2-core build VM (reference/measurements.md); the seed's host is an idle server CPU",
+    )
 
     def for_context(self, context_tokens: int) -> Deployment:
         """Resolve ``block_tokens=0``: the largest power of two <= context/256, within 128..2048."""
@@ -96,13 +107,6 @@ class SeedPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    l1_min_idle_s: float = Field(
-        10.0,
-        ge=0,
-        description="Only sessions idle this long count as 'idle' and are copied to L1 when L0 evicts "
-        "them; busier ones are dropped (fitted to the seed's 41% at 500K x 200; the guide: 'When L0 "
-        "must evict an idle session, its blocks are copied to host RAM').",
-    )
     full_retokenize: bool = True
 
 
@@ -117,3 +121,10 @@ class SimConfig(BaseModel):
     warmup_s: float = Field(300.0, ge=0)
     ramp_s: float = Field(60.0, ge=0)
     seed: int = 0
+    steady_start: bool = Field(
+        True,
+        description="each agent's first conversation starts at a uniform point of a conversation's "
+        "life (between its initial context and the target), so the measured window sees the "
+        "steady-state mix of context sizes, as a load test that has run for a while does (aiperf "
+        "AgentX starts each session at a uniform point of its trace, agent-workload.md [A1])",
+    )

@@ -98,12 +98,15 @@ class SeedCacheManager:
         l0 = self.l0[adm.rank]
         entry = l0.get(adm.session)
         kept = list(output.kept_blocks)
-        prefix = set(adm.prefix_blocks)
-        dup = [b for b in kept if b in prefix]  # already held by the entry: drop the new ref
+        # The prefix the engine really started from (gone if L0 dropped it while the turn was
+        # queued): those kept blocks are the entry's own, so the new refs are duplicates.
+        dup = kept[: output.num_cached_tokens // self.bs]
+        assert entry is not None or not dup, ("dup without entry", adm.session, dup[:4])
+        assert entry is None or set(dup) <= set(entry.blocks), ("dup not in entry", adm.session)
         if entry is None:
             entry = l0[adm.session] = _Entry(adm.session, adm.rank, [])
         else:
-            entry.num_in_use -= 1
+            entry.num_in_use = max(0, entry.num_in_use - 1)
         old = [b for b in entry.blocks if b not in set(kept)]
         self._release(adm.rank, dup + old)
         entry.blocks = kept
@@ -117,7 +120,7 @@ class SeedCacheManager:
         adm.is_closed = True
         entry = self.l0[adm.rank].get(adm.session)
         if entry is not None:
-            entry.num_in_use -= 1
+            entry.num_in_use = max(0, entry.num_in_use - 1)
 
     # ------------------------------------------------------------------ internals
     def _least_loaded(self) -> int:
@@ -137,24 +140,27 @@ class SeedCacheManager:
                 r.free.append(b)
 
     def evict(self, rank: int, num_blocks: int) -> int:
-        """LRU: free at least ``num_blocks`` blocks from sessions with no turn in flight."""
+        """LRU: free at least ``num_blocks`` blocks. Sessions with no turn in flight go first,
+        least recently used first, whether or not they are about to return. When that is not
+        enough, sessions whose turn still waits in the engine's queue go next (that turn then
+        prefills its whole prompt); blocks of an admitted or running turn cannot be freed."""
         freed = 0
-        now = self.clock()
         l0 = self.l0[rank]
-        for sid in list(l0):
-            if freed >= num_blocks:
-                break
-            entry = l0[sid]
-            if entry.num_in_use:
-                continue
-            del l0[sid]
-            if now - entry.last_finish_s >= self.policy.l1_min_idle_s and entry.blocks:
-                self._l1_put(rank, sid, len(entry.blocks))
-            else:
-                self.num_dropped_blocks += len(entry.blocks)
-            before = len(self.group.ranks[rank].free)
-            self._release(rank, entry.blocks)
-            freed += len(self.group.ranks[rank].free) - before
+        for queued in (False, True):
+            for sid in list(l0):
+                if freed >= num_blocks:
+                    return freed
+                entry = l0[sid]
+                if bool(entry.num_in_use) != queued:
+                    continue
+                if queued and not self.group.unpin_waiting(rank, entry.blocks):
+                    continue
+                del l0[sid]
+                if entry.blocks:  # "when L0 must evict an idle session, its blocks are copied to host RAM"
+                    self._l1_put(rank, sid, len(entry.blocks))
+                before = len(self.group.ranks[rank].free)
+                self._release(rank, entry.blocks)
+                freed += len(self.group.ranks[rank].free) - before
         return freed
 
     def _l1_put(self, rank: int, sid: str, num_blocks: int) -> None:

@@ -83,11 +83,13 @@ class Agent:
         generation = 0
         while time.monotonic() < stop_at_s:
             generation += 1
+            errors_before = self.c.turns_error
             try:
                 await self._session(f"soak-{self.index}-{generation}", stop_at_s)
             except httpx.HTTPError as exc:  # the agent survives a broken connection, as a user would
                 self.c.error(f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(1.0)
+            if self.c.turns_error > errors_before:
+                await asyncio.sleep(self.rng.uniform(1.0, 4.0))  # back off, as Claude Code does
 
     async def _session(self, sid: str, stop_at_s: float) -> None:
         self.c.sessions += 1

@@ -63,6 +63,8 @@ from rank.errors import RankFailed, RankUnavailable
 log = logging.getLogger(__name__)
 
 _RANK_ERRORS = (RankFailed, RankUnavailable, CapacityExhausted, EngineMisuse, NotImplementedError)
+_IMPORT_ATTEMPTS = 3  # an import the engine is short for is retried (see _import)
+_IMPORT_RETRY_S = 0.02  # x attempt number: about one engine step between tries
 
 
 @dataclass(slots=True, eq=False)
@@ -101,11 +103,18 @@ class Admission:
 
 @dataclass(slots=True)
 class _RankLedger:
+    """What the manager may plan on per rank. Free = capacity - indexed - reserved - releasing:
+    a block whose release is still in flight is held by the engine until the release lands, so
+    it is not free yet (planning on it made imports fail with CapacityExhausted)."""
+
     capacity_blocks: int  # num_blocks - 1 (block 0 is scratch)
     reserved_blocks: int = 0
     running_tokens: int = 0
     num_in_flight: int = 0
-    num_releasing: int = 0
+    num_releasing: int = 0  # blocks out of the index whose release has not landed yet
+
+    def free_blocks(self, num_indexed: int) -> int:
+        return self.capacity_blocks - num_indexed - self.reserved_blocks - self.num_releasing
 
 
 class CacheManager:
@@ -174,7 +183,7 @@ class CacheManager:
         if num_restore <= 0:
             return
         ledger = self._ledgers[rank]
-        if ledger.capacity_blocks - len(idx) - ledger.reserved_blocks - self.config.reserve_blocks < num_restore:
+        if ledger.free_blocks(len(idx)) - self.config.reserve_blocks < num_restore:
             return  # no room without evicting: the turn's own admission decides
         ledger.reserved_blocks += num_restore
         hashes = entry.hashes[m0 : m0 + num_restore]
@@ -285,7 +294,7 @@ class CacheManager:
                 idle[s.home_rank] += s.context_tokens
         out = []
         for rank, ledger in enumerate(self._ledgers):
-            free = ledger.capacity_blocks - len(self.l0[rank]) - ledger.reserved_blocks
+            free = ledger.free_blocks(len(self.l0[rank]))
             out.append(
                 RankLoad(rank, ledger.running_tokens, self.queue.waiting_tokens(rank), idle[rank], free)
             )
@@ -385,7 +394,7 @@ class CacheManager:
             num_l0 = min(m0, usable)
             num_restore = usable - num_l0
             need = total_blocks - num_l0  # the sequence's own blocks + the restored ones
-            free = ledger.capacity_blocks - len(idx) - ledger.reserved_blocks - self.config.reserve_blocks
+            free = ledger.free_blocks(len(idx)) - self.config.reserve_blocks
             idx.acquire(hashes[:num_l0], sid, now)  # before evicting: never evict our own prefix
             if need > free:
                 if level is AdmitLevel.FREE_ONLY:
@@ -394,6 +403,8 @@ class CacheManager:
                 force = level is AdmitLevel.FORCE
                 got = idx.evict(need - free, self.policy.scorer(rank, now), self.policy.chooser(rank, now, force))
                 victims.extend(got)
+                # Releasing (not free) for every other planner until the release lands; this turn
+                # may count them because it awaits their release (_retire) before it allocates.
                 ledger.num_releasing += len(got)
                 free += len(got)
                 if need > free:
@@ -448,13 +459,7 @@ class CacheManager:
             self.l1.begin_read(entry)
             started = self._clock()
             try:
-                try:
-                    ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
-                except CapacityExhausted:
-                    # The ledger counts evicted blocks as free once chosen; the engine frees
-                    # them when their release (after any L1 write) lands. Wait for those, once.
-                    await self._await_releases(rank, epoch)
-                    ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
+                ids = await self._import(rank, entry.start_slot + first, count, epoch)
             except _RANK_ERRORS as exc:
                 log.warning("L1 restore of %d blocks on rank %d failed: %s", count, rank, exc)
                 ids = None
@@ -478,10 +483,25 @@ class CacheManager:
                 if self.metrics is not None:
                     self.metrics.restored_tokens.inc(count * self.block_size)
                     self.metrics.restore_seconds.observe(adm.restore_s)
-        if self.epoch == epoch:
-            ledger.reserved_blocks -= count  # now filed in the index (or never allocated)
-        adm.reserved_blocks -= count
+        if ok:  # filed in the index now; on failure the turn computes them: they stay reserved
+            if self.epoch == epoch:
+                ledger.reserved_blocks -= count
+            adm.reserved_blocks -= count
         return ok
+
+    async def _import(self, rank: int, host_slot: int, count: int, epoch: int) -> list[int]:
+        """``import_blocks`` that rides out blocks the engine still holds for a moment: releases
+        in flight (waited for) and sequences aborted but not yet reaped (the engine frees them
+        at its next step). Retried a bounded number of times; the last CapacityExhausted is raised."""
+        for attempt in range(_IMPORT_ATTEMPTS):
+            try:
+                return await self.client.import_blocks(rank, host_slot, count)
+            except CapacityExhausted:
+                if attempt == _IMPORT_ATTEMPTS - 1 or self.epoch != epoch:
+                    raise
+                await self._await_releases(rank, epoch)
+                await asyncio.sleep(_IMPORT_RETRY_S * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def _close(self, adm: Admission) -> bool:
         """Release an admission's holds once. Returns False if it was already closed."""

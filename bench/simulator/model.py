@@ -14,16 +14,20 @@ Cost model of one rank (lockstep: every step of the group lasts as long as its s
 * decode step with ``B`` running sequences holding ``K`` context tokens:
   ``decode_base_s + decode_per_seq_s * B + decode_per_kv_token_s * K``; each step emits
   ``decode_tokens_per_step`` tokens per sequence (DSpark speculative decoding accepts several).
-* prefill only at vote points (DeepInfer: a prefill step needs ``decode_step % 100 == 0``, or
-  every rank wanting one at ``% 70``; ``decode_step`` restarts after each prompt step), modelled as
-  ``vote_interval_steps`` decode steps between prefill steps while anything decodes; a request
-  whose prefill needs several chunks keeps its chunks back to back.
+* DeepInfer's step-type vote (``reference/deepinfer-engine.md`` section 1): a prompt step happens at
+  ``decode_step % 70 == 0`` (0 included, so right after a prompt step) if every rank wants one,
+  or at ``decode_step % 100 == 0`` (not 0) if any rank does; a rank wants one when its KV usage
+  (every non-free block, cached ones included) is <= 0.9 and its waiting head can be allocated.
+  One chunked sequence per step ends the batch; its next chunk needs the next passing vote. With
+  nothing decoding the group runs placeholder steps (``placeholder_step_s``) up to that point.
+* decode growth with no free block preempts the longest output; DeepInfer's default
+  ``stop_preempted_request`` fails that request ("insufficient_system_resource").
 * tokenization before admission: the seed re-tokenizes the whole conversation per turn
   (``tokenize_tokens_per_s``, measured 0.25M tokens/s on one core, ``reference/measurements.md``);
   our protocol layer tokenizes only what is new.
 
-The free parameters (decode costs, vote interval, tokenize rate, the seed's L1 idle rule) were
-fitted to the seed's four published rows; ``python -m bench.simulator calibrate`` shows the fit.
+The free parameters (decode costs and the tokenize rate) were fitted to the seed's four published
+rows; ``python -m bench.simulator seed-table`` shows the fit.
 Sessions are simulated at ``block_tokens`` per block (default: context / 256, e.g. 512 at 128K and
 2048 at 500K-1M), which adds up to one block of replayed tokens per turn (<= 1% of the prompt).
 """

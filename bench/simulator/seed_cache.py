@@ -2,11 +2,16 @@
 
 What the seed guide describes: L0 keeps finished prompts' blocks, every turn of a session goes to
 the rank holding its prefix, new sessions go to the least-loaded rank; L0 evicts least recently
-used sessions when the engine needs room ("LRU eviction"), and "when L0 must evict an idle
-session, its blocks are copied to host RAM" (L1); the next turn copies them back. There is no
-residency-aware admission: a turn is handed to the engine at once and waits in the engine's FIFO
-for blocks. Where the guide is silent, ``SeedPolicy.l1_min_idle_s`` says what counts as idle (a
-session busier than that is dropped instead of copied), fitted to the seed's 500K x 200 collapse.
+used sessions when the engine needs room, and "when L0 must evict an idle session, its blocks are
+copied to host RAM" (L1); the next turn copies them back (60 ms per 1M tokens). There is no
+residency-aware admission: a turn restores at once if blocks can be freed (else it recomputes),
+is handed to the engine at once and waits in the engine's FIFO. Where the guide is silent the
+model assumes: the L0 keeps DeepInfer's KV usage at its 0.9 watermark by evicting (the scheduler
+has no eviction hook), idle sessions go first (least recently used first, so with 3 s pacing the
+session about to return goes first), then sessions whose turn is queued in the engine but not
+admitted (that turn then prefills its whole prompt); blocks of admitted turns cannot be freed.
+Without that last rule the modelled group deadlocks once queued prefixes fill the pool (DeepInfer
+would spin on placeholder steps); the seed's run did not hang.
 
 Same facade as ``cache.manager.CacheManager`` (``admit`` / ``finish`` / ``abort``), so the
 simulator's agents drive either. Sessions are tracked whole (an agent's prompts only ever extend

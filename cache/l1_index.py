@@ -5,8 +5,14 @@ Each session has at most one *entry*: one contiguous extent of slots holding the
 blocks ``0 .. n-1`` in order, so a restore of blocks ``a .. b`` is one import of the consecutive
 slots ``start+a .. start+b`` (one DMA + one scatter on the GPU). Extents are allocated with
 headroom (``headroom_fraction``, at least ``min_headroom_blocks``) so the next turns of a growing
-session are appended in place; when the slots after an extent are taken, the session is written
-again into a new extent and the old one is freed once the new one is complete.
+session are written in place: a write copies only the blocks after the longest common prefix of
+the entry and the new chain (the entry is cut back to that prefix first: an agent's next prompt
+often does not reproduce the last kept block, whose tokens include the model's output). When the
+extent is full it grows in place if the slots after it are free; otherwise the session is written
+again into a new extent with ``regrow_fraction`` headroom (geometric, so the whole-chain copies of
+a growing session add up to at most ``1 + 1/regrow_fraction`` times its final length) and the old
+one is freed once the new one is complete. Bytes written per session are O(its blocks), not
+O(turns x blocks).
 
 Invariants (``check``):
 
@@ -78,11 +84,13 @@ class L1Stats:
 
 class L1Index:
     def __init__(
-        self, num_slots: int, headroom_fraction: float = 0.125, min_headroom_blocks: int = 16
+        self, num_slots: int, headroom_fraction: float = 0.125, min_headroom_blocks: int = 16,
+        regrow_fraction: float = 0.5,
     ) -> None:
         self.alloc = ExtentAllocator(num_slots)
         self.headroom_fraction = headroom_fraction
         self.min_headroom_blocks = min_headroom_blocks
+        self.regrow_fraction = max(regrow_fraction, headroom_fraction)
         self.entries: dict[SessionId, L1Entry] = {}
         self._by_hash: dict[BlockHash, dict[SessionId, L1Entry]] = {}
         self._pending: dict[SessionId, WritePlan] = {}
@@ -118,6 +126,12 @@ class L1Index:
     def is_writing(self, session_id: SessionId) -> bool:
         return session_id in self._pending
 
+    def holds_chain(self, session_id: SessionId, hashes: Sequence[BlockHash]) -> bool:
+        """True when the session's entry holds ``hashes`` (readable) as a prefix of its chain."""
+        entry = self.entries.get(session_id)
+        n = len(hashes)
+        return entry is not None and n <= len(entry.hashes) and (n == 0 or entry.hashes[n - 1] == hashes[-1])
+
     # ----------------------------------------------------------------- writes
 
     def plan_write(
@@ -129,30 +143,41 @@ class L1Index:
     ) -> WritePlan | None:
         """Reserve slots to hold ``hashes`` (a session's chain) and say which blocks to copy.
 
-        Returns None when nothing needs writing (already held), a write is already in flight for
-        the session, or no extent can be found even after evicting entries by ``score``
-        (higher = less valuable; entries being read or written are never evicted)."""
+        Only the blocks after the longest common prefix of the session's entry and ``hashes``
+        are copied (``first_block``), in place when the extent holds the chain (grown in place
+        if possible); the entry is cut back to that prefix at once, as those slots are about to
+        be overwritten. A cut needs no read in flight on the entry; with one, or when the extent
+        cannot grow, the whole chain goes to a new extent (``replaces`` the old at commit).
+
+        Returns None when nothing needs writing (``holds_chain``), a write is already in flight
+        for the session (the caller waits for it and asks again), or no extent can be found even
+        after evicting entries by ``score`` (higher = less valuable; entries being read or
+        written are never evicted)."""
         n = len(hashes)
         if n == 0 or session_id in self._pending or self.alloc.num_slots == 0:
             return None
         hashes = list(hashes)
         old = self.entries.get(session_id)
+        regrow = False
         if old is not None:
             old.last_used_s = now_s
-            k = len(old.hashes)
-            extends = 0 < k <= n and hashes[k - 1] == old.hashes[-1]
-            if extends and k == n:
-                return None
-            if extends and n > old.capacity_blocks:
-                grown = self._with_headroom(n)
+            k = _common_prefix(old.hashes, hashes)
+            if k == n:
+                return None  # the entry holds the chain already
+            if k > 0 and n > old.capacity_blocks:
+                grown = self._grown(n)
                 if self.alloc.try_extend(old.start_slot, old.capacity_blocks, grown):
                     old.capacity_blocks = grown
-            if extends and n <= old.capacity_blocks:
+                else:
+                    regrow = True
+            cut_ok = k == len(old.hashes) or old.num_holds == 0  # no import reads slots >= k
+            if k > 0 and n <= old.capacity_blocks and cut_ok:
+                self._truncate(old, k)
                 old.num_holds += 1
                 plan = WritePlan(old, hashes, k, self.generation)
                 self._pending[session_id] = plan
                 return plan
-        start, capacity = self._allocate(n, score, exclude=session_id)
+        start, capacity = self._allocate(n, score, exclude=session_id, regrow=regrow)
         if start is None:
             return None
         entry = L1Entry(session_id, start, capacity, [], now_s, self.generation, is_linked=False)
@@ -257,10 +282,26 @@ class L1Index:
     def _with_headroom(self, n: int) -> int:
         return n + max(self.min_headroom_blocks, int(n * self.headroom_fraction))
 
+    def _grown(self, n: int) -> int:
+        """Capacity for a session that outgrew its extent: geometric, so regrowth is amortised."""
+        return n + max(self.min_headroom_blocks, int(n * self.regrow_fraction))
+
+    def _truncate(self, entry: L1Entry, k: int) -> None:
+        """Make only the first ``k`` blocks of ``entry`` readable (the rest will be overwritten)."""
+        sid = entry.session_id
+        for h in entry.hashes[k:]:
+            holders = self._by_hash.get(h)
+            if holders is not None and holders.get(sid) is entry:
+                del holders[sid]
+                if not holders:
+                    del self._by_hash[h]
+        entry.hashes = entry.hashes[:k]
+
     def _allocate(
-        self, n: int, score: Callable[[SessionId], float] | None, exclude: SessionId | None
+        self, n: int, score: Callable[[SessionId], float] | None, exclude: SessionId | None,
+        regrow: bool = False,
     ) -> tuple[int | None, int]:
-        for capacity in (self._with_headroom(n), n):
+        for capacity in (self._grown(n) if regrow else self._with_headroom(n), self._with_headroom(n), n):
             if capacity > self.alloc.num_slots:
                 continue
             start = self.alloc.allocate(capacity)
@@ -334,3 +375,16 @@ class L1Index:
         assert n_refs == sum(len(set(e.hashes)) for e in self.entries.values())
         for entry in self._unlinked:
             assert not entry.is_linked and entry.num_holds > 0
+
+
+def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    """Length of the longest common prefix of two chains. Chain hashes name a block *and* its
+    whole prefix, so equal hashes at index i mean equal prefixes up to i: a binary search."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -530,7 +530,7 @@ class CacheManager:
         """Copy a session's chain (blocks filed on ``rank``, or ``nodes`` being evicted) to L1."""
         plan = self.l1.plan_write(sid, chain, self._clock(), self._l1_score)
         if plan is None:
-            return self.l1.backed_blocks(sid) >= len(chain)
+            return self.l1.holds_chain(sid, chain)
         idx = self.l0[rank]
         part = chain[plan.first_block :]
         if nodes is None:
@@ -557,6 +557,7 @@ class CacheManager:
             self.l1.commit(plan, self._clock())
             if self.metrics is not None:
                 self.metrics.written_blocks.inc(len(ids))
+                self.metrics.written_bytes.inc(len(ids) * int(getattr(self.client, "bytes_per_block", 0) or 0))
         else:
             self.l1.abort(plan)
         return ok

@@ -40,6 +40,10 @@ class CacheMetrics:
         self.written_blocks = Counter(
             "l1_written_blocks", "Blocks copied GPU -> L1 (write-through and moves).", namespace=ns, registry=registry
         )
+        self.written_bytes = Counter(
+            "l1_written_bytes", "Bytes copied GPU -> L1 (write-through and moves; only blocks L1 lacks).",
+            namespace=ns, registry=registry,
+        )
         self.evicted_blocks = Counter(
             "evicted_blocks",
             "Blocks evicted, by tier and whether L1 held a copy (l0 only).",

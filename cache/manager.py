@@ -44,7 +44,7 @@ from cache.config import CacheConfig
 from cache.eviction import EvictionPolicy
 from cache.hashing import BlockHash, ChainHasher, as_token_array
 from cache.l0_index import L0Index, Node, RankIndex
-from cache.l1_index import L1Index
+from cache.l1_index import L1Index, WritePlan
 from cache.metrics import CacheMetrics
 from cache.router import RankLoad, Router
 from cache.sessions import Session, SessionId, SessionTable, StopKind
@@ -155,6 +155,7 @@ class CacheManager:
         self._open: set[Admission] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._prefetches: dict[SessionId, asyncio.Task[None]] = {}
+        self._l1_writes: dict[SessionId, asyncio.Event] = {}  # set when the session's write ends
         self._num_finished = 0
         client.add_restart_listener(self._on_restart)
         self._sync_l1()
@@ -527,10 +528,36 @@ class CacheManager:
     async def _write_through(
         self, rank: int, sid: SessionId, chain: list[BlockHash], epoch: int, nodes: list[Node] | None = None
     ) -> bool:
-        """Copy a session's chain (blocks filed on ``rank``, or ``nodes`` being evicted) to L1."""
+        """Copy a session's chain (blocks filed on ``rank``, or ``nodes`` being evicted) to L1.
+
+        Chained after a write of the same session still in flight (one write per session at a
+        time, and the later one copies only what the earlier did not). Returns True when L1
+        holds the chain afterwards; False only when it cannot (not resident, no L1 room, the
+        copy failed, or the group restarted)."""
+        if not await self._wait_l1_write(sid, epoch):
+            return False
         plan = self.l1.plan_write(sid, chain, self._clock(), self._l1_score)
         if plan is None:
             return self.l1.holds_chain(sid, chain)
+        done = asyncio.Event()
+        self._l1_writes[sid] = done
+        try:
+            return await self._export_plan(rank, plan, chain, epoch, nodes)
+        finally:
+            if self._l1_writes.get(sid) is done:
+                del self._l1_writes[sid]
+            done.set()
+
+    async def _wait_l1_write(self, sid: SessionId, epoch: int) -> bool:
+        """Wait until no L1 write of ``sid`` is in flight. False if the group restarted meanwhile.
+        Returns without awaiting when none is (callers rely on that: see ``_retire``)."""
+        while (pending := self._l1_writes.get(sid)) is not None:
+            await pending.wait()
+        return self.epoch == epoch
+
+    async def _export_plan(
+        self, rank: int, plan: WritePlan, chain: list[BlockHash], epoch: int, nodes: list[Node] | None
+    ) -> bool:
         idx = self.l0[rank]
         part = chain[plan.first_block :]
         if nodes is None:
@@ -583,6 +610,8 @@ class CacheManager:
                         chain_nodes.append(walk)
                         walk = walk.parent
                     chain_nodes.reverse()
+                    if not await self._wait_l1_write(owner, epoch):  # chain after its write in flight
+                        break
                     # Before this ran (task start, an earlier owner's export) another eviction may
                     # have dropped and released an ancestor; its block may already hold someone
                     # else's KV, so exporting it would file wrong data in L1. Skip such a chain.

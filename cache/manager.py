@@ -156,6 +156,9 @@ class CacheManager:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._prefetches: dict[SessionId, asyncio.Task[None]] = {}
         self._l1_writes: dict[SessionId, asyncio.Event] = {}  # set when the session's write ends
+        # Blocks a prefetch restored from L1 that no admission of the session has counted yet:
+        # its next admission finds them resident but counts them as L1 (restored), not L0.
+        self._prefetched: dict[SessionId, set[BlockHash]] = {}
         self._num_finished = 0
         client.add_restart_listener(self._on_restart)
         self._sync_l1()
@@ -228,6 +231,7 @@ class CacheManager:
             if self.metrics is not None:
                 self.metrics.admissions.labels("rejected").inc()
             raise
+        self._count_prefetched(adm, hashes)
         self._open.add(adm)
         self._observe_admission(adm)
         return adm
@@ -654,10 +658,12 @@ class CacheManager:
             if not entry.is_linked:
                 return
             self.l1.begin_read(entry)
+            started = self._clock()
             try:
                 ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
             finally:
                 self.l1.end_read(entry)
+            restore_s = self._clock() - started
             if self.epoch != epoch:
                 return
             idx = self.l0[rank]
@@ -669,8 +675,12 @@ class CacheManager:
             duplicates = idx.insert(entry.hashes[: first + count], known + list(ids),
                                     session.session_id, self._clock())[first:]
             self._release_later(rank, duplicates)
+            dup = set(duplicates)
+            filed = [h for h, block_id in zip(hashes, ids) if block_id not in dup]
+            self._prefetched.setdefault(session.session_id, set()).update(filed)
             if self.metrics is not None:
-                self.metrics.restored_tokens.inc(count * self.block_size)
+                self.metrics.restored_tokens.inc(len(filed) * self.block_size)
+                self.metrics.restore_seconds.observe(restore_s)
         except _RANK_ERRORS as exc:
             log.warning("L1 prefetch on rank %d failed: %s", rank, exc)
             self._maybe_disable_l1(exc)
@@ -743,6 +753,7 @@ class CacheManager:
         self.sessions.clear_placement()
         self._ledgers = [_RankLedger(max(0, self.client.num_blocks - 1)) for _ in range(self.num_ranks)]
         self._prefetches.clear()
+        self._prefetched.clear()
         self.l1_off_reason = "not started"
         self._sync_l1()
         self.queue.notify_all()
@@ -776,6 +787,8 @@ class CacheManager:
     def _forget_idle_sessions(self, now: float) -> None:
         keep = {sid for idx in self.l0.ranks for sid in idx.owners() if sid is not None}
         keep |= set(self.l1.entries)
+        for sid in [sid for sid in self._prefetched if self.sessions.get(sid) is None]:
+            del self._prefetched[sid]
         self.sessions.forget_idle(now, self.config.session_forget_s, keep)
 
     # ================================================================= helpers
@@ -789,6 +802,18 @@ class CacheManager:
     def _l1_score(self, sid: SessionId) -> float:
         session = self.sessions.get(sid)
         return float("inf") if session is None else session.expected_wait_s(self._clock())
+
+    def _count_prefetched(self, adm: Admission, hashes: list[BlockHash]) -> None:
+        """Blocks of the admission's resident (L0) prefix that a prefetch restored for this
+        session count as L1 hits: they came from host memory, not from the GPU cache."""
+        restored = self._prefetched.pop(adm.session_id, None)
+        if not restored:
+            return
+        num_l1_blocks = adm.cached_tokens_by_tier["l1"] // self.block_size
+        num_l0_blocks = adm.num_used_blocks - num_l1_blocks  # the L0 part is the chain's start
+        num_prefetched = sum(1 for h in hashes[:num_l0_blocks] if h in restored)
+        adm.cached_tokens_by_tier["l1"] += num_prefetched * self.block_size
+        adm.cached_tokens_by_tier["l0"] -= num_prefetched * self.block_size
 
     def _observe_admission(self, adm: Admission) -> None:
         m = self.metrics

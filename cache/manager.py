@@ -426,8 +426,8 @@ class CacheManager:
             if victims:
                 self._spawn(self._retire(rank, victims, epoch))
             raise
-        if victims:
-            await self._retire(rank, victims, epoch)
+        if victims:  # the release rides with the next command (import or submit): one boundary
+            await self._retire(rank, victims, epoch, wait_release=False)
         if self.epoch != epoch:
             raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
         num_l0, num_restore, need = plan["num_l0"], plan["num_restore"], plan["need"]
@@ -593,8 +593,14 @@ class CacheManager:
             self.l1.abort(plan)
         return ok
 
-    async def _retire(self, rank: int, victims: list[Node], epoch: int) -> None:
-        """Release evicted blocks; first write their sessions to L1 if it lacks them."""
+    async def _retire(self, rank: int, victims: list[Node], epoch: int, wait_release: bool = True) -> None:
+        """Release evicted blocks; first write their sessions to L1 if it lacks them.
+
+        The rank runs commands only between steps, so every round trip here can cost a step:
+        the owners' exports go out together (one boundary), and with ``wait_release=False`` the
+        release is sent but not waited for, so the caller's next command (an import, a submit)
+        rides in the same boundary. The rank applies commands in the order sent, so the blocks
+        are free by then; they stay counted as releasing until the reply."""
         try:
             if self.l1_enabled and self.epoch == epoch:
                 deepest: dict[SessionId, Node] = {}
@@ -606,30 +612,38 @@ class CacheManager:
                     if owner not in deepest or node.depth > deepest[owner].depth:
                         deepest[owner] = node
                 held = {id(n) for n in victims}  # ours until the release below
-                idx = self.l0[rank]
-                for owner, node in deepest.items():
-                    chain_nodes: list[Node] = []
-                    walk: Node | None = node
-                    while walk is not None:
-                        chain_nodes.append(walk)
-                        walk = walk.parent
-                    chain_nodes.reverse()
-                    if not await self._wait_l1_write(owner, epoch):  # chain after its write in flight
-                        break
-                    # Before this ran (task start, an earlier owner's export) another eviction may
-                    # have dropped and released an ancestor; its block may already hold someone
-                    # else's KV, so exporting it would file wrong data in L1. Skip such a chain.
-                    # (No await between this check and the pin in _write_through.)
-                    if any(id(n) not in held and idx.nodes.get(n.block_hash) is not n for n in chain_nodes):
-                        continue
-                    chain = [n.block_hash for n in chain_nodes]
-                    await self._write_through(rank, owner, chain, epoch, nodes=chain_nodes)
+                exports = [self._retire_owner(rank, owner, node, held, epoch) for owner, node in deepest.items()]
+                await asyncio.gather(*exports)
         finally:
             if self.epoch == epoch and self.metrics is not None:
                 for node in victims:
                     backed = node.owner is not None and self.l1.backed_blocks(node.owner) > node.depth
                     self.metrics.evicted_blocks.labels("l0", str(backed).lower()).inc()
-            await self._release(rank, [n.block_id for n in victims], epoch, counted=True)
+            release = self._release(rank, [n.block_id for n in victims], epoch, counted=True)
+            if wait_release:
+                await release
+            else:
+                self._spawn(release)
+                await asyncio.sleep(0)  # the task's first step sends the command
+
+    async def _retire_owner(self, rank: int, owner: SessionId, node: Node, held: set[int], epoch: int) -> None:
+        """Write one evicted session's chain (ending at ``node``) to L1 unless it holds it."""
+        chain_nodes: list[Node] = []
+        walk: Node | None = node
+        while walk is not None:
+            chain_nodes.append(walk)
+            walk = walk.parent
+        chain_nodes.reverse()
+        if not await self._wait_l1_write(owner, epoch):  # chain after its write in flight
+            return
+        # Before this ran (task start, another owner's export) another eviction may have dropped
+        # and released an ancestor; its block may already hold someone else's KV, so exporting it
+        # would file wrong data in L1. Skip such a chain. (No await between this check and the
+        # pin in _write_through.)
+        idx = self.l0[rank]
+        if any(id(n) not in held and idx.nodes.get(n.block_hash) is not n for n in chain_nodes):
+            return
+        await self._write_through(rank, owner, [n.block_hash for n in chain_nodes], epoch, nodes=chain_nodes)
 
     async def _move(
         self, session: Session, src: int, dst: int, hashes: list[BlockHash], num_src_blocks: int

@@ -66,6 +66,7 @@ class AdmissionQueue:
         self.config = config
         self._clock = clock
         self._queues: list[deque[_Ticket]] = [deque() for _ in range(num_ranks)]
+        self._waiting_tokens = [0] * num_ranks  # sum of num_tokens over each queue (the router asks per turn)
         self.num_forced = 0
         self.num_rejected = 0
         self.num_queued = 0
@@ -75,7 +76,7 @@ class AdmissionQueue:
         return len(self._queues[rank])
 
     def waiting_tokens(self, rank: int) -> int:
-        return sum(t.num_tokens for t in self._queues[rank])
+        return self._waiting_tokens[rank]
 
     async def enter(self, rank: int, num_tokens: int, try_admit: Callable[[AdmitLevel], bool]) -> float:
         """Return once ``try_admit`` said yes for this turn; the result is the time queued (s).
@@ -97,6 +98,7 @@ class AdmissionQueue:
             )
         ticket = _Ticket(num_tokens, self._clock())
         queue.append(ticket)
+        self._waiting_tokens[rank] += num_tokens
         self.num_queued += 1
         try:
             while True:
@@ -122,6 +124,7 @@ class AdmissionQueue:
             # Exactly one removal path (admitted, rejected, or the caller was cancelled), then
             # the next head gets its chance at once.
             queue.remove(ticket)
+            self._waiting_tokens[rank] -= num_tokens
             self.notify(rank)
 
     def notify(self, rank: int) -> None:

@@ -43,6 +43,7 @@ from cache.admission import AdmissionQueue, AdmitLevel
 from cache.config import CacheConfig
 from cache.eviction import EvictionPolicy
 from cache.hashing import BlockHash, ChainHasher, as_token_array
+from cache.idle_load import IdleLoad
 from cache.l0_index import L0Index, Node, RankIndex
 from cache.l1_index import L1Index, WritePlan
 from cache.metrics import CacheMetrics
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 _RANK_ERRORS = (RankFailed, RankUnavailable, CapacityExhausted, EngineMisuse, NotImplementedError)
 _IMPORT_ATTEMPTS = 3  # an import the engine is short for is retried (see _import)
 _IMPORT_RETRY_S = 0.02  # x attempt number: about one engine step between tries
+_GAUGE_EVERY_S = 0.1  # load gauges refresh at most this often (the last change is always shown)
 
 
 @dataclass(slots=True, eq=False)
@@ -142,6 +144,10 @@ class CacheManager:
         self.num_ranks = client.num_ranks
         self.hasher = ChainHasher(client.block_size, config.hash_salt.encode())
         self.sessions = SessionTable()
+        # The router's idle-token term, kept incrementally: call self._idle.update(session, now)
+        # after every change of a session's home_rank, num_in_flight, last finish/stop, gaps or
+        # context_tokens (check_balance asserts it equals the walk over all sessions).
+        self._idle = IdleLoad(client.num_ranks, config.home_horizon_s, self.sessions)
         self.l0 = L0Index(client.num_ranks)
         self.l1 = L1Index(0, config.l1_headroom_fraction, config.l1_min_headroom_blocks)
         self.l1_off_reason: str | None = "not started"
@@ -160,6 +166,14 @@ class CacheManager:
         # its next admission finds them resident but counts them as L1 (restored), not L0.
         self._prefetched: dict[SessionId, set[BlockHash]] = {}
         self._num_finished = 0
+        self._gauges_at_s = -float("inf")
+        self._gauges_timer: asyncio.TimerHandle | None = None
+        self._rank_gauges = (
+            [(metrics.rank_load_tokens.labels(str(r)), metrics.rank_free_blocks.labels(str(r)),
+              metrics.rank_cached_blocks.labels(str(r)), metrics.queue_depth.labels(str(r)))
+             for r in range(client.num_ranks)]
+            if metrics is not None else []
+        )
         client.add_restart_listener(self._on_restart)
         self._sync_l1()
 
@@ -207,6 +221,7 @@ class CacheManager:
         hashes = self.hasher.hashes(tokens) if self.config.prefix_cache else []
         session = self.sessions.find(session_hint, hashes) or self.sessions.create(session_hint, now)
         self.sessions.record_arrival(session, now)
+        self._idle.update(session, now)
         pending = self._prefetches.pop(session.session_id, None)
         if pending is not None:
             try:
@@ -223,11 +238,13 @@ class CacheManager:
                 rank = decision.move_from
         session.home_rank = rank
         session.num_in_flight += 1
+        self._idle.update(session, now)
         try:
             num_reserve = max(1, min(num_output_tokens_hint, self.config.output_reserve_tokens))
             adm = await self._admit_on(rank, session, tokens, hashes, num_reserve)
         except BaseException:
             session.num_in_flight -= 1
+            self._idle.update(session, self._clock())
             if self.metrics is not None:
                 self.metrics.admissions.labels("rejected").inc()
             raise
@@ -275,6 +292,7 @@ class CacheManager:
         if session is not None:
             tail = full_hashes[-1] if full_hashes else None
             self.sessions.record_finish(session, stop_kind, tail, num_tokens, now)
+            self._idle.update(session, now)
         if full_hashes and self.l1_enabled and self._pool_usage(rank) >= self.config.l1_write_watermark:
             self._spawn(self._write_through(rank, admission.session_id, full_hashes, self.epoch))
         self._num_finished += 1
@@ -290,13 +308,9 @@ class CacheManager:
             self.queue.notify(admission.rank)
 
     def loads(self) -> list[RankLoad]:
-        """The router's load measure per rank (documented in ``router.py``)."""
-        now = self._clock()
-        idle = [0] * self.num_ranks
-        horizon = self.config.home_horizon_s
-        for s in self.sessions:
-            if s.home_rank is not None and s.num_in_flight == 0 and s.expected_wait_s(now) < horizon:
-                idle[s.home_rank] += s.context_tokens
+        """The router's load measure per rank (documented in ``router.py``). O(ranks): the idle
+        term is kept incrementally (``cache/idle_load.py``, exact, no approximation)."""
+        idle = self._idle.tokens(self._clock())
         out = []
         for rank, ledger in enumerate(self._ledgers):
             free = ledger.free_blocks(len(self.l0[rank]))
@@ -321,6 +335,7 @@ class CacheManager:
             chain = self._session_chain(src, session)
             if await self._move(session, src, decision.rank, chain, len(chain)):
                 session.home_rank = decision.rank
+                self._idle.update(session, self._clock())
                 moved += 1
         return moved
 
@@ -344,6 +359,7 @@ class CacheManager:
 
     def check_balance(self) -> None:
         """Assert the accounting invariants (tests call it after ``drain`` with no turn open)."""
+        self._idle.check(self._clock())
         for rank, idx in enumerate(self.l0.ranks):
             idx.check()
             ledger = self._ledgers[rank]
@@ -517,6 +533,7 @@ class CacheManager:
         session = self.sessions.get(adm.session_id)
         if session is not None:
             session.num_in_flight = max(0, session.num_in_flight - 1)
+            self._idle.update(session, self._clock())
         if adm.epoch != self.epoch:
             return False  # the ledgers and index of that epoch are gone
         ledger = self._ledgers[adm.rank]
@@ -656,6 +673,7 @@ class CacheManager:
                 return False
         session.moved_at_s = self._clock()
         session.home_rank = dst
+        self._idle.update(session, session.moved_at_s)
         log.info("moved session %s from rank %d to rank %d through L1 (%d blocks)",
                  session.session_id, src, dst, num_src_blocks)
         if self.metrics is not None:
@@ -765,6 +783,7 @@ class CacheManager:
             idx.remove_all()
         self.l1.clear()
         self.sessions.clear_placement()
+        self._idle.clear()
         self._ledgers = [_RankLedger(max(0, self.client.num_blocks - 1)) for _ in range(self.num_ranks)]
         self._prefetches.clear()
         self._prefetched.clear()
@@ -803,7 +822,8 @@ class CacheManager:
         keep |= set(self.l1.entries)
         for sid in [sid for sid in self._prefetched if self.sessions.get(sid) is None]:
             del self._prefetched[sid]
-        self.sessions.forget_idle(now, self.config.session_forget_s, keep)
+        for sid in self.sessions.forget_idle(now, self.config.session_forget_s, keep):
+            self._idle.remove(sid)
 
     # ================================================================= helpers
 
@@ -841,15 +861,35 @@ class CacheManager:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
+        """Refresh the load gauges, at most every ``_GAUGE_EVERY_S`` (a turn's admit and finish
+        both call this; a timer shows the last change once the interval has passed)."""
         m = self.metrics
         if m is None:
             return
-        for load in self.loads():
-            r = str(load.rank)
-            m.rank_load_tokens.labels(r).set(load.load_tokens)
-            m.rank_free_blocks.labels(r).set(load.num_free_blocks)
-            m.rank_cached_blocks.labels(r).set(len(self.l0[load.rank]))
-            m.queue_depth.labels(r).set(self.queue.depth(load.rank))
+        now_s = time.monotonic()  # wall time, whatever clock the policy uses
+        wait_s = self._gauges_at_s + _GAUGE_EVERY_S - now_s
+        if wait_s <= 0:
+            self._refresh_gauges()
+        elif self._gauges_timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._refresh_gauges()
+                return
+            self._gauges_timer = loop.call_later(wait_s, self._refresh_gauges)
+
+    def _refresh_gauges(self) -> None:
+        m = self.metrics
+        assert m is not None
+        if self._gauges_timer is not None:
+            self._gauges_timer.cancel()
+            self._gauges_timer = None
+        self._gauges_at_s = time.monotonic()
+        for load, (load_g, free_g, cached_g, depth_g) in zip(self.loads(), self._rank_gauges):
+            load_g.set(load.load_tokens)
+            free_g.set(load.num_free_blocks)
+            cached_g.set(len(self.l0[load.rank]))
+            depth_g.set(self.queue.depth(load.rank))
         m.l1_slots.set(self.l1.num_slots)
         m.l1_used_slots.set(self.l1.alloc.num_used_slots)
         m.l1_enabled.set(1 if self.l1_enabled else 0)

@@ -443,7 +443,13 @@ class CacheManager:
                 self._spawn(self._retire(rank, victims, epoch))
             raise
         if victims:  # the release rides with the next command (import or submit): one boundary
-            await self._retire(rank, victims, epoch, wait_release=False)
+            try:
+                await self._retire(rank, victims, epoch, wait_release=False)
+            except BaseException:  # cancelled (client gone): give back what try_admit took
+                if self.epoch == epoch:
+                    ledger.reserved_blocks -= plan["need"]
+                    idx.release_uses(hashes[: plan["num_l0"]])
+                raise
         if self.epoch != epoch:
             raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
         num_l0, num_restore, need = plan["num_l0"], plan["num_restore"], plan["need"]
@@ -456,7 +462,19 @@ class CacheManager:
         ledger.num_in_flight += 1
         ledger.running_tokens += adm.context_tokens
         if num_restore:
-            restored = await self._restore(adm, hashes, num_l0, num_restore)
+            try:
+                restored = await self._restore(adm, hashes, num_l0, num_restore)
+            except BaseException:
+                # Cancelled mid-restore (the client went away) or failed: this admission never
+                # reaches the caller, so undo its holds here (admit() undoes the session's count).
+                if self.epoch == epoch and not adm.is_closed:
+                    adm.is_closed = True
+                    ledger.reserved_blocks -= adm.reserved_blocks
+                    ledger.running_tokens -= adm.context_tokens
+                    ledger.num_in_flight -= 1
+                    self.l0[rank].release_uses(hashes[: adm.num_used_blocks])
+                    adm.num_used_blocks = 0
+                raise
             if not restored and num_l0:
                 # Without the L1 part the last L0 block is the replayed one (not a prefix block).
                 keep = usable_prefix_blocks(num_l0, num_prompt, bs)

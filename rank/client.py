@@ -66,25 +66,34 @@ class RequestStream:
     """Async iterator over one request's ``RequestOutput``s; the last has ``finished=True``.
 
     Producers call ``push`` (outputs, in order) and ``fail`` (the group failed); consumers
-    iterate. Iteration raises the failure (``RankFailed``, or ``EngineMisuse`` when the engine
+    iterate. ``push_tokens`` is the producer's cheap path for a non-final step: while the
+    previous non-final output it made is still buffered (the consumer has not taken it), the new
+    ids are appended to that output instead of buffering another one, so a consumer that fell
+    behind takes one output for several steps (the same ids in the same order) and the producer
+    builds no object per request per step. An output is never changed once it was taken. Iteration raises the failure (``RankFailed``, or ``EngineMisuse`` when the engine
     rejected the request) after any outputs that arrived before it. ``abort()`` asks the engine
     to stop the request (the stream then ends with an ABORT output). Not thread-safe: producer
     and consumer share one event loop.
     """
 
-    __slots__ = ("request_id", "rank", "epoch", "_outputs", "_error", "_waiter", "_done", "_abort_fn")
+    __slots__ = ("request_id", "rank", "epoch", "num_prompt_tokens", "num_cached_tokens", "_outputs", "_error",
+                 "_waiter", "_done", "_abort_fn", "_open")
 
     def __init__(
-        self, request_id: str, rank: int, epoch: int, abort_fn: Callable[[], None] | None = None
+        self, request_id: str, rank: int, epoch: int, abort_fn: Callable[[], None] | None = None,
+        *, num_prompt_tokens: int = 0, num_cached_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.rank = rank
         self.epoch = epoch
+        self.num_prompt_tokens = num_prompt_tokens  # stamped on the outputs push_tokens makes
+        self.num_cached_tokens = num_cached_tokens
         self._outputs: deque[RequestOutput] = deque()
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._done = False  # a finished output or an error was pushed
         self._abort_fn = abort_fn
+        self._open: RequestOutput | None = None  # the last output push_tokens made (may still grow)
 
     @property
     def done(self) -> bool:
@@ -97,6 +106,21 @@ class RequestStream:
         self._outputs.append(output)
         if output.finished:
             self._done = True
+        self._wake()
+
+    def push_tokens(self, token_ids: list[int]) -> None:
+        """A non-final step's ids (the list is handed over). See the class docstring."""
+        if self._done:
+            return
+        outputs = self._outputs
+        tail = self._open
+        if tail is not None and outputs and outputs[-1] is tail:
+            tail.token_ids.extend(token_ids)  # still buffered: the consumer was already woken
+            return
+        tail = self._open = RequestOutput(
+            self.request_id, token_ids, False, None, self.num_prompt_tokens, self.num_cached_tokens
+        )
+        outputs.append(tail)
         self._wake()
 
     def fail(self, error: BaseException) -> None:

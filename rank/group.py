@@ -13,8 +13,21 @@ consecutive failed starts the group gives up (``FAILED``).
 
 Client: one PUSH socket per rank for commands (sent without blocking from the event loop) and one
 PULL socket per rank read by one task per rank. A step message carries all of that rank's
-outputs for the step; they are turned into ``RequestOutput``s and pushed into the requests'
-``RequestStream``s (see ``rank/wire.py`` for the format).
+outputs for the step; they are pushed into the requests' ``RequestStream``s (see
+``rank/wire.py`` for the format).
+
+Receive path (the backend's hottest loop: one message per rank per engine step, one output per
+running request in it). The task sleeps until the socket's file descriptor is readable (one
+``loop.add_reader`` wakeup), then takes every queued message with non-blocking ``recv`` calls
+until ``zmq.Again``: no future, no await and no poller bookkeeping per message (an awaited
+``zmq.asyncio`` ``recv_multipart`` per message cost 4-5x as much). After ``_DRAIN_BATCH``
+messages in a row it yields to the event loop once, so streams and the watchdog run even while
+a rank floods it. The fd is zmq's notification fd (readable when the socket's state may have
+changed, not per message), hence the ``zmq.EVENTS`` check before sleeping again. Dispatch: the
+finished outputs of a step are taken out first (their requests popped), then one loop over the
+step's handles and ids hands each running request its ids (``RequestStream.push_tokens``: no
+object per request per step while the consumer is behind); a decode step, one id per request,
+takes a loop without offsets.
 """
 
 from __future__ import annotations
@@ -39,7 +52,6 @@ from typing import Any
 import numpy as np
 import orjson
 import zmq
-import zmq.asyncio
 
 from rank import wire
 from rank.client import GroupState, RequestStream
@@ -54,6 +66,10 @@ KERNEL_CACHE_VARS = ("DG_JIT_CACHE_DIR", "EP_JIT_CACHE_DIR", "TILELANG_CACHE_DIR
 ENV_PREFIXES = ("NCCL_", "DEEPINFER_")  # engine knobs an operator may set; never credentials
 WATCHDOG_EVERY_S = 0.25
 SHUTDOWN_GRACE_S = 5.0
+_DRAIN_BATCH = 32  # messages taken per wakeup before yielding to the event loop once
+# A rank's fatal report is often a peer's death seen through a collective ("connection reset by
+# peer"); for this long a process exit seen meanwhile is named as the cause instead.
+FATAL_GRACE_S = 0.5
 DEEPINFER_PORT_OFFSET = 50  # DeepInfer's rendezvous: tcp://MASTER_ADDR:(MASTER_PORT-50+engine_group_rank)
 
 
@@ -61,8 +77,7 @@ DEEPINFER_PORT_OFFSET = 50  # DeepInfer's rendezvous: tcp://MASTER_ADDR:(MASTER_
 class _Req:
     stream: RequestStream
     request_id: str
-    num_prompt_tokens: int
-    num_cached_tokens: int
+    push_tokens: Callable[[list[int]], None]  # stream.push_tokens, bound once
 
 
 @dataclass(slots=True, eq=False)
@@ -71,7 +86,7 @@ class _Rank:
 
     rank: int
     cmd: zmq.Socket
-    out: zmq.asyncio.Socket
+    out: zmq.Socket  # PULL, read without blocking by _receive (readiness via loop.add_reader)
     proc: asyncio.subprocess.Process | None = None
     last_seen: float = 0.0
     phase: str = "starting"
@@ -83,6 +98,7 @@ class _Rank:
     next_handle: int = 0
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     exit_code: int | None = None
+    fatal: str | None = None  # the rank's own fatal report, if it sent one
 
 
 def _describe_exit(code: int) -> str:
@@ -92,6 +108,11 @@ def _describe_exit(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _settle(failure: asyncio.Future[str], reason: str) -> None:
+    if not failure.done():
+        failure.set_result(reason)
 
 
 def _free_port() -> int:
@@ -175,7 +196,6 @@ class RankGroup:
         self._closing = False
         self._tmpdir: str | None = None
         self._sync_ctx: zmq.Context | None = None
-        self._async_ctx: zmq.asyncio.Context | None = None
         from cache.l1_pool import host_pool_path, plan_host_pool_bytes
 
         self.host_pool_path = host_pool_path(self.name)
@@ -200,7 +220,6 @@ class RankGroup:
         self._closing = False
         self._tmpdir = tempfile.mkdtemp(prefix="dib-ranks-")
         self._sync_ctx = zmq.Context()
-        self._async_ctx = zmq.asyncio.Context()
         self.epoch = 1
         self._set_state(GroupState.STARTING)
         self._task = asyncio.create_task(self._lifecycle(), name=f"rank-group-{self.name}")
@@ -240,8 +259,6 @@ class RankGroup:
         self._task = None
         if self._sync_ctx is not None:
             self._sync_ctx.term()
-        if self._async_ctx is not None:
-            self._async_ctx.term()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
         self._set_state(GroupState.STOPPED)
@@ -322,7 +339,7 @@ class RankGroup:
         from cache.l1_pool import HostPool
 
         HostPool.unlink(self.host_pool_path)  # a new epoch starts with an empty L1
-        assert self._tmpdir is not None and self._sync_ctx is not None and self._async_ctx is not None
+        assert self._tmpdir is not None and self._sync_ctx is not None
         config_path = os.path.join(self._tmpdir, f"config-{self.epoch}.json")
         raw = self.config.model_dump(mode="json")
         raw["api_key"] = None  # ranks never need the HTTP credential
@@ -339,7 +356,7 @@ class RankGroup:
             cmd.setsockopt(zmq.SNDHWM, 0)
             cmd.setsockopt(zmq.LINGER, 0)
             cmd.bind(cmd_addr)
-            out = self._async_ctx.socket(zmq.PULL)
+            out = self._sync_ctx.socket(zmq.PULL)
             out.setsockopt(zmq.RCVHWM, 0)
             out.setsockopt(zmq.LINGER, 0)
             out.bind(out_addr)
@@ -441,6 +458,9 @@ class RankGroup:
         code = await r.proc.wait()
         r.exit_code = code
         if not self._closing:
+            if r.fatal is not None:  # it said why before it exited
+                self._fail_epoch(r.fatal)
+                return
             tail = f"; last output: {r.stderr_tail[-1]}" if r.stderr_tail else ""
             self._fail_epoch(f"rank {r.rank} (pid {r.proc.pid}) {_describe_exit(code)}{tail}")
 
@@ -471,53 +491,93 @@ class RankGroup:
                     self._fail_epoch(f"rank {r.rank} stuck in one step for {r.busy_s:.0f}s (step_timeout_s)")
 
     async def _receive(self, r: _Rank) -> None:
-        while True:
-            frames = await r.out.recv_multipart()
-            r.last_seen = time.monotonic()
-            header = orjson.loads(frames[0])
-            kind = header["t"]
-            if kind == "step":
-                r.stats = header["stats"]
-                if len(frames) == 4 and frames[1]:
-                    self._dispatch(r, header, frames)
-            elif kind == "hb":
-                r.busy_s = header["busy_s"]
-                if header["phase"] != r.phase or header["progress"] != r.progress:
-                    r.phase, r.progress = header["phase"], header["progress"]
-                    if r.phase != "ready":
-                        log.info("rank %d: %s %s", r.rank, r.phase, r.progress)
-            elif kind == "reply":
-                self._on_reply(r, header)
-            elif kind == "reject":
-                req = r.requests.pop(header["h"], None)
-                if req is not None:
-                    req.stream.fail(EngineMisuse(header["msg"]))
-            elif kind == "ready":
-                r.ready, r.stats, r.phase = header, header["stats"], "ready"
-            elif kind == "fatal":
-                self._fail_epoch(header["msg"])
+        """Wake on readiness, then drain every queued message (module docstring)."""
+        loop = asyncio.get_running_loop()
+        sock = r.out
+        fd = sock.getsockopt(zmq.FD)
+        ready = asyncio.Event()
+        loop.add_reader(fd, ready.set)
+        recv = sock.recv_multipart
+        on_message = self._on_message
+        try:
+            while True:
+                ready.clear()
+                num_taken = 0
+                while num_taken < _DRAIN_BATCH:
+                    try:
+                        frames = recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    num_taken += 1
+                    on_message(r, frames)
+                if num_taken:
+                    r.last_seen = time.monotonic()
+                    if num_taken == _DRAIN_BATCH:
+                        await asyncio.sleep(0)  # let the streams run; then take the rest
+                        continue
+                # The fd is edge-like (zmq resets it when it processes its commands, which recv
+                # and this check do): sleep only when zmq itself says nothing is queued.
+                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    continue
+                await ready.wait()
+        finally:
+            loop.remove_reader(fd)
+
+    def _on_message(self, r: _Rank, frames: list[bytes]) -> None:
+        header = orjson.loads(frames[0])
+        kind = header["t"]
+        if kind == "step":
+            r.stats = header["stats"]
+            if len(frames) == 4 and frames[1]:
+                self._dispatch(r, header, frames)
+        elif kind == "hb":
+            r.busy_s = header["busy_s"]
+            if header["phase"] != r.phase or header["progress"] != r.progress:
+                r.phase, r.progress = header["phase"], header["progress"]
+                if r.phase != "ready":
+                    log.info("rank %d: %s %s", r.rank, r.phase, r.progress)
+        elif kind == "reply":
+            self._on_reply(r, header)
+        elif kind == "reject":
+            req = r.requests.pop(header["h"], None)
+            if req is not None:
+                req.stream.fail(EngineMisuse(header["msg"]))
+        elif kind == "ready":
+            r.ready, r.stats, r.phase = header, header["stats"], "ready"
+        elif kind == "fatal":
+            r.fatal = header["msg"]
+            failure = self._failure  # this epoch's: the timer must not fail the next one
+            if failure is not None and not failure.done():
+                asyncio.get_running_loop().call_later(FATAL_GRACE_S, _settle, failure, r.fatal)
 
     def _dispatch(self, r: _Rank, header: dict[str, Any], frames: list[bytes]) -> None:
-        handles = np.frombuffer(frames[1], dtype="<i4").tolist()
-        counts = np.frombuffer(frames[2], dtype="<i4").tolist()
+        handles = np.frombuffer(frames[1], dtype="<i4")
+        counts = np.frombuffer(frames[2], dtype="<i4")
         tokens = np.frombuffer(frames[3], dtype="<i4").tolist()
-        finished = {entry[0]: entry for entry in header["fin"]}
+        one_each = len(tokens) == len(handles) and bool((counts == 1).all())  # a decode step
+        ends = None if one_each else np.cumsum(counts).tolist()
         requests = r.requests
-        offset = 0
-        for i, handle in enumerate(handles):
-            n = counts[i]
-            ids = tokens[offset : offset + n]
-            offset += n
-            fin = finished.get(i)
-            if fin is None:
-                req = requests.get(handle)
-                if req is not None:
-                    req.stream.push(RequestOutput(req.request_id, ids, False, None, req.num_prompt_tokens, req.num_cached_tokens))
-                continue
-            req = requests.pop(handle, None)
+        finished = []
+        for entry in header["fin"]:  # out of r.requests first: the loop below skips them
+            req = requests.pop(int(handles[entry[0]]), None)
             if req is not None:
-                _, reason, n_prompt, n_cached, kept, error = fin
-                req.stream.push(RequestOutput(req.request_id, ids, True, FinishReason(reason), n_prompt, n_cached, kept, error))
+                finished.append((req, entry))
+        get = requests.get
+        if ends is None:
+            for handle, token in zip(handles.tolist(), tokens):
+                req = get(handle)
+                if req is not None:
+                    req.push_tokens([token])
+        else:
+            start = 0
+            for handle, end in zip(handles.tolist(), ends):
+                req = get(handle)
+                if req is not None:
+                    req.push_tokens(tokens[start:end])
+                start = end
+        for req, (i, reason, n_prompt, n_cached, kept, error) in finished:
+            ids = tokens[i : i + 1] if ends is None else tokens[(ends[i - 1] if i else 0) : ends[i]]
+            req.stream.push(RequestOutput(req.request_id, ids, True, FinishReason(reason), n_prompt, n_cached, kept, error))
 
     def _on_reply(self, r: _Rank, header: dict[str, Any]) -> None:
         if "stats" in header:
@@ -552,8 +612,9 @@ class RankGroup:
         handle = r.next_handle
         r.next_handle = (handle + 1) & 0x7FFFFFFF
         self._send(r, wire.encode_add(request, handle))
-        stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id))
-        r.requests[handle] = _Req(stream, request.request_id, len(request.prompt_ids), request.num_cached_tokens)
+        stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id),
+                               num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached_tokens)
+        r.requests[handle] = _Req(stream, request.request_id, stream.push_tokens)
         return stream
 
     def abort(self, rank: int, request_id: str) -> None:

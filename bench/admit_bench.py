@@ -10,7 +10,8 @@ work, with Prometheus metrics on as in the server. Round 1 creates the sessions 
 a new session); later rounds are returning turns of the same sessions (by their hint) while the
 others sit idle, which is the serving benchmark's second round. Printed: CPU microseconds per
 admit and per finish (``time.process_time``, less sensitive to a loaded machine than wall time)
-and the load average.
+and the load average; then the CPU of one ``loads()`` (the router's load measure) against the
+walk over every session that it replaced (``IdleLoad.check``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ async def run(num_sessions: int, num_ranks: int, rounds: int, prompt_tokens: int
               f"finish {finish_cpu_s / num_sessions * 1e6:.1f} us CPU per turn "
               f"(load average {os.getloadavg()[0]:.1f})")
 
+    num_calls = 2000
+    t0 = time.process_time()
+    for _ in range(num_calls):
+        mgr.loads()
+    loads_s = (time.process_time() - t0) / num_calls
+    t0 = time.process_time()
+    for _ in range(num_calls // 20):
+        mgr._idle.check(time.monotonic())  # the old walk over every session (+ one loads-like query)
+    walk_s = (time.process_time() - t0) / (num_calls // 20)
+    print(f"loads(): {loads_s * 1e6:.1f} us CPU; the walk over all {len(mgr.sessions)} sessions it replaced: "
+          f"{walk_s * 1e6:.1f} us CPU")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(18)
 

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from cache.admission import AdmissionConfig
 from cache.router import RouterConfig
 
+DEEPINFER_KV_WATERMARK = 0.9  # ../shared/reference/deepinfer-engine.md: prefill only at usage <= this
+
 
 class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -33,6 +35,11 @@ class CacheConfig(BaseModel):
     )
     reserve_blocks: int = Field(
         2, ge=0, description="Blocks per rank kept out of admission (slack for decode overrun)."
+    )
+    usable_fraction: float = Field(
+        1.0, gt=0, le=1, description="Share of each rank's pool the cache may fill with cached + "
+        "reserved blocks. DeepInfer counts cached blocks in the KV usage that gates prefill (a rank "
+        "stops prefilling above 0.9), so from_workload sets 0.9 for engine 'deepinfer'."
     )
     l1_write_watermark: float = Field(
         0.5, ge=0, le=1, description="Write a finished turn's session through to L1 once the rank's "
@@ -60,6 +67,8 @@ class CacheConfig(BaseModel):
             "l1_cache": workload.l1_cache,
             "l1_host_gb": workload.l1_host_gb,
             "hash_salt": f"{workload.engine}:{workload.model_name}",
+            # DeepInfer's scheduler wants prefill only at KV usage <= 0.9, cached blocks included.
+            "usable_fraction": DEEPINFER_KV_WATERMARK if workload.engine == "deepinfer" else 1.0,
         }
         values.update(overrides)
         return cls(**values)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,16 @@ class Admission:
         )
 
 
+@dataclass(slots=True, eq=False)
+class _ChainExport:
+    """An evicted session's chain to write to L1 before its blocks are released: ``pinned`` is
+    the filed prefix of it (one use held on its deepest node until the export is done)."""
+
+    owner: SessionId
+    chain_nodes: list[Node]
+    pinned: list[BlockHash]
+
+
 @dataclass(slots=True)
 class _RankLedger:
     """What the manager may plan on per rank. Free = capacity - indexed - reserved - releasing:
@@ -166,6 +177,13 @@ class CacheManager:
         # its next admission finds them resident but counts them as L1 (restored), not L0.
         self._prefetched: dict[SessionId, set[BlockHash]] = {}
         self._num_finished = 0
+        # Diagnostics (also in metrics): blocks dropped from a GPU with no L1 copy, exports of
+        # evicted sessions that could not be written, and admissions that got less of their
+        # session's known prefix than it had computed (recomputed prefix tokens).
+        self.num_evicted_unbacked_blocks = 0
+        self.num_export_failures = 0
+        self.num_partial_prefix_admissions = 0
+        self.num_lost_prefix_tokens = 0
         self._gauges_at_s = -float("inf")
         self._gauges_timer: asyncio.TimerHandle | None = None
         self._rank_gauges = (
@@ -201,7 +219,7 @@ class CacheManager:
         if num_restore <= 0:
             return
         ledger = self._ledgers[rank]
-        if ledger.free_blocks(len(idx)) - self.config.reserve_blocks < num_restore:
+        if ledger.free_blocks(len(idx)) - self._keep_out_blocks(ledger) < num_restore:
             return  # no room without evicting: the turn's own admission decides
         ledger.reserved_blocks += num_restore
         hashes = entry.hashes[m0 : m0 + num_restore]
@@ -249,6 +267,7 @@ class CacheManager:
                 self.metrics.admissions.labels("rejected").inc()
             raise
         self._count_prefetched(adm, hashes)
+        self._count_lost_prefix(session, adm, hashes)
         self._open.add(adm)
         self._observe_admission(adm)
         return adm
@@ -393,7 +412,7 @@ class CacheManager:
         epoch = self.epoch
         num_prompt = len(tokens)
         sid = session.session_id
-        limit = ledger.capacity_blocks - self.config.reserve_blocks
+        limit = ledger.capacity_blocks - self._keep_out_blocks(ledger)
         # A running sequence holds all its blocks (shared prefix ones too), so a turn must fit
         # the rank's pool whole; the output estimate is trimmed to what fits.
         if -(-(num_prompt + 1) // bs) > limit:
@@ -401,6 +420,7 @@ class CacheManager:
         total_blocks = min(-(-(num_prompt + num_output) // bs), limit)
         plan: dict[str, int] = {}
         victims: list[Node] = []
+        exports: list[_ChainExport] = []
 
         def try_admit(level: AdmitLevel) -> bool:
             """Plan against the index as it is *now* (blocks may have gone while queued), pin the
@@ -415,7 +435,7 @@ class CacheManager:
             num_l0 = min(m0, usable)
             num_restore = usable - num_l0
             need = total_blocks - num_l0  # the sequence's own blocks + the restored ones
-            free = ledger.free_blocks(len(idx)) - self.config.reserve_blocks
+            free = ledger.free_blocks(len(idx)) - self._keep_out_blocks(ledger)
             idx.acquire(hashes[:num_l0], sid, now)  # before evicting: never evict our own prefix
             if need > free:
                 if level is AdmitLevel.FREE_ONLY:
@@ -423,14 +443,18 @@ class CacheManager:
                     return False
                 force = level is AdmitLevel.FORCE
                 got = idx.evict(need - free, self.policy.scorer(rank, now), self.policy.chooser(rank, now, force))
-                victims.extend(got)
                 # Releasing (not free) for every other planner until the release lands; this turn
                 # may count them because it awaits their release (_retire) before it allocates.
                 ledger.num_releasing += len(got)
                 free += len(got)
+                got_exports = self._hold_for_export(rank, got)
                 if need > free:
                     idx.release_uses(hashes[:num_l0])
+                    if got:  # export and release them now: held, they would block our next try
+                        self._spawn(self._retire(rank, got, epoch, exports=got_exports))
                     return False
+                victims.extend(got)
+                exports.extend(got_exports)
             ledger.reserved_blocks += need
             plan.update(num_l0=num_l0, num_restore=num_restore, need=need)
             return True
@@ -440,11 +464,11 @@ class CacheManager:
             queue_s = await self.queue.enter(rank, num_prompt - first_l0 * bs, try_admit)
         except BaseException:
             if victims:
-                self._spawn(self._retire(rank, victims, epoch))
+                self._spawn(self._retire(rank, victims, epoch, exports=exports))
             raise
         if victims:  # the release rides with the next command (import or submit): one boundary
             try:
-                await self._retire(rank, victims, epoch, wait_release=False)
+                await self._retire(rank, victims, epoch, wait_release=False, exports=exports)
             except BaseException:  # cancelled (client gone): give back what try_admit took
                 if self.epoch == epoch:
                     ledger.reserved_blocks -= plan["need"]
@@ -628,32 +652,74 @@ class CacheManager:
             self.l1.abort(plan)
         return ok
 
-    async def _retire(self, rank: int, victims: list[Node], epoch: int, wait_release: bool = True) -> None:
-        """Release evicted blocks; first write their sessions to L1 if it lacks them.
+    def _hold_for_export(self, rank: int, victims: list[Node]) -> list[_ChainExport]:
+        """Called in the same synchronous step as the eviction of ``victims``: for each owner
+        (homed here) whose L1 copy lacks the chain ending at its deepest victim, pin the part
+        of that chain still filed in L0. Otherwise another admission could evict and release
+        those ancestors before this one's export runs, and the chain (hence the session's L1
+        copy) would be lost or cut short: the partial restores seen at 500K x 200. The pins
+        end in ``_retire`` once the export is done."""
+        if not (victims and self.l1_enabled):
+            return []
+        deepest: dict[SessionId, Node] = {}
+        for node in victims:
+            owner = node.owner
+            session = self.sessions.get(owner) if owner is not None else None
+            if session is None or session.home_rank != rank:
+                continue  # nobody will ask for these here again
+            if owner not in deepest or node.depth > deepest[owner].depth:
+                deepest[owner] = node
+        idx = self.l0[rank]
+        held = {id(n) for n in victims}
+        out: list[_ChainExport] = []
+        for owner, node in deepest.items():
+            chain_nodes: list[Node] = []
+            walk: Node | None = node
+            while walk is not None:
+                chain_nodes.append(walk)
+                walk = walk.parent
+            chain_nodes.reverse()
+            chain = [n.block_hash for n in chain_nodes]
+            if self.l1.holds_chain(owner, chain):
+                continue  # already complete in L1: dropping it is free
+            filed = [n.block_hash for n in chain_nodes if id(n) not in held]
+            assert all(idx.nodes.get(h) is not None for h in filed), "evicted chain not prefix-closed"
+            idx.pin(filed)
+            out.append(_ChainExport(owner, chain_nodes, filed))
+        return out
+
+    async def _retire(
+        self, rank: int, victims: list[Node], epoch: int, wait_release: bool = True,
+        exports: list[_ChainExport] | None = None,
+    ) -> None:
+        """Write the evicted blocks' sessions to L1 where it lacks them, then release the blocks.
+
+        ``exports`` are the chains ``_hold_for_export`` pinned when the blocks were evicted. The
+        exports are awaited before the release is sent, and the rank applies commands in the
+        order sent, so no block is dropped before its copy to L1 (when L1 has room).
 
         The rank runs commands only between steps, so every round trip here can cost a step:
         the owners' exports go out together (one boundary), and with ``wait_release=False`` the
         release is sent but not waited for, so the caller's next command (an import, a submit)
         rides in the same boundary. The rank applies commands in the order sent, so the blocks
         are free by then; they stay counted as releasing until the reply."""
+        exports = exports or []
         try:
-            if self.l1_enabled and self.epoch == epoch:
-                deepest: dict[SessionId, Node] = {}
-                for node in victims:
-                    owner = node.owner
-                    session = self.sessions.get(owner) if owner is not None else None
-                    if session is None or session.home_rank != rank:
-                        continue  # nobody will ask for these here again
-                    if owner not in deepest or node.depth > deepest[owner].depth:
-                        deepest[owner] = node
-                held = {id(n) for n in victims}  # ours until the release below
-                exports = [self._retire_owner(rank, owner, node, held, epoch) for owner, node in deepest.items()]
-                await asyncio.gather(*exports)
+            if self.l1_enabled and self.epoch == epoch and exports:
+                await asyncio.gather(*[self._retire_owner(rank, ex, epoch) for ex in exports])
         finally:
-            if self.epoch == epoch and self.metrics is not None:
+            if self.epoch == epoch:
+                idx = self.l0[rank]
+                for ex in exports:
+                    idx.release_uses(ex.pinned)
+                num_unbacked = 0
                 for node in victims:
-                    backed = node.owner is not None and self.l1.backed_blocks(node.owner) > node.depth
-                    self.metrics.evicted_blocks.labels("l0", str(backed).lower()).inc()
+                    if not self._l1_has_block(node):
+                        num_unbacked += 1
+                self.num_evicted_unbacked_blocks += num_unbacked
+                if self.metrics is not None:
+                    self.metrics.evicted_blocks.labels("l0", "false").inc(num_unbacked)
+                    self.metrics.evicted_blocks.labels("l0", "true").inc(len(victims) - num_unbacked)
             release = self._release(rank, [n.block_id for n in victims], epoch, counted=True)
             if wait_release:
                 await release
@@ -661,24 +727,23 @@ class CacheManager:
                 self._spawn(release)
                 await asyncio.sleep(0)  # the task's first step sends the command
 
-    async def _retire_owner(self, rank: int, owner: SessionId, node: Node, held: set[int], epoch: int) -> None:
-        """Write one evicted session's chain (ending at ``node``) to L1 unless it holds it."""
-        chain_nodes: list[Node] = []
-        walk: Node | None = node
-        while walk is not None:
-            chain_nodes.append(walk)
-            walk = walk.parent
-        chain_nodes.reverse()
-        if not await self._wait_l1_write(owner, epoch):  # chain after its write in flight
+    def _l1_has_block(self, node: Node) -> bool:
+        """True when the L1 copy of the block's owner holds it at its place in the chain."""
+        if node.owner is None:
+            return False
+        entry = self.l1.entries.get(node.owner)
+        return entry is not None and node.depth < len(entry.hashes) and entry.hashes[node.depth] == node.block_hash
+
+    async def _retire_owner(self, rank: int, ex: _ChainExport, epoch: int) -> None:
+        """Write one evicted session's chain to L1 unless it holds it (its filed part is pinned)."""
+        if not await self._wait_l1_write(ex.owner, epoch):  # chain after its write in flight
             return
-        # Before this ran (task start, another owner's export) another eviction may have dropped
-        # and released an ancestor; its block may already hold someone else's KV, so exporting it
-        # would file wrong data in L1. Skip such a chain. (No await between this check and the
-        # pin in _write_through.)
-        idx = self.l0[rank]
-        if any(id(n) not in held and idx.nodes.get(n.block_hash) is not n for n in chain_nodes):
-            return
-        await self._write_through(rank, owner, [n.block_hash for n in chain_nodes], epoch, nodes=chain_nodes)
+        ok = await self._write_through(rank, ex.owner, [n.block_hash for n in ex.chain_nodes], epoch,
+                                       nodes=ex.chain_nodes)
+        if not ok:
+            self.num_export_failures += 1
+            log.debug("L1 copy of evicted session %s on rank %d not written (no room or failed)",
+                      ex.owner, rank)
 
     async def _move(
         self, session: Session, src: int, dst: int, hashes: list[BlockHash], num_src_blocks: int
@@ -845,15 +910,51 @@ class CacheManager:
 
     # ================================================================= helpers
 
+    def _keep_out_blocks(self, ledger: _RankLedger) -> int:
+        """Blocks of a rank's pool that admission never plans on: ``reserve_blocks`` of slack
+        plus the share above ``usable_fraction`` (DeepInfer's prefill watermark counts cached
+        blocks as used, so cached + reserved must stay under it)."""
+        cap = ledger.capacity_blocks
+        usable = math.floor(cap * self.config.usable_fraction + 1e-9)
+        return self.config.reserve_blocks + (cap - usable)
+
     def _pool_usage(self, rank: int) -> float:
+        """Cached + reserved blocks over the blocks the cache may use (``usable_fraction``)."""
         ledger = self._ledgers[rank]
-        if ledger.capacity_blocks <= 0:
+        usable = math.floor(ledger.capacity_blocks * self.config.usable_fraction + 1e-9)
+        if usable <= 0:
             return 1.0
-        return (len(self.l0[rank]) + ledger.reserved_blocks) / ledger.capacity_blocks
+        return (len(self.l0[rank]) + ledger.reserved_blocks) / usable
 
     def _l1_score(self, sid: SessionId) -> float:
         session = self.sessions.get(sid)
         return float("inf") if session is None else session.expected_wait_s(self._clock())
+
+    def _count_lost_prefix(self, session: Session, adm: Admission, hashes: list[BlockHash]) -> None:
+        """A turn whose prompt extends a chain its session finished before should start from
+        all of it (L0 or restored from L1); count the turns that did not and the tokens lost."""
+        if not self.config.prefix_cache or not session.tail_hashes:
+            return
+        positions = {h: i for i, h in enumerate(hashes)} if len(session.tail_hashes) > 1 else None
+        known = 0
+        for tail in session.tail_hashes:
+            if positions is not None:
+                at = positions.get(tail)
+            else:
+                try:
+                    at = hashes.index(tail)
+                except ValueError:
+                    at = None
+            if at is not None:
+                known = max(known, at + 1)
+        expected = usable_prefix_blocks(known, adm.num_prompt_tokens, self.block_size)
+        if adm.num_used_blocks < expected:
+            lost = (expected - adm.num_used_blocks) * self.block_size
+            self.num_partial_prefix_admissions += 1
+            self.num_lost_prefix_tokens += lost
+            if self.metrics is not None:
+                self.metrics.partial_prefix_admissions.inc()
+                self.metrics.lost_prefix_tokens.inc(lost)
 
     def _count_prefetched(self, adm: Admission, hashes: list[BlockHash]) -> None:
         """Blocks of the admission's resident (L0) prefix that a prefetch restored for this

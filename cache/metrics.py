@@ -51,6 +51,15 @@ class CacheMetrics:
             namespace=ns,
             registry=registry,
         )
+        self.partial_prefix_admissions = Counter(
+            "partial_prefix_admissions",
+            "Turns that got less of their session's already-computed prefix than it had (L0 + L1).",
+            namespace=ns, registry=registry,
+        )
+        self.lost_prefix_tokens = Counter(
+            "lost_prefix_tokens", "Prompt tokens a session had computed before that its turn recomputed.",
+            namespace=ns, registry=registry,
+        )
         self.duplicate_blocks = Counter(
             "duplicate_blocks", "Kept blocks released because the index already held their hash.",
             namespace=ns, registry=registry,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +50,9 @@ def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
 
     # DeepInfer stops prefilling above its KV-usage watermark and counts cached blocks as used,
     # so on DeepInfer our admission must keep (1 - watermark) of the pool out of its reach.
-    reserve = math.ceil((1.0 - config.engine.kv_watermark) * (group.num_blocks - 1)) + 2
-    return CacheManager(group, CacheConfig(hash_salt="sim", reserve_blocks=reserve), clock=clock)
+    # (CacheConfig.usable_fraction: what CacheConfig.from_workload sets for engine 'deepinfer'.)
+    cfg = CacheConfig(hash_salt="sim", usable_fraction=config.engine.kv_watermark)
+    return CacheManager(group, cfg, clock=clock)
 
 
 async def _agent(

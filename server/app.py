@@ -113,8 +113,8 @@ def error_response(exc: ProtocolError, api: str) -> Response:
     return json_response(exc.http_status, exc.body(api), exc.headers())
 
 
-async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The whole body, refusing (413) anything over ``limit_bytes`` before buffering it all."""
+def check_declared_length(request: Request, limit_bytes: int) -> None:
+    """Refuse (413) a body whose Content-Length is over ``limit_bytes`` without reading it."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -123,6 +123,11 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
             raise InvalidRequest("invalid Content-Length header") from None
         if declared_bytes > limit_bytes:
             raise RequestTooLarge(f"request body is {declared_bytes} bytes; the limit is {limit_bytes}")
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The whole body, refusing (413) anything over ``limit_bytes`` before buffering it all."""
+    check_declared_length(request, limit_bytes)
     chunks: list[bytes] = []
     num_bytes = 0
     try:
@@ -233,10 +238,13 @@ class Routes:
         metrics = self.state.metrics
         try:
             self._check_auth(request)
-            body = await read_body(request, self.state.config.max_body_bytes)
+            check_declared_length(request, self.state.config.max_body_bytes)
             protocol, service = self._ready_parts()
             headers = request.headers
+            # Start a known session's L1 restore from the headers alone: it overlaps reading,
+            # parsing and tokenizing a body that can be megabytes long.
             service.prefetch(headers.get("x-claude-code-session-id"))
+            body = await read_body(request, self.state.config.max_body_bytes)
             prepared = (protocol.prepare_anthropic(body, headers) if api == "anthropic"
                         else protocol.prepare_openai(body, headers))
             request_id = self.state.request_ids()

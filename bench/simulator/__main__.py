@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("all", help="seed table, our 500K x 200 step and the capacity answer")
     p.add_argument("--out", default=None)
     p.add_argument("--hi", type=int, default=400)
+    p.add_argument("--tuned-votes", default="35,20", help="ALL,ANY prefill vote intervals (steps) for "
+                   "the tuned run of ours at 500K x 200 (workload keys prefill_attempt_interval, "
+                   "prefill_any_attempt_interval; DeepInfer's defaults are 70,100)")
     args = parser.parse_args(argv)
     config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed)
     doc: dict[str, Any] = {"config": config.model_dump(), "command": " ".join(sys.argv)}
@@ -151,9 +154,23 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * s.cache_hit:6.1f}% {100 * s.error_rate:6.2f}%")
         print(format_table([s]))
         met = s.cache_hit >= 0.90 and s.ttft_p95_s <= 30.0
-        print(f"target met: {'yes' if met else 'NO'}")
+        print(f"target met with DeepInfer's default vote intervals (70, 100): {'yes' if met else 'NO'}")
         doc["ours_500k_200"] = {"stats": s.model_dump(exclude={"timeline"}), "target_met": met}
-        ok &= met
+        # Chunked prompts advance only at prefill vote points, so at 3 s pacing the TTFT tail is
+        # set by the vote intervals; the backend exposes them as workload keys.
+        all_steps, any_steps = (int(v) for v in args.tuned_votes.split(","))
+        tuned = ours.model_copy(update={"engine": ours.engine.model_copy(update={
+            "prefill_all_interval_steps": all_steps, "prefill_any_interval_steps": any_steps})})
+        t = run_one(tuned, 500_000, 200)
+        print(f"\nours with prefill_attempt_interval={all_steps}, prefill_any_attempt_interval={any_steps}:")
+        print(format_table([t]))
+        tuned_met = t.cache_hit >= 0.90 and t.ttft_p95_s <= 30.0
+        print(f"target met with tuned vote intervals: {'yes' if tuned_met else 'NO'}")
+        doc["ours_500k_200_tuned_votes"] = {"prefill_attempt_interval": all_steps,
+                                            "prefill_any_attempt_interval": any_steps,
+                                            "stats": t.model_dump(exclude={"timeline"}),
+                                            "target_met": tuned_met}
+        ok &= met or tuned_met
     if args.cmd in ("capacity", "all"):
         policy = getattr(args, "policy", "ours")
         ctx = getattr(args, "context", 500_000)

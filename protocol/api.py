@@ -26,11 +26,11 @@ Anthropic thinking blocks carry the ledger handle as their ``signature``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import xxhash
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from protocol import anthropic_schema as A
 from protocol import openai_schema as O
@@ -43,9 +43,19 @@ from protocol.render import render
 from protocol.stream import ResponseStream
 from protocol.tokenize import PromptTokenizer
 
+_Req = TypeVar("_Req", bound=BaseModel)
+
 __all__ = ["PreparedRequest", "Protocol", "ResponseStream", "ProtocolError"]
 
 SESSION_HEADER = "x-claude-code-session-id"
+
+
+def _validate(model: type[_Req], data: dict[str, Any]) -> _Req:
+    """The wire model for ``data``, or a 400 that names the offending field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest.from_validation(exc) from None
 
 
 def _load_body(body: bytes | dict[str, Any]) -> dict[str, Any]:
@@ -88,10 +98,7 @@ class Protocol:
     # --- requests ----------------------------------------------------------------------------------
     def prepare_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
         data = _load_body(body)
-        try:
-            req = A.MessagesRequest.model_validate(data)
-        except ValidationError as exc:
-            raise InvalidRequest.from_validation(exc) from None
+        req = _validate(A.MessagesRequest, data)
         self._check_model(req.model)
         conv = anthropic_conversation(req, data.get("tools"))
         hits, divergences = self._match_ledger(conv, strict_parts=True)
@@ -127,10 +134,7 @@ class Protocol:
 
     def prepare_openai(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
         data = _load_body(body)
-        try:
-            req = O.ChatCompletionRequest.model_validate(data)
-        except ValidationError as exc:
-            raise InvalidRequest.from_validation(exc) from None
+        req = _validate(O.ChatCompletionRequest, data)
         self._check_model(req.model)
         conv = openai_conversation(req, data.get("tools"))
         hits, divergences = self._match_ledger(conv, strict_parts=False)
@@ -170,10 +174,7 @@ class Protocol:
     def count_tokens_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> int:
         """Exact prompt length of an Anthropic count_tokens body (same rendering as a request)."""
         data = _load_body(body)
-        try:
-            req = A.CountTokensRequest.model_validate(data)
-        except ValidationError as exc:
-            raise InvalidRequest.from_validation(exc) from None
+        req = _validate(A.CountTokensRequest, data)
         conv = anthropic_conversation(req, data.get("tools"))
         self._match_ledger(conv, strict_parts=True)
         return len(self._tokenize(conv))

@@ -20,11 +20,12 @@ import httpx
 import numpy as np
 import pytest
 
-from rank.client import GroupState, RequestStream
-from rank.engine import EngineMisuse, EngineRequest, FinishReason, RequestOutput, SamplingParams, usable_prefix_blocks
+from rank.client import GroupState
+from rank.engine import EngineMisuse, EngineRequest, FinishReason, SamplingParams, usable_prefix_blocks
 from rank.errors import RankFailed
 from rank.group import RankGroup
 from server.config import WorkloadConfig
+from rank_stream_helpers import collect
 
 BS = 128
 NUM_BLOCKS = 96
@@ -53,16 +54,6 @@ def _request(rid: str, ids: np.ndarray, max_tokens: int, prefix: list[int] | Non
     prefix = prefix or []
     return EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), prefix,
                          BS * len(prefix), keep)
-
-
-async def _collect(stream: RequestStream) -> tuple[list[int], RequestOutput]:
-    tokens: list[int] = []
-    last = None
-    async for out in stream:
-        tokens += out.token_ids
-        last = out
-    assert last is not None and last.finished
-    return tokens, last
 
 
 async def _wait_all_free(group: RankGroup) -> None:
@@ -94,7 +85,7 @@ def test_patched_two_ranks_serve_prefixes_and_shut_down_cleanly() -> None:
             lengths = [260, 300, 384, 520, 270, 400]
             prompts = [_ids(n, seed=i) for i, n in enumerate(lengths)]
             streams = [group.submit(i % 2, _request(f"t1-{i}", p, 4 + i)) for i, p in enumerate(prompts)]
-            first = await asyncio.gather(*(_collect(s) for s in streams))
+            first = await asyncio.gather(*(collect(s) for s in streams))
             for i, (tokens, last) in enumerate(first):
                 assert len(tokens) == 4 + i and last.finish_reason == FinishReason.LENGTH
                 assert len(last.kept_blocks) == (lengths[i] + len(tokens) - 1) // BS
@@ -110,8 +101,8 @@ def test_patched_two_ranks_serve_prefixes_and_shut_down_cleanly() -> None:
                 num_cached.append(BS * usable)
                 warm.append(group.submit(i % 2, _request(f"t2-{i}", ids, 6, last.kept_blocks[:usable])))
                 cold.append(group.submit(1 - i % 2, _request(f"c2-{i}", ids, 6, keep=False)))
-            warm_out = await asyncio.gather(*(_collect(s) for s in warm))
-            cold_out = await asyncio.gather(*(_collect(s) for s in cold))
+            warm_out = await asyncio.gather(*(collect(s) for s in warm))
+            cold_out = await asyncio.gather(*(collect(s) for s in cold))
             for i, ((wt, wl), (ct, cl)) in enumerate(zip(warm_out, cold_out)):
                 assert wt == ct and len(wt) == 6, i
                 assert wl.num_cached_tokens == num_cached[i] and cl.kept_blocks == []
@@ -142,7 +133,7 @@ def test_shutdown_under_load_drains_every_rank_and_fails_streams() -> None:
         assert _exit_codes(group) == [0, 0]  # agreed shutdown, not the SIGKILL fallback
         for s in streams:
             with pytest.raises(RankFailed, match="closed"):
-                await _collect(s)
+                await collect(s)
 
     asyncio.run(scenario())
 
@@ -161,14 +152,14 @@ def test_unpatched_two_ranks_serve_with_the_prefix_cache_off() -> None:
 
             lengths = [140, 260, 390, 130]
             streams = [group.submit(i % 2, _request(f"u-{i}", _ids(n, seed=i), 5)) for i, n in enumerate(lengths)]
-            results = await asyncio.gather(*(_collect(s) for s in streams))
+            results = await asyncio.gather(*(collect(s) for s in streams))
             for tokens, last in results:
                 assert len(tokens) == 5 and last.finish_reason == FinishReason.LENGTH
                 assert last.kept_blocks == []  # keep_blocks asked, nothing can be kept
             # A request naming prefix blocks is refused with the reason; the group serves on.
             with pytest.raises(EngineMisuse, match="prefix blocks given but"):
-                await _collect(group.submit(0, _request("bad", _ids(300, seed=9), 3, prefix=[5])))
-            tokens, last = await _collect(group.submit(1, _request("after", _ids(150, seed=10), 3)))
+                await collect(group.submit(0, _request("bad", _ids(300, seed=9), 3, prefix=[5])))
+            tokens, last = await collect(group.submit(1, _request("after", _ids(150, seed=10), 3)))
             assert len(tokens) == 3 and group.state == GroupState.READY
             await _wait_all_free(group)
         finally:
@@ -233,10 +224,10 @@ def test_sigkill_of_a_rank_fails_requests_and_the_group_restarts() -> None:
             os.kill(group.pids()[1], signal.SIGKILL)
             for s in streams:
                 with pytest.raises(RankFailed, match="rank 1 .* was killed by SIGKILL"):
-                    await _collect(s)
+                    await collect(s)
             await group.wait_ready(timeout_s=180)
             assert group.epoch == 2 and epochs == [2] and group.health()["prefix_cache_supported"] is True
-            tokens, last = await _collect(group.submit(1, _request("again", _ids(300, seed=7), 4)))
+            tokens, last = await collect(group.submit(1, _request("again", _ids(300, seed=7), 4)))
             assert len(tokens) == 4 and last.finish_reason == FinishReason.LENGTH
             await group.release(1, last.kept_blocks)
             await _wait_all_free(group)

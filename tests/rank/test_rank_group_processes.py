@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rank.client import GroupState, RequestStream
+from rank.client import GroupState
 from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, FinishReason, RequestOutput, SamplingParams
 from rank.errors import RankFailed, RankUnavailable
 from rank.group import RankGroup
 from server.config import WorkloadConfig
+from rank_stream_helpers import collect
 
 BLOCK = 16
 
@@ -34,16 +35,6 @@ def _config(**overrides: Any) -> WorkloadConfig:
 def _request(rid: str, length: int, max_tokens: int, seed: int = 0) -> EngineRequest:
     ids = np.random.default_rng(seed).integers(3, 129_280, length).astype(np.int32)
     return EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-
-
-async def _collect(stream: RequestStream) -> tuple[list[int], RequestOutput]:
-    tokens: list[int] = []
-    last = None
-    async for out in stream:
-        tokens += out.token_ids
-        last = out
-    assert last is not None and last.finished
-    return tokens, last
 
 
 async def _drain_kept(group: RankGroup, results: list[tuple[int, RequestOutput]]) -> None:
@@ -73,14 +64,14 @@ def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> Non
             # Many concurrent requests of different lengths on all four ranks.
             lengths = [3, 17, 40, 90, 5, 64, 33, 120, 8, 50, 77, 16, 2, 101, 45, 29]
             streams = [(i % 4, group.submit(i % 4, _request(f"a{i}", n, 3 + i % 7, seed=i))) for i, n in enumerate(lengths)]
-            results = await asyncio.gather(*(_collect(s) for _, s in streams))
+            results = await asyncio.gather(*(collect(s) for _, s in streams))
             for i, (tokens, last) in enumerate(results):
                 assert len(tokens) == 3 + i % 7 and last.finish_reason == FinishReason.LENGTH
                 assert last.num_prompt_tokens == lengths[i]
                 assert len(last.kept_blocks) == (lengths[i] + len(tokens) - 1) // BLOCK
             # Same prompt on two ranks: same weights everywhere, same greedy tokens.
-            same = await asyncio.gather(_collect(group.submit(0, _request("s0", 30, 5, 99))),
-                                        _collect(group.submit(3, _request("s3", 30, 5, 99))))
+            same = await asyncio.gather(collect(group.submit(0, _request("s0", 30, 5, 99))),
+                                        collect(group.submit(3, _request("s3", 30, 5, 99))))
             assert same[0][0] == same[1][0]
             # Blocks move between ranks through the shared host pool.
             kept = results[3][1].kept_blocks  # rank 3
@@ -99,7 +90,7 @@ def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> Non
             bad = group.submit(2, EngineRequest("bad", np.array([5, 6], np.int32), SamplingParams(4),
                                                 prefix_blocks=[1], num_cached_tokens=BLOCK))
             with pytest.raises(EngineMisuse):
-                await _collect(bad)
+                await collect(bad)
 
             # SIGKILL one rank under load.
             load = [group.submit(i % 4, _request(f"k{i}", 20 + 3 * i, 10_000, seed=i)) for i in range(24)]
@@ -108,7 +99,7 @@ def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> Non
             victim = group.pids()[1]
             killed_at = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            outcomes = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in load), return_exceptions=True), 60)
+            outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in load), return_exceptions=True), 60)
             detected_s = time.monotonic() - killed_at
             print(f"\nSIGKILL of rank 1: all {len(load)} in-flight requests failed {detected_s:.2f}s after the kill")
             assert all(isinstance(o, RankFailed) for o in outcomes), outcomes
@@ -123,7 +114,7 @@ def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> Non
             health = group.health()
             assert health["state"] == "ready" and "SIGKILL" in health["last_failure"]
             assert all(r["alive"] for r in health["ranks"])
-            again = await asyncio.gather(*(_collect(group.submit(r, _request(f"b{r}", 25, 4, r))) for r in range(4)))
+            again = await asyncio.gather(*(collect(group.submit(r, _request(f"b{r}", 25, 4, r))) for r in range(4)))
             assert all(len(tokens) == 4 for tokens, _ in again)
             await _drain_kept(group, [(r, out) for r, (_, out) in enumerate(again)])
             await _wait_idle(group)
@@ -147,13 +138,13 @@ def test_sigstop_stall_is_detected_by_heartbeats() -> None:
             stopped = group.pids()[0]
             stopped_at = time.monotonic()
             os.kill(stopped, signal.SIGSTOP)
-            outcomes = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in load), return_exceptions=True), 60)
+            outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in load), return_exceptions=True), 60)
             print(f"\nSIGSTOP of rank 0: detected and failed {time.monotonic() - stopped_at:.2f}s after the stop")
             assert all(isinstance(o, RankFailed) for o in outcomes), outcomes
             assert "stalled" in str(outcomes[0]) and "rank 0" in str(outcomes[0])
             await group.wait_ready(120)
             assert group.epoch == 2
-            tokens, _ = await _collect(group.submit(0, _request("after", 10, 3)))
+            tokens, _ = await collect(group.submit(0, _request("after", 10, 3)))
             assert len(tokens) == 3
         finally:
             if stopped is not None:

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from protocol import sampling as S
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=False)
@@ -164,19 +166,19 @@ class _RequestBase(_Wire):
 class MessagesRequest(_RequestBase):
     max_tokens: int = Field(ge=1)
     metadata: dict[str, Any] | None = None
-    stop_sequences: list[str] | None = Field(default=None, max_length=64)
+    stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    # sampling: ranges and their meaning in protocol/sampling.py
+    temperature: float | None = Field(default=None, ge=0.0, le=S.TEMPERATURE_MAX)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=S.TOP_K_MIN_ANTHROPIC)
     context_management: dict[str, Any] | None = None
     service_tier: str | None = None
 
     @field_validator("stop_sequences")
     @classmethod
-    def _stops_nonempty(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and any(not s for s in v):
-            raise ValueError("stop sequences must not be empty strings")
+    def _stops(cls, v: list[str] | None) -> list[str] | None:
+        S.check_stop_sequences(v or [], S.MAX_STOP_SEQUENCES_ANTHROPIC)
         return v
 
 

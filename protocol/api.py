@@ -40,6 +40,7 @@ from protocol.detokenize import TokenTable
 from protocol.errors import InvalidRequest, ModelNotAvailable, PromptTooLong, ProtocolError, lower_headers
 from protocol.ledger import OutputLedger
 from protocol.render import render
+from protocol.sampling import engine_sampling
 from protocol.stream import ResponseStream
 from protocol.tokenize import PromptTokenizer
 
@@ -116,10 +117,7 @@ class Protocol:
             num_prompt_tokens=len(ids),
             session_key=self._session_key(headers, conv, req.metadata),
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if not req.top_k else req.top_k,
-            seed=None,
+            **self._sampling(req.temperature, req.top_p, req.top_k, None),
             stop=tuple(req.stop_sequences or ()),
             thinking=conv.thinking,
             reasoning_effort=conv.effort if conv.thinking else None,
@@ -155,10 +153,7 @@ class Protocol:
             num_prompt_tokens=len(ids),
             session_key=self._session_key(headers, conv, req.metadata),
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None or req.top_k == 0 else req.top_k,
-            seed=req.seed,
+            **self._sampling(req.temperature, req.top_p, req.top_k, req.seed),
             stop=stop,
             thinking=conv.thinking,
             reasoning_effort=conv.effort if conv.thinking else None,
@@ -193,6 +188,12 @@ class Protocol:
         if len(ids) > self.max_model_len - 1:
             raise PromptTooLong(len(ids), self.max_model_len - 1)
         return ids
+
+    def _sampling(self, temperature: float | None, top_p: float | None, top_k: int | None,
+                  seed: int | None) -> dict[str, Any]:
+        """Engine sampling values (protocol/sampling.py) as PreparedRequest fields."""
+        es = engine_sampling(temperature, top_p, top_k, seed, self.table.size)
+        return {"temperature": es.temperature, "top_p": es.top_p, "top_k": es.top_k, "seed": es.seed}
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         room = self.max_model_len - num_prompt_tokens

@@ -12,6 +12,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from protocol import sampling as S
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -105,10 +107,11 @@ class ChatCompletionRequest(_Wire):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    # sampling: ranges and their meaning in protocol/sampling.py
+    temperature: float | None = Field(default=None, ge=0.0, le=S.TEMPERATURE_MAX)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=S.TOP_K_MIN_OPENAI)
+    seed: int | None = Field(default=None, ge=S.SEED_WIRE_MIN, le=S.SEED_WIRE_MAX)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     tools: list[ToolDef] | None = None
@@ -120,18 +123,15 @@ class ChatCompletionRequest(_Wire):
     thinking: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=S.PENALTY_MIN, le=S.PENALTY_MAX)
+    frequency_penalty: float | None = Field(default=None, ge=S.PENALTY_MIN, le=S.PENALTY_MAX)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 16:
-            raise ValueError("at most 16 stop sequences")
-        if any(not s for s in items):
-            raise ValueError("stop sequences must not be empty strings")
+        S.check_stop_sequences([v] if isinstance(v, str) else (v or []), S.MAX_STOP_SEQUENCES_OPENAI)
         return v
 
     @field_validator("logprobs")
@@ -139,6 +139,13 @@ class ChatCompletionRequest(_Wire):
     def _no_logprobs(cls, v: bool | None) -> bool | None:
         if v:
             raise ValueError("logprobs are not supported by this endpoint")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("top_logprobs are not supported by this endpoint")
         return v
 
 

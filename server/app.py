@@ -10,8 +10,9 @@ with its traceback and answered as a generic 500). Prompts and outputs are never
 
 Streams: the response headers go out with the first bytes the service writes, so an error that
 happens before (auth, model, prompt too long, ranks restarting) is still a proper HTTP error.
-A watcher task waits for ``http.disconnect`` and cancels the request's task, whose ``finally``
-aborts the engine request and releases its cache references (see ``server/service.py``).
+Disconnects: streaming and non-streaming requests alike run under ``until_disconnect``, a watcher
+that waits for ``http.disconnect`` and cancels the request's work, whose ``finally`` aborts the
+engine request and releases its cache references (see ``server/service.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.applications import Starlette
@@ -59,6 +60,7 @@ SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 LOADING_RETRY_AFTER_S = 5.0
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -166,20 +168,9 @@ class StreamResponse(Response):
                 await send(self._start)
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        work = asyncio.ensure_future(self._run(write))
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
-            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():  # the client went away (or we are being cancelled)
-                work.cancel()
-                self._on_disconnect()
-            watcher.cancel()
-            with contextlib.suppress(BaseException):
-                await watcher
-        try:
-            await work
-        except asyncio.CancelledError:
+            await until_disconnect(self._run(write), receive, self._on_disconnect)
+        except ClientGone:
             return
         except Exception as exc:  # noqa: BLE001 - answered in the caller's shape
             perr = _log_unexpected(exc)
@@ -192,6 +183,35 @@ class StreamResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         else:  # nothing was produced at all: still answer
             await error_response(InternalError("empty response"), self._api)(scope, receive, send)
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request ran; the request's work was cancelled."""
+
+
+async def until_disconnect(coro: Awaitable[T], receive: Receive, on_disconnect: Callable[[], None]) -> T:
+    """Run ``coro`` (the request's whole engine work) while watching the connection: when the
+    client disconnects first, cancel it (its ``finally`` aborts the engine request and releases
+    the cache references, see ``server/service.py``), call ``on_disconnect`` and raise
+    ``ClientGone``. Streaming and non-streaming requests both run under this, so no engine
+    request outlives its client (a non-streaming one used to run to ``max_tokens``)."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():  # the client went away (or we are being cancelled)
+            work.cancel()
+            on_disconnect()
+        watcher.cancel()
+        with contextlib.suppress(BaseException):
+            await watcher
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if watcher.cancelled() or not watcher.done():
+            raise  # we are being cancelled ourselves
+        raise ClientGone() from None
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -255,7 +275,12 @@ class Routes:
                 metrics.count_request(route, 200)
                 return StreamResponse(run, api, [(b"x-request-id", request_id.encode())],
                                       metrics.disconnects.inc)
-            result = await service.complete(prepared, request_id, arrival_s)
+            try:
+                result = await until_disconnect(service.complete(prepared, request_id, arrival_s),
+                                                request.receive, metrics.disconnects.inc)
+            except ClientGone:
+                metrics.count_request(route, 499)
+                return Response(b"", status_code=499)  # nobody reads it
             metrics.count_request(route, 200)
             return Response(orjson.dumps(result), media_type="application/json",
                             headers={"x-request-id": request_id})

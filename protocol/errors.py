@@ -228,6 +228,14 @@ def error_from_exception(exc: BaseException) -> ProtocolError:
     return InternalError("internal server error")
 
 
+def with_request_id(perr: ProtocolError, request_id: str) -> ProtocolError:
+    """``perr`` naming the request id in its message when it is a server-side failure (5xx), so
+    a report from the client finds the logged details; client errors (4xx) are left as they are."""
+    if perr.http_status >= 500 and request_id not in perr.message:
+        perr.message = f"{perr.message} (request id {request_id})"
+    return perr
+
+
 def lower_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     """Case-insensitive view of request headers as a plain dict with lower-case keys."""
     if not headers:

@@ -44,6 +44,7 @@ from protocol.errors import (
     ProtocolError,
     RequestTooLarge,
     error_from_exception,
+    with_request_id,
 )
 from server.auth import ApiKeyCheck
 from server.config import WorkloadConfig
@@ -111,8 +112,14 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
                     media_type="application/json")
 
 
-def error_response(exc: ProtocolError, api: str) -> Response:
-    return json_response(exc.http_status, exc.body(api), exc.headers())
+def error_response(exc: ProtocolError, api: str, request_id: str | None = None) -> Response:
+    """The error in ``api``'s shape; with a request id, in the ``x-request-id`` header (and in
+    the message of a 5xx, see ``with_request_id``)."""
+    headers = exc.headers()
+    if request_id is not None:
+        exc = with_request_id(exc, request_id)
+        headers["x-request-id"] = request_id
+    return json_response(exc.http_status, exc.body(api), headers)
 
 
 def check_declared_length(request: Request, limit_bytes: int) -> None:
@@ -150,10 +157,12 @@ class StreamResponse(Response):
     If ``run`` raises before writing anything, a JSON error in ``api``'s shape is sent instead.
     """
 
-    def __init__(self, run: Callable[[Write], Awaitable[None]], api: str, headers: list[tuple[bytes, bytes]],
+    def __init__(self, run: Callable[[Write], Awaitable[None]], api: str, request_id: str,
                  on_disconnect: Callable[[], None]) -> None:
         self._run = run
         self._api = api
+        self._request_id = request_id
+        headers = [(b"x-request-id", request_id.encode())]
         self._start = {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers}
         self._on_disconnect = on_disconnect
         self.status_code = 200
@@ -173,16 +182,17 @@ class StreamResponse(Response):
         except ClientGone:
             return
         except Exception as exc:  # noqa: BLE001 - answered in the caller's shape
-            perr = _log_unexpected(exc)
+            perr = _log_unexpected(exc, self._request_id)
             if not started:
                 self.status_code = perr.http_status
-                await error_response(perr, self._api)(scope, receive, send)
+                await error_response(perr, self._api, self._request_id)(scope, receive, send)
                 return
+            perr = with_request_id(perr, self._request_id)
             await send({"type": "http.response.body", "body": perr.sse(self._api), "more_body": True})
         if started:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         else:  # nothing was produced at all: still answer
-            await error_response(InternalError("empty response"), self._api)(scope, receive, send)
+            await error_response(InternalError("empty response"), self._api, self._request_id)(scope, receive, send)
 
 
 class ClientGone(Exception):
@@ -221,10 +231,10 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-def _log_unexpected(exc: BaseException) -> ProtocolError:
+def _log_unexpected(exc: BaseException, request_id: str | None = None) -> ProtocolError:
     perr = error_from_exception(exc)
     if not isinstance(exc, ProtocolError):
-        log.error("unexpected error while serving a request", exc_info=exc)
+        log.error("request %s: unexpected error", request_id or "-", exc_info=exc)
     return perr
 
 
@@ -256,6 +266,7 @@ class Routes:
     async def _chat(self, request: Request, api: str, route: str) -> Response:
         arrival_s = time.perf_counter()
         metrics = self.state.metrics
+        request_id = self.state.request_ids()
         try:
             self._check_auth(request)
             check_declared_length(request, self.state.config.max_body_bytes)
@@ -267,14 +278,12 @@ class Routes:
             body = await read_body(request, self.state.config.max_body_bytes)
             prepared = (protocol.prepare_anthropic(body, headers) if api == "anthropic"
                         else protocol.prepare_openai(body, headers))
-            request_id = self.state.request_ids()
             if prepared.stream:
                 async def run(write: Write) -> None:
                     await service.stream(prepared, request_id, write, arrival_s)
 
                 metrics.count_request(route, 200)
-                return StreamResponse(run, api, [(b"x-request-id", request_id.encode())],
-                                      metrics.disconnects.inc)
+                return StreamResponse(run, api, request_id, metrics.disconnects.inc)
             try:
                 result = await until_disconnect(service.complete(prepared, request_id, arrival_s),
                                                 request.receive, metrics.disconnects.inc)
@@ -285,10 +294,10 @@ class Routes:
             return Response(orjson.dumps(result), media_type="application/json",
                             headers={"x-request-id": request_id})
         except Exception as exc:  # noqa: BLE001 - every error in the caller's shape
-            perr = _log_unexpected(exc)
+            perr = _log_unexpected(exc, request_id)
             metrics.count_request(route, perr.http_status)
             self._observe_refusal(perr)
-            return error_response(perr, api)
+            return error_response(perr, api, request_id)
 
     def _observe_refusal(self, perr: ProtocolError) -> None:
         symptoms = self.state.symptoms
@@ -300,17 +309,18 @@ class Routes:
             symptoms.observe_prompt_too_long(perr.num_prompt_tokens, perr.max_prompt_tokens)
 
     async def count_tokens(self, request: Request) -> Response:
+        request_id = self.state.request_ids()
         try:
             self._check_auth(request)
             body = await read_body(request, self.state.config.max_body_bytes)
             protocol, _ = self._ready_parts()
             num_tokens = protocol.count_tokens_anthropic(body, request.headers)
             self.state.metrics.count_request("count_tokens", 200)
-            return json_response(200, {"input_tokens": int(num_tokens)})
+            return json_response(200, {"input_tokens": int(num_tokens)}, {"x-request-id": request_id})
         except Exception as exc:  # noqa: BLE001
-            perr = _log_unexpected(exc)
+            perr = _log_unexpected(exc, request_id)
             self.state.metrics.count_request("count_tokens", perr.http_status)
-            return error_response(perr, "anthropic")
+            return error_response(perr, "anthropic", request_id)
 
     # -- metadata routes -------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:

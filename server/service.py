@@ -31,7 +31,14 @@ from typing import Any
 import numpy as np
 
 from cache.sessions import StopKind
-from protocol.errors import InternalError, Overloaded, ProtocolError, RequestTimeout, error_from_exception
+from protocol.errors import (
+    InternalError,
+    Overloaded,
+    ProtocolError,
+    RequestTimeout,
+    error_from_exception,
+    with_request_id,
+)
 from rank.client import GroupState, RequestStream
 from rank.engine import EngineMisuse, FinishReason, RequestOutput, SamplingParams
 from rank.errors import RankFailed, RankUnavailable
@@ -97,7 +104,7 @@ class ChatService:
             perr = self._as_protocol_error(exc, flight)
             if not flight.started:
                 raise perr from None
-            await write(rs.error(perr))
+            await write(rs.error(with_request_id(perr, request_id)))
         finally:
             self._record(flight)
 
@@ -154,7 +161,8 @@ class ChatService:
             try:
                 engine_stream = client.submit(admission.rank, request)
             except RankUnavailable as exc:
-                raise Overloaded(str(exc) or "rank group not ready",
+                log.info("request %s: rank group unavailable: %s", flight.request_id, exc)
+                raise Overloaded("the engine is restarting; retry shortly",
                                  retry_after_s=RESTART_RETRY_AFTER_S) from None
             if write is not None:
                 flight.started = True  # from here on, errors go out as the stream's error event
@@ -168,7 +176,7 @@ class ChatService:
             else:
                 settled = True
                 self._cache.abort(admission)
-                raise _engine_failure(last)
+                raise _engine_failure(last, flight.request_id)
             # finish() first: it records the ledger entry and decides the API's stop reason.
             tail = rs.finish(reason, prepared.num_prompt_tokens, admission.num_cached_tokens,
                              len(output_ids))
@@ -281,12 +289,15 @@ class ChatService:
                 self._metrics.cached_tokens.labels(tier).inc(num_tokens)
 
     def _as_protocol_error(self, exc: BaseException, flight: _Flight) -> ProtocolError:
+        """The client's error: what happened and what to do, never the internals (addresses,
+        engine messages, tracebacks); those go to the log under the request id."""
         if isinstance(exc, RankFailed):
             log.warning("request %s: rank group failed: %s", flight.request_id, exc)
-            return Overloaded(f"the engine restarted while serving this request: {exc}",
+            return Overloaded("the engine restarted while serving this request; retry",
                               retry_after_s=RESTART_RETRY_AFTER_S)
         if isinstance(exc, RankUnavailable):
-            return Overloaded(str(exc) or "rank group not ready", retry_after_s=RESTART_RETRY_AFTER_S)
+            log.info("request %s: rank group unavailable: %s", flight.request_id, exc)
+            return Overloaded("the engine is restarting; retry shortly", retry_after_s=RESTART_RETRY_AFTER_S)
         if isinstance(exc, EngineMisuse):
             log.error("request %s: engine rejected the request: %s", flight.request_id, exc)
             return InternalError("the engine rejected the request")
@@ -320,11 +331,12 @@ def _stop_kind(rs: Any) -> StopKind:
     return StopKind.UNKNOWN
 
 
-def _engine_failure(last: RequestOutput | None) -> ProtocolError:
+def _engine_failure(last: RequestOutput | None, request_id: str) -> ProtocolError:
     if last is None:
         return InternalError("the engine ended the request without output")
     if last.finish_reason is FinishReason.ERROR:
         # The engine could not run it (e.g. no KV capacity); retrying later can succeed.
-        return Overloaded(f"the engine could not run the request: {last.error or 'no capacity'}",
+        log.warning("request %s: the engine could not run it: %s", request_id, last.error)
+        return Overloaded("the engine could not run the request; retry later",
                           retry_after_s=RESTART_RETRY_AFTER_S)
     return Overloaded("the request was aborted by the engine", retry_after_s=RESTART_RETRY_AFTER_S)

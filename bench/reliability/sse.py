@@ -113,6 +113,6 @@ def error_body_problem(api: str, status: int, body: bytes) -> str | None:
     message = err.get("message")
     if not isinstance(message, str) or len(message.strip()) < 8:
         return f"status {status}: error message says nothing: {data!r:.300}"
-    if message == "internal server error":
+    if message.startswith("internal server error"):  # also "... (request id X)"
         return f"status {status}: generic internal error: {data!r:.300}"
     return None

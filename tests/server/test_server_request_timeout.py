@@ -66,11 +66,12 @@ def test_streaming_request_past_timeout_ends_with_error_event(server: tuple[Runt
             "messages": [{"role": "user", "content": "go"}]}
     with httpx.stream("POST", url + "/v1/messages", json=body, timeout=30) as resp:
         assert resp.status_code == 200
+        request_id = resp.headers["x-request-id"]
         text = "".join(resp.iter_text())
     assert "event: message_start" in text and "content_block_delta" in text
     assert text.rstrip().splitlines()[-2:] == [
         "event: error", 'data: {"type":"error","error":{"type":"timeout_error","message":'
-        '"request exceeded request_timeout_secs (1 s)"}}']
+        f'"request exceeded request_timeout_secs (1 s) (request id {request_id})"}}}}']
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as resp:
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert json.loads(lines[-1][6:])["error"]["type"] == "timeout_error"

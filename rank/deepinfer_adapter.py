@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from protocol.sampling import sampling_error
 from rank.engine import (
     CapacityExhausted,
     Engine,
@@ -346,8 +347,11 @@ class DeepInferEngine(Engine):
         if int(prompt.min()) < 0 or int(prompt.max()) >= self._vocab_size:
             raise EngineMisuse(f"request {rid!r}: token ids must be in [0, {self._vocab_size})")
         sp = request.sampling
-        if sp.max_tokens < 1 or sp.temperature < 0 or not 0 < sp.top_p <= 1 or (sp.top_k != -1 and sp.top_k < 1):
-            raise EngineMisuse(f"request {rid!r}: bad sampling parameters {sp}")
+        # llm.step() is batch-level: a value its sampler cannot run would fail every request of
+        # the step (and the rank), so the shared limits are checked here, before submit.
+        reason = sampling_error(sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, self._vocab_size)
+        if reason is not None:
+            raise EngineMisuse(f"request {rid!r}: invalid sampling parameters: {reason}")
         prefix = list(request.prefix_blocks)
         num_cached = request.num_cached_tokens
         if num_cached != self.block_size * len(prefix):

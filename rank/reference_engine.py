@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from protocol.sampling import SEED_MODULUS, sampling_error
 from rank.block_manager import BlockManager
 from rank.engine import (
     CapacityExhausted,
@@ -83,6 +84,7 @@ class _Seq:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool
     generator: torch.Generator | None = None
+    null_seed: int = 0  # the null model's per-request hash input (u64; 0 = greedy)
     table_tensor: torch.Tensor | None = None  # cache of block_table on the device
 
     @property
@@ -150,15 +152,16 @@ class ReferenceEngine(Engine):
         self._validate(request)
         prompt = np.ascontiguousarray(request.prompt_ids, dtype=np.int32)
         seq = _Seq(request.request_id, prompt, request)
-        prefix = [int(b) for b in request.prefix_blocks]
-        self.blocks.incref(prefix)
-        seq.block_table = prefix
-        seq.num_computed = request.num_cached_tokens
         if not request.sampling.is_greedy:
             seed = request.sampling.seed
             if seed is None:
                 seed = int(self._seed_stream.integers(0, 2**63))
             seq.generator = make_generator(seed, self.device)
+            seq.null_seed = (int(request.sampling.seed or 0) + 1) % SEED_MODULUS
+        prefix = [int(b) for b in request.prefix_blocks]
+        self.blocks.incref(prefix)  # the first state change: everything above may raise
+        seq.block_table = prefix
+        seq.num_computed = request.num_cached_tokens
         self._waiting.append(seq)
 
     def _validate(self, request: EngineRequest) -> None:
@@ -176,10 +179,11 @@ class ReferenceEngine(Engine):
         if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
             raise EngineMisuse(f"request {rid!r}: token ids must be in [0, {vocab})")
         sp = request.sampling
-        if sp.max_tokens < 1:
-            raise EngineMisuse(f"request {rid!r}: max_tokens must be >= 1, got {sp.max_tokens}")
-        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or (sp.top_k != -1 and sp.top_k < 1):
-            raise EngineMisuse(f"request {rid!r}: bad sampling parameters {sp}")
+        # The boundary's limits again (protocol/sampling.py): a value that slipped past it fails
+        # this request here, never a sampler inside a step.
+        reason = sampling_error(sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, vocab)
+        if reason is not None:
+            raise EngineMisuse(f"request {rid!r}: invalid sampling parameters: {reason}")
         prefix = list(request.prefix_blocks)
         num_cached = request.num_cached_tokens
         if num_cached != self.block_size * len(prefix):
@@ -300,9 +304,7 @@ class ReferenceEngine(Engine):
                 sampled.append(seq)
         token_ids = np.concatenate(token_chunks).astype(np.int64)
         positions = np.concatenate(pos_chunks)
-        tokens = self._forward(token_ids, positions, items, sample_rows, sampled)
-        for seq, token in zip(sampled, tokens):
-            outputs.append(self._append(seq, token))
+        self._emit(sampled, self._forward(token_ids, positions, items, sample_rows, sampled), outputs)
 
     def _run_decode(self, decodable: list[_Seq], outputs: list[RequestOutput]) -> None:
         bs = self.block_size
@@ -325,16 +327,27 @@ class ReferenceEngine(Engine):
             items = [SeqBatchItem(i, 1, int(positions[i]), s.block_table) for i, s in enumerate(batch)]  # type: ignore[arg-type]
         for seq in batch:
             seq.num_computed += 1
-        tokens = self._forward(token_ids, positions, items, list(range(len(batch))), batch)
-        for seq, token in zip(batch, tokens):
-            outputs.append(self._append(seq, token))
+        self._emit(batch, self._forward(token_ids, positions, items, list(range(len(batch))), batch), outputs)
+
+    def _emit(self, sampled: list[_Seq], result: tuple[list[int], dict[int, str]],
+              outputs: list[RequestOutput]) -> None:
+        """Append each sampled token, or fail the one request whose row could not be sampled."""
+        tokens, errors = result
+        for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            error = errors.get(row)
+            if error is None:
+                outputs.append(self._append(seq, token))
+            else:
+                log.warning("request %s failed alone: %s", seq.request_id, error)
+                outputs.append(self._finish(seq, FinishReason.ERROR, error))
 
     def _forward(
         self, token_ids: np.ndarray, positions: np.ndarray, items: list[SeqBatchItem],
         sample_rows: list[int], sampled: list[_Seq],
-    ) -> list[int]:
+    ) -> tuple[list[int], dict[int, str]]:
+        """The sampled rows' tokens, and why a row got none (sampling is per request)."""
         if self.model is None:
-            return self._null_forward(token_ids, positions, items, sample_rows, sampled)
+            return self._null_forward(token_ids, positions, items, sample_rows, sampled), {}
         dev = self.device
         logits = self.model.forward(
             torch.from_numpy(token_ids).to(dev),
@@ -343,9 +356,11 @@ class ReferenceEngine(Engine):
             self.pool,
             torch.tensor(sample_rows, dtype=torch.int64, device=dev),
         )
+        errors: dict[int, str] = {}
         if not sampled:
-            return []
-        return sample(logits, [s.request.sampling for s in sampled], [s.generator for s in sampled])
+            return [], errors
+        tokens = sample(logits, [s.request.sampling for s in sampled], [s.generator for s in sampled], errors)
+        return tokens, errors
 
     def _null_forward(
         self, token_ids: np.ndarray, positions: np.ndarray, items: list[SeqBatchItem],
@@ -367,10 +382,7 @@ class ReferenceEngine(Engine):
         if not sampled:
             return []
         idx = np.asarray(sample_rows, dtype=np.int64)
-        seeds = np.fromiter(
-            (0 if s.request.sampling.is_greedy else (s.request.sampling.seed or 0) + 1 for s in sampled),
-            dtype=np.uint64, count=len(sampled),
-        )
+        seeds = np.fromiter((s.null_seed for s in sampled), dtype=np.uint64, count=len(sampled))
         x = (token_ids[idx].astype(np.uint64) * np.uint64(0x9E3779B1) + positions[idx].astype(np.uint64) * np.uint64(0x85EBCA77)
              + seeds * np.uint64(0xC2B2AE3D)) & np.uint64(0xFFFFFFFF)
         x ^= x >> np.uint64(15)

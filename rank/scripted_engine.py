@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from protocol.sampling import sampling_error
 from rank.engine import (
     CapacityExhausted,
     Engine,
@@ -156,8 +157,10 @@ class ScriptedEngine(Engine):
             raise EngineMisuse("prompt_ids must be a non-empty 1-D array")
         if request.request_id in self._by_id:
             raise EngineMisuse(f"request id {request.request_id!r} is already in the engine")
-        if request.sampling.max_tokens < 1:
-            raise EngineMisuse("max_tokens must be >= 1")
+        sp = request.sampling
+        reason = sampling_error(sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed)
+        if reason is not None:  # the limits every engine shares (protocol/sampling.py)
+            raise EngineMisuse(f"invalid sampling parameters: {reason}")
         prefix = list(request.prefix_blocks)
         self._pool.validate_prefix(prefix, request.num_cached_tokens, len(prompt))
         seq = _Seq(request=request, prompt_len=len(prompt))

@@ -266,8 +266,10 @@ class RankLoop:
                 request = self.wire.decode_add(header, frames[1])
                 self.engine.add(request)
                 self.handles[request.request_id] = header["h"]
-            except (EngineMisuse, ValueError, KeyError, IndexError) as exc:
+            except Exception as exc:  # noqa: BLE001 - one bad request is refused alone, never the rank
                 etype = "EngineMisuse" if isinstance(exc, EngineMisuse) else "InvalidCommand"
+                if etype != "EngineMisuse":
+                    log.warning("rank %d: add refused: %s", self.rank, traceback.format_exc())
                 self.send(self.wire.pack({"t": "reject", "h": header.get("h"), "etype": etype, "msg": str(exc)}))
             return
         if op == "abort":

@@ -162,7 +162,7 @@ def test_stop_conditions(engine: ReferenceEngine) -> None:
 def test_eos_stops_unless_ignored() -> None:
     eng = ReferenceEngine(ReferenceEngineConfig(model="null", block_size=BLOCK, num_blocks=16))
     # The model's choice is replaced so that it always says EOS; the stop logic is what's tested.
-    eng._forward = lambda token_ids, positions, items, rows, sampled: [EOS_ID] * len(sampled)  # type: ignore[method-assign]
+    eng._forward = lambda token_ids, positions, items, rows, sampled: ([EOS_ID] * len(sampled), {})  # type: ignore[method-assign]
     eng.add(req("eos", 20, max_tokens=5, ignore_eos=False))
     outs = run(eng)["eos"]
     assert [t for o in outs for t in o.token_ids] == [EOS_ID]  # EOS is part of the output

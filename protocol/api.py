@@ -49,6 +49,22 @@ _Req = TypeVar("_Req", bound=BaseModel)
 __all__ = ["PreparedRequest", "Protocol", "ResponseStream", "ProtocolError"]
 
 SESSION_HEADER = "x-claude-code-session-id"
+# Session key precedence (docs/protocol.md): Claude Code's header, OpenCode's affinity header,
+# Codex's session-id header, then the body's prompt_cache_key, metadata.user_id.session_id,
+# and last a hash of the conversation head.
+SESSION_HEADERS = (SESSION_HEADER, "x-session-affinity", "session-id")
+MAX_SESSION_KEY_CHARS = 512
+
+
+def session_hint(headers: Mapping[str, str] | None) -> str | None:
+    """The session key a request's headers name, if any (also used before the body is read)."""
+    if not headers:
+        return None
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value and len(value) <= MAX_SESSION_KEY_CHARS:
+            return value
+    return None
 
 
 def _validate(model: type[_Req], data: dict[str, Any]) -> _Req:
@@ -151,7 +167,7 @@ class Protocol:
             stream=req.stream,
             prompt_ids=ids,
             num_prompt_tokens=len(ids),
-            session_key=self._session_key(headers, conv, req.metadata),
+            session_key=self._session_key(headers, conv, req.metadata, data.get("prompt_cache_key")),
             max_tokens=max_tokens,
             **self._sampling(req.temperature, req.top_p, req.top_k, req.seed),
             stop=stop,
@@ -214,11 +230,13 @@ class Protocol:
         return hits, max(0, divergences)
 
     @staticmethod
-    def _session_key(headers: Mapping[str, str] | None, conv: Conversation, metadata: dict[str, Any] | None) -> str:
-        h = lower_headers(headers)
-        sid = h.get(SESSION_HEADER)
+    def _session_key(headers: Mapping[str, str] | None, conv: Conversation, metadata: dict[str, Any] | None,
+                     prompt_cache_key: Any = None) -> str:
+        sid = session_hint(lower_headers(headers))
         if sid:
             return sid
+        if isinstance(prompt_cache_key, str) and 0 < len(prompt_cache_key) <= MAX_SESSION_KEY_CHARS:
+            return prompt_cache_key
         if metadata and isinstance(metadata.get("user_id"), str):
             try:
                 uid = orjson.loads(metadata["user_id"])

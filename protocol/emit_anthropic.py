@@ -5,7 +5,9 @@ message_start, content_block_start, ping (once, after the first block start),
 content_block_delta*, content_block_stop, ..., message_delta (stop_reason, usage), message_stop.
 Thinking blocks start with ``{"thinking":"","signature":""}`` and end with one
 ``signature_delta`` (the ledger handle); tool_use blocks start with ``input: {}`` and carry the
-arguments as ``input_json_delta`` (Claude Code ignores input given in the start event).
+arguments as ``input_json_delta``s as the parser streams them (Claude Code ignores input given
+in the start event); a call cut by max_tokens is closed as it stands (``stop_reason:
+max_tokens`` tells the client).
 Usage: ``input_tokens`` = prompt - cached, ``cache_read_input_tokens`` = cached.
 """
 
@@ -15,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from protocol.parser import REASONING, TEXT, TOOL, ParsedCall
+from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 
@@ -48,7 +50,7 @@ class AnthropicEmitter:
         self.message_id = message_id
         self.model = model
         self.signature = signature
-        self._open: int = -1  # REASONING / TEXT while a block is open, else -1
+        self._open: int = -1  # REASONING / TEXT / TOOL_START while a block is open, else -1
         self._index = -1
         self._pinged = False
 
@@ -96,12 +98,15 @@ class AnthropicEmitter:
                     self._begin(out, {"type": "thinking", "thinking": "", "signature": ""})
                     self._open = REASONING
                 out.append(_DELTA_HEAD % (self._index, b"thinking_delta", b"thinking") + orjson.dumps(payload) + _DELTA_TAIL)
-            elif kind == TOOL:
-                call: ParsedCall = payload
+            elif kind == TOOL_START:
+                index, name = payload
                 self._close(out)
-                self._begin(out, {"type": "tool_use", "id": call_ids[call.index], "name": call.name, "input": {}})
-                out.append(_DELTA_HEAD % (self._index, b"input_json_delta", b"partial_json") + orjson.dumps(call.arguments_json) + _DELTA_TAIL)
-                out.append(_STOP_BLOCK % self._index)
+                self._begin(out, {"type": "tool_use", "id": call_ids[index], "name": name, "input": {}})
+                self._open = TOOL_START
+            elif kind == TOOL_ARGS:
+                out.append(_DELTA_HEAD % (self._index, b"input_json_delta", b"partial_json") + orjson.dumps(payload) + _DELTA_TAIL)
+            elif kind == TOOL:
+                self._close(out)
         return b"".join(out)
 
     def finish(self, stop_reason: str, stop_sequence: str | None, usage: dict[str, int]) -> bytes:

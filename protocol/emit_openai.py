@@ -1,7 +1,8 @@
 """Parser events -> OpenAI chat.completion.chunk SSE frames and chat.completion bodies.
 
-Reasoning goes in ``delta.reasoning_content`` (DeepSeek/vLLM convention); each tool call is
-one ``tool_calls`` delta carrying index, id, type, name and the complete arguments; usage
+Reasoning goes in ``delta.reasoning_content`` (DeepSeek/vLLM convention); a tool call opens
+with a ``tool_calls`` delta carrying index, id, type, name and ``arguments: ""``, then argument
+deltas as the parser streams them (``index`` + ``function.arguments``); usage
 carries ``prompt_tokens_details.cached_tokens``. The chunk prefix (id, created, model) is
 serialized once per stream, so a delta costs one ``orjson.dumps`` of its text.
 """
@@ -12,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from protocol.parser import REASONING, TEXT, TOOL, ParsedCall
+from protocol.parser import REASONING, TEXT, TOOL_ARGS, TOOL_START, ParsedCall
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "stop_sequence": "stop"}
 
@@ -28,7 +29,7 @@ def openai_usage(num_prompt_tokens: int, num_cached_tokens: int, num_output_toke
 
 
 class OpenAIEmitter:
-    __slots__ = ("completion_id", "model", "created", "_head", "_tail")
+    __slots__ = ("completion_id", "model", "created", "_head", "_tail", "_call_head")
 
     def __init__(self, completion_id: str, model: str, created: int) -> None:
         self.completion_id = completion_id
@@ -37,6 +38,7 @@ class OpenAIEmitter:
         head = orjson.dumps({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model})
         self._head = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{'
         self._tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        self._call_head = b""  # the open call's argument-delta prefix
 
     def start(self) -> bytes:
         return self._head + b'"role":"assistant","content":""' + self._tail
@@ -48,15 +50,13 @@ class OpenAIEmitter:
                 out.append(self._head + b'"content":' + orjson.dumps(payload) + self._tail)
             elif kind == REASONING:
                 out.append(self._head + b'"reasoning_content":' + orjson.dumps(payload) + self._tail)
-            elif kind == TOOL:
-                call: ParsedCall = payload
-                tc = {
-                    "index": call.index,
-                    "id": call_ids[call.index],
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments_json},
-                }
+            elif kind == TOOL_START:
+                index, name = payload
+                tc = {"index": index, "id": call_ids[index], "type": "function", "function": {"name": name, "arguments": ""}}
                 out.append(self._head + b'"tool_calls":' + orjson.dumps([tc]) + self._tail)
+                self._call_head = self._head + b'"tool_calls":[{"index":%d,"function":{"arguments":' % index
+            elif kind == TOOL_ARGS:
+                out.append(self._call_head + orjson.dumps(payload) + b"}}]" + self._tail)
         return b"".join(out)
 
     def finish(self, finish_reason: str, usage: dict[str, Any] | None) -> bytes:

@@ -4,7 +4,10 @@ Events are tuples, cheap on the hot path:
 
 * ``(REASONING, text)``: reasoning delta (inside ``<think>``...``</think>``).
 * ``(TEXT, text)``: content delta.
-* ``(TOOL, ParsedCall)``: one complete tool call.
+* ``(TOOL_START, (index, name))``: a tool call begins (its name is known).
+* ``(TOOL_ARGS, text)``: the next piece of the current call's arguments JSON.
+* ``(TOOL, ParsedCall)``: the call is complete; the ``TOOL_ARGS`` since its ``TOOL_START``
+  join to exactly ``ParsedCall.arguments_json`` (see parser_args.py for what streams when).
 
 Behaviour (reference/deepseek-v41-protocol.md section 1.5, numbers refer to it):
 
@@ -12,6 +15,11 @@ Behaviour (reference/deepseek-v41-protocol.md section 1.5, numbers refer to it):
    before a block), so every split of the output gives the same events (merged per kind).
 2. A redundant ``<think>`` or a stray ``</think>`` is absorbed.
 3. A DSML block opening inside reasoning ends the reasoning and is parsed as calls.
+   When a DSML token opens a block: ``<｜DSML｜ calls>`` (the control token between ``<`` and
+   `` calls>``) opens one wherever it stands, but only if the next non-whitespace is an
+   ``<｜DSML｜ invoke`` or the block's close; otherwise the tag and what follows stay visible
+   text. Inside a block, anything but whitespace and invokes ends the block and is visible text
+   (text is never dropped; only markup is: an unclosed block or a partial tag at the end).
 4. Whitespace before a block (the ``\\n\\n`` separator) is never emitted; whitespace-only content
    is never emitted (no whitespace-only Anthropic text block).
 5./6./7. Parameters: ``string="true"`` raw text; ``string="false"`` JSON, kept as a string when
@@ -23,13 +31,13 @@ Behaviour (reference/deepseek-v41-protocol.md section 1.5, numbers refer to it):
 9. An ``invoke`` without the ``calls`` wrapper is recovered only for a declared tool name and
    only once its ``</｜DSML｜ invoke>`` arrived; otherwise it stays text. ASCII look-alikes
    (``|DSML|`` spelled with BPE pieces) are never tags: tags are control *tokens*.
-10. A call is emitted only when its invoke is complete; an unterminated invoke (max_tokens,
-   EOS) is dropped, never turned into ``{}``.
+10. A call is complete when its invoke closes; an unterminated invoke (max_tokens, EOS) never
+   becomes a ``TOOL`` event (nor ``{}``): its streamed start and arguments stay an unfinished
+   call (``num_cut_calls``), which the emitters close as incomplete.
 11. Text after ``</｜DSML｜ calls>`` is kept as content (a new text run).
 12. With tools disabled (no tools, ``tool_choice: none``), blocks are parsed and suppressed.
-Calls are buffered per invoke (not streamed argument by argument): a cut-off call can then
-never leak half its arguments, and wrapper collapse and JSON validation see the whole call.
-The V4 spelling (``tool_calls``, no space before ``invoke``/``parameter``) and V3.2
+A call to a tool the request did not declare (inside a calls block) is passed through as a
+call: the client answers it with its own "no such tool" result, as for any bad call. The V4 spelling (``tool_calls``, no space before ``invoke``/``parameter``) and V3.2
 ``function_calls`` are accepted.
 """
 
@@ -41,11 +49,16 @@ from typing import Any
 
 import orjson
 
-from protocol.detokenize import S_DSML, S_END_THINK, S_EOS, S_THINK
+from protocol.detokenize import S_DSML, S_END_THINK, S_EOS, S_THINK, SENTINEL_TEXT
+from protocol.parser_args import ArgStreamer, args_json, clean_value, param_value, restore_text
+
+__all__ = ["REASONING", "TEXT", "TOOL", "TOOL_START", "TOOL_ARGS", "ParsedCall", "StreamParser", "restore_text"]
 
 REASONING = 0
 TEXT = 1
 TOOL = 2
+TOOL_START = 3
+TOOL_ARGS = 4
 
 _ST_REASONING = 0
 _ST_CONTENT = 1
@@ -63,7 +76,6 @@ _NAME_RE = re.compile(r'\s*name="([^"]*)"[^>]*>')
 _PARAM_OPEN_RE = re.compile("<" + S_DSML + " ?parameter")
 _PARAM_ATTR_RE = re.compile(r'\s*name="([^"]*)"(?:\s+string="([^"]*)")?[^>]*>')
 _PARAM_CLOSE_RE = re.compile("</" + S_DSML + " ?parameter>")
-_SENTINEL_TEXT = {S_THINK: "<think>", S_END_THINK: "</think>", S_DSML: "｜DSML｜", S_EOS: ""}
 
 
 @dataclass(slots=True)
@@ -74,33 +86,11 @@ class ParsedCall:
     arguments_json: str
 
 
-def restore_text(text: str) -> str:
-    """Sentinels back to their literal text (for text that turned out not to be a tag)."""
-    if _SENTINEL_RE.search(text) is None:
-        return text
-    return _SENTINEL_RE.sub(lambda m: _SENTINEL_TEXT[m.group(0)], text)
-
-
-def _parse_json_value(raw: str) -> tuple[bool, Any]:
-    try:
-        return True, orjson.loads(raw)
-    except orjson.JSONDecodeError:  # invalid, NaN/Infinity, or out of double range (1e999)
-        return False, None
-
-
-def _dumps(value: Any) -> str:
-    try:
-        return orjson.dumps(value).decode("utf-8")
-    except TypeError:  # integers beyond 64 bits
-        import json
-
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
 class StreamParser:
     """One generation's parser. ``feed`` text as it is detokenized; ``finish`` at the end."""
 
-    __slots__ = ("_buf", "_state", "_text_started", "_after_block", "_tool_params", "_tools_enabled", "num_calls", "_bare")
+    __slots__ = ("_buf", "_state", "_text_started", "_after_block", "_tool_params", "_tools_enabled", "num_calls", "_bare",
+                 "_args", "num_cut_calls", "num_arg_mismatches")
 
     def __init__(self, thinking: bool, tool_params: dict[str, frozenset[str]] | None = None, tools_enabled: bool = True) -> None:
         self._buf = ""
@@ -110,7 +100,10 @@ class StreamParser:
         self._tool_params = tool_params or {}
         self._tools_enabled = tools_enabled
         self._bare = False  # inside a recovered invoke that had no calls wrapper
-        self.num_calls = 0
+        self.num_calls = 0  # calls started (TOOL_START); the complete ones end with TOOL
+        self._args: ArgStreamer | None = None  # the open invoke's argument streamer
+        self.num_cut_calls = 0  # invokes left unterminated at the end
+        self.num_arg_mismatches = 0  # streamed arguments not a prefix of the final JSON (a bug)
 
     @property
     def done(self) -> bool:
@@ -207,14 +200,20 @@ class StreamParser:
         lt = i - 1 if i > 0 and buf[i - 1] == "<" else -1
         rest = buf[i + 1 :]
         if lt >= 0:
-            for tail in _BLOCK_TAILS:
-                if rest.startswith(tail):
-                    self._emit_run(events, buf[:lt].rstrip(_WS), final=True)  # (3)(4)
-                    self._state = _ST_BLOCK
-                    self._bare = False
-                    self._buf = rest[len(tail) :]
-                    return True
-            if any(rest.startswith(t) for t in _INVOKE_TAILS) and self._tool_params:
+            tail = next((t for t in _BLOCK_TAILS if rest.startswith(t)), None)
+            opens = None if tail is None else _block_follows(rest[len(tail) :], final)
+            if tail is not None and opens is None:  # undecided: hold the tag
+                self._buf = self._emit_run(events, buf[:lt], final=False) + buf[lt:]
+                return False
+            if opens:
+                self._emit_run(events, buf[:lt].rstrip(_WS), final=True)  # (3)(4)
+                self._state = _ST_BLOCK
+                self._bare = False
+                self._buf = rest[len(tail) :]  # type: ignore[arg-type]
+                return True
+            if tail is not None:
+                pass  # a calls tag not followed by an invoke: literal text (3)
+            elif any(rest.startswith(t) for t in _INVOKE_TAILS) and self._tool_params:
                 end = _CLOSE_INVOKE_RE.search(buf, i)
                 if end is None and not final and S_EOS not in rest:
                     self._buf = self._emit_run(events, buf[:lt], final=False) + buf[lt:]
@@ -232,7 +231,7 @@ class StreamParser:
                 self._buf = self._emit_run(events, buf[:lt], final=False) + buf[lt:]
                 return False
         # not a tag: literal text up to and including the sentinel
-        self._emit_run(events, buf[:i] + _SENTINEL_TEXT[S_DSML], final=True)
+        self._emit_run(events, buf[:i] + SENTINEL_TEXT[S_DSML], final=True)
         self._buf = buf[i + 1 :]
         return True
 
@@ -257,7 +256,11 @@ class StreamParser:
             if rest.startswith(opener):
                 end = _CLOSE_INVOKE_RE.search(rest)
                 if end is None:
-                    if final:  # unterminated invoke: dropped (10)
+                    if not self._bare:
+                        self._stream_args(events, rest[len(opener) :])
+                    if final:  # unterminated invoke: a cut call (10)
+                        self.num_cut_calls += self._args is not None
+                        self._args = None
                         self._state = _ST_END
                         self._buf = ""
                     else:
@@ -266,29 +269,21 @@ class StreamParser:
                 call = self._parse_invoke(rest[len(opener) : end.start()])
                 if call is not None and (not self._bare or call[0] in self._tool_params):
                     self._emit_call(events, call)
+                self._args = None
                 self._buf = rest[end.end() :] + (S_EOS if eos >= 0 else "")
                 return True
-        if self._bare and rest and not any(o.startswith(rest) or rest.startswith(o) for o in _OPEN_INVOKE):
-            # a recovered bare invoke is followed by something else: back to content
-            self._buf = rest + (S_EOS if eos >= 0 else "")
-            self._leave_block()
-            return True
-        if not final and rest and any(c.startswith(rest) for c in _CLOSE_CALLS + _OPEN_INVOKE):
-            self._buf = rest
+        if rest and any(c.startswith(rest) for c in _CLOSE_CALLS + _OPEN_INVOKE) or not rest:
+            if final:  # an unclosed block or a partial tag: markup, nothing to show
+                self._state = _ST_END
+                self._buf = ""
+            else:
+                self._buf = rest
             return False
-        if final:
-            self._state = _ST_END
-            self._buf = ""
-            return False
-        # junk inside the block: skip to the next tag start, keep a possible partial "<" / "</"
-        k = rest.find("<" + S_DSML, 1)
-        k2 = rest.find("</" + S_DSML, 1)
-        cands = [x for x in (k, k2) if x > 0]
-        if cands:
-            self._buf = rest[min(cands) :]
-            return True
-        self._buf = rest[-2:] if rest.endswith("</") else (rest[-1:] if rest.endswith("<") else "")
-        return False
+        # anything else (text after a recovered bare invoke, junk in a block) ends the block and
+        # is visible text: never dropped (3)
+        self._buf = rest + (S_EOS if eos >= 0 else "")
+        self._leave_block()
+        return True
 
     def _leave_block(self) -> None:
         self._state = _ST_CONTENT
@@ -296,12 +291,40 @@ class StreamParser:
         self._after_block = True
         self._text_started = False
 
+    def _stream_args(self, events: list[tuple[int, Any]], body: str) -> None:
+        """An invoke still open: start its call once the name is known, stream its arguments."""
+        if not self._tools_enabled:
+            return  # (12) suppressed
+        if self._args is None:
+            m = _NAME_RE.match(body)
+            name = restore_text(m.group(1)).strip() if m is not None else ""
+            if not name:
+                return
+            self._args = ArgStreamer(self._tool_params.get(name))
+            events.append((TOOL_START, (self.num_calls, name)))
+            self.num_calls += 1
+        m = _NAME_RE.match(body)
+        assert m is not None
+        self._emit(events, TOOL_ARGS, self._args.advance(body[m.end() :]))
+
     def _emit_call(self, events: list[tuple[int, Any]], call: tuple[str, dict[str, Any]]) -> None:
         if not self._tools_enabled:
             return  # (12) suppressed
         name, args = call
-        events.append((TOOL, ParsedCall(self.num_calls, name, args, _dumps(args))))
-        self.num_calls += 1
+        final = args_json(args)
+        streamer = self._args
+        if streamer is None:
+            index = self.num_calls
+            self.num_calls += 1
+            events.append((TOOL_START, (index, name)))
+            rest = final
+        else:
+            index = self.num_calls - 1
+            rest, ok = streamer.close(final)
+            if not ok:
+                self.num_arg_mismatches += 1
+        self._emit(events, TOOL_ARGS, rest)
+        events.append((TOOL, ParsedCall(index, name, args, final)))
 
     def _parse_invoke(self, body: str) -> tuple[str, dict[str, Any]] | None:
         m = _NAME_RE.match(body)
@@ -332,17 +355,8 @@ class StreamParser:
             key = restore_text(am.group(1))
             if key in args:
                 continue  # duplicate parameter: first wins
-            raw = raw.replace(S_DSML, "")
-            raw = restore_text(raw)
-            args[key] = self._param_value(raw, am.group(2))
+            args[key] = param_value(clean_value(raw), am.group(2))
         return name, self._collapse(name, args)
-
-    @staticmethod
-    def _param_value(raw: str, string_attr: str | None) -> Any:
-        if string_attr == "true":
-            return raw
-        ok, value = _parse_json_value(raw)
-        return value if ok else raw
 
     def _collapse(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
         declared = self._tool_params.get(name)
@@ -352,6 +366,19 @@ class StreamParser:
         if key in ("arguments", "input") and key not in declared and isinstance(value, dict) and set(value) <= declared:
             return value
         return args
+
+
+def _block_follows(after: str, final: bool) -> bool | None:
+    """Does a ``<｜DSML｜ calls>`` tag followed by ``after`` open a block? None: not known yet."""
+    cut = after.find(S_EOS)
+    if cut >= 0:
+        after, final = after[:cut], True
+    rest = after.lstrip(_WS)
+    if any(rest.startswith(t) for t in _OPEN_INVOKE + _CLOSE_CALLS):
+        return True
+    if not rest or any(t.startswith(rest) for t in _OPEN_INVOKE + _CLOSE_CALLS):
+        return True if final else None  # at the end: an empty or cut block (markup only)
+    return False
 
 
 def _invoke_tail(rest: str) -> str:

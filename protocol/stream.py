@@ -21,7 +21,7 @@ from protocol.emit_anthropic import STOP_REASONS, AnthropicEmitter, anthropic_bo
 from protocol.emit_openai import FINISH_REASONS, OpenAIEmitter, openai_body, openai_usage
 from protocol.errors import error_from_exception
 from protocol.ledger import LedgerEntry, OutputLedger
-from protocol.parser import REASONING, TEXT, TOOL, ParsedCall, StreamParser
+from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, ParsedCall, StreamParser
 
 
 class StopMatcher:
@@ -127,11 +127,12 @@ class ResponseStream:
                     self._blocks[-1] = (TEXT, self._blocks[-1][1] + payload)
                 else:
                     self._blocks.append((TEXT, payload))
-            else:
-                self._calls.append(payload)
-                self._blocks.append((TOOL, payload))
+            elif kind == TOOL_START:
                 prefix = "toolu_" if self.api == "anthropic" else "call_"
                 self._call_ids.append(prefix + os.urandom(12).hex())
+            elif kind == TOOL:
+                self._calls.append(payload)
+                self._blocks.append((TOOL, payload))
         if not self.prepared.stream or not events:
             return b""
         if self._a is not None:
@@ -191,7 +192,7 @@ class ResponseStream:
     def _merge(events: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         out: list[tuple[int, Any]] = []
         for kind, payload in events:
-            if out and kind != TOOL and out[-1][0] == kind:
+            if out and kind in (REASONING, TEXT, TOOL_ARGS) and out[-1][0] == kind:
                 out[-1] = (kind, out[-1][1] + payload)
             else:
                 out.append((kind, payload))
@@ -200,10 +201,10 @@ class ResponseStream:
     def _reason(self, engine_reason: str) -> str:
         if self.stop_hit:
             return "stop_sequence"
+        if engine_reason == "length":
+            return "length"  # cut: said so even when complete calls came before the cut
         if self._calls:
             return "tool_calls"
-        if engine_reason == "length":
-            return "length"
         return "stop"
 
     def _record(self, engine_reason: str) -> None:

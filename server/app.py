@@ -46,6 +46,7 @@ from protocol.errors import (
     error_from_exception,
     with_request_id,
 )
+from protocol.api import session_hint
 from server.auth import ApiKeyCheck
 from server.config import WorkloadConfig
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -274,7 +275,7 @@ class Routes:
             headers = request.headers
             # Start a known session's L1 restore from the headers alone: it overlaps reading,
             # parsing and tokenizing a body that can be megabytes long.
-            service.prefetch(headers.get("x-claude-code-session-id"))
+            service.prefetch(session_hint(headers))
             body = await read_body(request, self.state.config.max_body_bytes)
             prepared = (protocol.prepare_anthropic(body, headers) if api == "anthropic"
                         else protocol.prepare_openai(body, headers))

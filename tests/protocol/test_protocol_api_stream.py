@@ -265,8 +265,12 @@ def test_openai_stream_chunks(proto: Protocol, tok: PromptTokenizer) -> None:
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants the README."
     assert "".join(d.get("content", "") for d in deltas) == "I'll read it."
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
-    assert orjson.loads(calls[0]["function"]["arguments"]) == {"file_path": "/p/README.md"}
+    # the call opens with id and name, then its arguments arrive in pieces as generated
+    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_") and calls[0]["function"] == {"name": "Read", "arguments": ""}
+    assert len(calls) > 2 and all(tc == {"index": 0, "function": {"arguments": tc["function"]["arguments"]}} for tc in calls[1:])
+    joined = "".join(tc["function"]["arguments"] for tc in calls)
+    assert joined == stream.response_body()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert orjson.loads(joined) == {"file_path": "/p/README.md"}
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
     usage = chunks[-1]["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 128 and usage["completion_tokens"] == len(ids)
@@ -366,3 +370,44 @@ def test_openai_ledger_matched_by_content(proto: Protocol, tok: PromptTokenizer)
     assert p2.num_ledger_hits == 1
     full = p1.prompt_ids.tolist() + out_ids
     assert p2.prompt_ids[: len(full)].tolist() == full
+
+
+CUT_OUT = ("R</think>" f"\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n"
+           f"<{D} parameter name=\"file_path\" string=\"true\">/p/README.md</{D} parameter>\n</{D} invoke>\n"
+           f"<{D} invoke name=\"Read\">\n<{D} parameter name=\"file_path\" string=\"true\">/p/oth")
+
+
+def test_cut_output_reports_length_and_keeps_complete_calls(proto: Protocol, tok: PromptTokenizer) -> None:
+    """max_tokens cut the second call: both APIs say so, the first (complete) call is kept."""
+    p = proto.prepare_anthropic(claude_code_request(2), {})
+    stream, data, ids = run_stream(proto, p, CUT_OUT, tok, finish="length")
+    ev = sse_events(data)
+    assert [e for n, e in ev if n == "message_delta"][0]["delta"]["stop_reason"] == "max_tokens"
+    starts = [e["content_block"]["type"] for n, e in ev if n == "content_block_start"]
+    stops = [n for n, _ in ev if n == "content_block_stop"]
+    assert starts == ["thinking", "tool_use", "tool_use"] and len(stops) == 3  # the cut call is closed
+    body = stream.response_body()
+    assert body["stop_reason"] == "max_tokens"
+    assert [b.get("input") for b in body["content"] if b["type"] == "tool_use"] == [{"file_path": "/p/README.md"}]
+
+    o = proto.prepare_openai({"model": MODEL, "stream": False, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "Read", "parameters": {}}}]}, {})
+    stream, _, _ = run_stream(proto, o, CUT_OUT, tok, finish="length")
+    choice = stream.response_body()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert [orjson.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [{"file_path": "/p/README.md"}]
+
+
+def test_session_key_precedence(proto: Protocol) -> None:
+    """X-Claude-Code-Session-Id > x-session-affinity > session-id > prompt_cache_key > head hash."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "pck"}
+    headers = {"X-Claude-Code-Session-Id": "cc", "x-session-affinity": "aff", "Session-Id": "codex"}
+    assert proto.prepare_openai(body, headers).session_key == "cc"
+    headers.pop("X-Claude-Code-Session-Id")
+    assert proto.prepare_openai(body, headers).session_key == "aff"
+    headers.pop("x-session-affinity")
+    assert proto.prepare_openai(body, headers).session_key == "codex"
+    assert proto.prepare_openai(body, {}).session_key == "pck"
+    no_key = {k: v for k, v in body.items() if k != "prompt_cache_key"}
+    assert proto.prepare_openai(no_key, {}).session_key.startswith("h:")
+    assert proto.prepare_openai({**body, "prompt_cache_key": "x" * 600}, {}).session_key.startswith("h:")  # too long: ignored

@@ -40,6 +40,8 @@ from protocol.detokenize import TokenTable
 from protocol.errors import InvalidRequest, ModelNotAvailable, PromptTooLong, ProtocolError, lower_headers
 from protocol.ledger import OutputLedger
 from protocol.render import render
+from protocol.responses_api import prepare_responses
+from protocol.responses_store import ResponseStore
 from protocol.sampling import engine_sampling
 from protocol.stream import ResponseStream
 from protocol.tokenize import PromptTokenizer
@@ -111,6 +113,7 @@ class Protocol:
         self.served_model_names = frozenset(served_model_names)
         self.max_model_len = max_model_len
         self.table = TokenTable(tokenizer.full)
+        self.responses_store = ResponseStore()  # previous_response_id / item_reference (bounded)
 
     # --- requests ----------------------------------------------------------------------------------
     def prepare_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
@@ -181,6 +184,10 @@ class Protocol:
             num_ledger_divergences=divergences,
             tool_params=_tool_params(conv),
         )
+
+    def prepare_responses(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
+        """An OpenAI Responses API request (protocol/responses_api.py)."""
+        return prepare_responses(self, _load_body(body), headers)
 
     def count_tokens_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> int:
         """Exact prompt length of an Anthropic count_tokens body (same rendering as a request)."""

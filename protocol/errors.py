@@ -75,7 +75,15 @@ class ProtocolError(Exception):
     def anthropic_sse(self) -> bytes:
         return b"event: error\ndata: " + orjson.dumps(self.anthropic_body()) + b"\n\n"
 
+    def responses_sse(self) -> bytes:
+        """The Responses API's stream ``error`` event (a stream with a response id uses
+        ``response.failed``, protocol/responses_emit.py)."""
+        data = {"type": "error", "code": self.code or self.openai_type, "message": self.message, "param": self.param}
+        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+
     def sse(self, api: str) -> bytes:
+        if api == "responses":
+            return self.responses_sse()
         return self.anthropic_sse() if api == "anthropic" else self.openai_sse()
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ from protocol.emit_openai import FINISH_REASONS, OpenAIEmitter, openai_body, ope
 from protocol.errors import error_from_exception
 from protocol.ledger import LedgerEntry, OutputLedger
 from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, ParsedCall, StreamParser
+from protocol.responses_emit import ResponsesEmitter, responses_usage
 
 
 class StopMatcher:
@@ -88,10 +89,16 @@ class ResponseStream:
         self._entry_id = ledger.new_entry_id() if ledger is not None else os.urandom(16)
         self.signature = ledger.signature(self._entry_id) if ledger is not None else ""
         self.created = int(time.time())
+        self._r: ResponsesEmitter | None = None
         if self.api == "anthropic":
             self.message_id = "msg_" + request_id
             self._a = AnthropicEmitter(self.message_id, prepared.model, self.signature)
             self._o = None
+        elif self.api == "responses":  # the Responses API (protocol/responses_*.py)
+            self.message_id = "resp_" + request_id
+            self._r = ResponsesEmitter(self.message_id, prepared.model, prepared.extra["responses"],
+                                       "rs_" + self._entry_id.hex(), self.signature, prepared.stream)
+            self._a = self._o = None
         else:
             self.message_id = "chatcmpl-" + request_id
             self._o = OpenAIEmitter(self.message_id, prepared.model, self.created)
@@ -106,6 +113,8 @@ class ResponseStream:
             return b""
         if self._a is not None:
             return self._a.start(self.prepared.num_prompt_tokens, num_cached_tokens)
+        if self._r is not None:
+            return self._r.start()
         return self._o.start()  # type: ignore[union-attr]
 
     def feed(self, token_ids: list[int]) -> bytes:
@@ -133,6 +142,8 @@ class ResponseStream:
             elif kind == TOOL:
                 self._calls.append(payload)
                 self._blocks.append((TOOL, payload))
+        if self._r is not None:  # builds its output items in both modes
+            return self._r.emit(events, self._call_ids) if events else b""
         if not self.prepared.stream or not events:
             return b""
         if self._a is not None:
@@ -175,6 +186,12 @@ class ResponseStream:
         reason = self._reason(finish_reason)
         self._finish_reason = reason
         self._record(finish_reason)
+        if self._r is not None:
+            think = self._think_end() if self.prepared.thinking else 0
+            usage_r = responses_usage(num_prompt_tokens, num_cached_tokens, num_output_tokens, max(0, think))
+            self._usage = usage_r
+            tail = self._r.finish(reason, usage_r)
+            return head + body + tail if self.prepared.stream else head + body
         if self._a is not None:
             usage = anthropic_usage(num_prompt_tokens, num_cached_tokens, num_output_tokens)
             self._usage = usage
@@ -211,10 +228,7 @@ class ResponseStream:
         if self._ledger is None or self.stop_hit or engine_reason not in ("stop", "length") or not self.output_ids:
             return
         ids = np.asarray(self.output_ids, dtype=np.int32)
-        think_end = -1
-        if self.prepared.thinking:
-            hits = np.flatnonzero(ids == self._table.end_think_id)
-            think_end = int(hits[0]) if len(hits) else -1
+        think_end = self._think_end() if self.prepared.thinking else -1
         entry = LedgerEntry(
             entry_id=self._entry_id,
             output_ids=ids,
@@ -226,14 +240,23 @@ class ResponseStream:
         )
         self._ledger.record(entry)
 
+    def _think_end(self) -> int:
+        """Index of the first ``</think>`` in the output (= reasoning tokens), -1 if none."""
+        hits = np.flatnonzero(np.asarray(self.output_ids, dtype=np.int32) == self._table.end_think_id)
+        return int(hits[0]) if len(hits) else -1
+
     def error(self, exc: BaseException) -> bytes:
         err = error_from_exception(exc)
         self._finished = True
+        if self._r is not None:
+            return self._r.failed(err.code or err.openai_type, err.message)
         return err.sse(self.api)
 
     # --- non-streaming ------------------------------------------------------------------------------
     def response_body(self) -> dict[str, Any]:
         reason = self._finish_reason
+        if self._r is not None:
+            return self._r.body
         if self._a is not None:
             stop_seq = self._stops.matched if self._stops is not None and self.stop_hit else None
             return anthropic_body(

@@ -1,7 +1,7 @@
 """The HTTP surface: Starlette routes served by uvicorn, orjson bodies, SSE streams.
 
 Routes: ``POST /v1/messages`` (``?beta=true`` accepted), ``POST /v1/messages/count_tokens``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` and
+``POST /v1/chat/completions``, ``POST /v1/responses`` (OpenAI Responses API), ``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` and
 ``HEAD``/``GET /`` (Claude Code preconnects with ``HEAD /``).
 
 Every error reaches the caller in its own API's shape (Anthropic for ``/v1/messages*``, OpenAI
@@ -264,6 +264,9 @@ class Routes:
     async def chat_completions(self, request: Request) -> Response:
         return await self._chat(request, "openai", "chat_completions")
 
+    async def responses(self, request: Request) -> Response:
+        return await self._chat(request, "responses", "responses")
+
     async def _chat(self, request: Request, api: str, route: str) -> Response:
         arrival_s = time.perf_counter()
         metrics = self.state.metrics
@@ -277,8 +280,8 @@ class Routes:
             # parsing and tokenizing a body that can be megabytes long.
             service.prefetch(session_hint(headers))
             body = await read_body(request, self.state.config.max_body_bytes)
-            prepared = (protocol.prepare_anthropic(body, headers) if api == "anthropic"
-                        else protocol.prepare_openai(body, headers))
+            prepare = {"anthropic": protocol.prepare_anthropic, "responses": protocol.prepare_responses}
+            prepared = prepare.get(api, protocol.prepare_openai)(body, headers)
             if prepared.stream:
                 async def run(write: Write) -> None:
                     await service.stream(prepared, request_id, write, arrival_s)
@@ -380,6 +383,7 @@ class ServerApp:
         self._fast = {
             "/v1/messages": routes.messages,
             "/v1/chat/completions": routes.chat_completions,
+            "/v1/responses": routes.responses,
         }
         self._fallback = fallback
 
@@ -399,6 +403,7 @@ def create_app(state: AppState) -> ServerApp:
         Route("/v1/messages", r.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", r.count_tokens, methods=["POST"]),
         Route("/v1/chat/completions", r.chat_completions, methods=["POST"]),
+        Route("/v1/responses", r.responses, methods=["POST"]),
         Route("/v1/models", r.models, methods=["GET"]),
         Route("/healthz", r.healthz, methods=["GET"]),
         Route("/metrics", r.metrics, methods=["GET"]),

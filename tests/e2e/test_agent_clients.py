@@ -1,0 +1,172 @@
+"""Real OpenAI-side agent clients against the backend on the scripted stand-in model.
+
+Codex CLI (Responses only), OpenCode (both providers: ``@ai-sdk/openai-compatible`` -> chat
+completions, ``@ai-sdk/openai`` -> Responses), openai-agents (its default Responses model and its
+chat-completions model) and aider (chat completions, edits in text). Pinned versions are
+installed by ``scripts/agent_clients_install.sh``; ``scripts/agent_clients_e2e.sh`` runs this
+file and prints the client matrix (docs/responses.md). Marked ``agent_clients`` (not in the
+default run: it needs npm and PyPI once, for the installs). Replies: scenarios/agent_clients.json.
+Each client runs with its own HOME and project dir and only the variables it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e_harness import API_KEY, MODEL, running_backend
+
+pytestmark = [pytest.mark.agent_clients, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENTS = Path(os.environ.get("AGENT_CLIENTS_DIR", ROOT / ".cache" / "agent-clients"))
+MATRIX = os.environ.get("AGENT_MATRIX_OUT")  # one JSON line per check, for the matrix table
+VERSIONS = {"codex": os.environ.get("CODEX_VERSION", "0.169.0"), "opencode": os.environ.get("OPENCODE_VERSION", "1.18.33"),
+            "openai-agents": os.environ.get("OPENAI_AGENTS_VERSION", "0.24.0"), "aider": os.environ.get("AIDER_VERSION", "0.86.2")}
+README = "The launch code is PURPLE-OTTER-42.\n"
+
+
+def need(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} missing: run scripts/agent_clients_install.sh")
+    return path
+
+
+def record(client: str, wire: str, check: str, result: str) -> None:
+    if MATRIX:
+        with open(MATRIX, "a") as f:
+            f.write(json.dumps({"client": client, "version": VERSIONS[client], "wire": wire, "check": check,
+                                "result": result}) + "\n")
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    base = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TERM": "dumb"}
+    return subprocess.run(cmd, cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def served(backend, start: int) -> list[tuple[str, int, int]]:
+    """(api, cached tokens, output tokens) of each request the backend finished since ``start``."""
+    rows = re.findall(r"api=(\w+) finish=\w+ cached=(\d+) output=(\d+)", backend.log_text()[start:])
+    return [(api, int(c), int(o)) for api, c, o in rows]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    with running_backend("agent_clients.json", ranks=1) as b:
+        yield b
+
+
+# --- Codex CLI -----------------------------------------------------------------------------------
+def codex(backend, tmp_path: Path, prompt: str) -> tuple[subprocess.CompletedProcess, Path]:
+    binary = need(CLIENTS / "npm" / "node_modules" / ".bin" / "codex")
+    home, project = tmp_path / "codex-home", tmp_path / "project"
+    home.mkdir(exist_ok=True)
+    project.mkdir(exist_ok=True)
+    (home / "config.toml").write_text(
+        f'model = "{MODEL}"\nmodel_provider = "local"\napproval_policy = "never"\nsandbox_mode = "danger-full-access"\n\n'
+        f'[model_providers.local]\nname = "local"\nbase_url = "{backend.base_url}/v1"\nenv_key = "LOCAL_KEY"\n'
+        'wire_api = "responses"\n')
+    return run([str(binary), "exec", "--skip-git-repo-check", "-C", str(project), prompt], project,
+               {"HOME": str(home), "CODEX_HOME": str(home), "LOCAL_KEY": API_KEY}), project
+
+
+def test_codex_exec_command_round_trip(backend, tmp_path: Path):
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "README.md").write_text(README)
+    start = len(backend.log_text())
+    done, _ = codex(backend, tmp_path, "[flow:cx-exec] What is the launch code in README.md?")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "The launch code is PURPLE-OTTER-42." in done.stdout
+    assert "cat README.md" in done.stderr + done.stdout  # the exec_command call ran
+    assert [r[0] for r in served(backend, start)] == ["responses", "responses"]
+    record("codex", "responses", "exec_command round trip", "pass")
+
+
+def test_codex_parallel_calls(backend, tmp_path: Path):
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "notes.txt").write_text("Note: the deploy window opens at 14:00\n")
+    done, _ = codex(backend, tmp_path, "[flow:cx-parallel] Read notes.txt and compute 6*7.")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "notes.txt says: the deploy window opens at 14:00. 6*7 = 42." in done.stdout
+    record("codex", "responses", "two exec_command calls in one turn", "pass")
+
+
+def test_codex_multi_turn_hits_the_cache(backend, tmp_path: Path):
+    start = len(backend.log_text())
+    done, project = codex(backend, tmp_path, "[flow:cx-chain] Log three lines, then count them.")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (project / "log.txt").read_text() == "one\ntwo\nthree\n"
+    assert "log.txt has 3 lines." in done.stdout
+    rows = served(backend, start)
+    assert len(rows) == 4 and {r[0] for r in rows} == {"responses"}
+    # each turn's prompt extends the previous prompt + output exactly (encrypted_content ->
+    # ledger), so the cache covers all of it but the last partial blocks
+    prompts = [int(m) for m in re.findall(r"turn \d+, thinking mode, (\d+) prompt tokens",
+                                          backend.log_text()[start:])]
+    for k in range(1, 4):
+        assert rows[k][1] >= (prompts[k - 1] + rows[k - 1][2]) // 128 * 128 - 128, (rows, prompts)
+    record("codex", "responses", "4-turn session, cached tokens per turn " + "/".join(str(r[1]) for r in rows), "pass")
+
+
+# --- OpenCode --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("provider, wire", [("@ai-sdk/openai-compatible", "chat"), ("@ai-sdk/openai", "responses")])
+def test_opencode_bash_round_trip(backend, tmp_path: Path, provider: str, wire: str):
+    binary = need(CLIENTS / "npm" / "node_modules" / ".bin" / "opencode")
+    home, project = tmp_path / "home", tmp_path / "project"
+    (home / ".config" / "opencode").mkdir(parents=True)
+    project.mkdir()
+    (project / "README.md").write_text(README)
+    model = {"name": "ds", "tool_call": True, "reasoning": True, "limit": {"context": 1_000_000, "output": 32000}}
+    config = {"provider": {"local": {"npm": provider, "name": "local",
+                                     "options": {"baseURL": f"{backend.base_url}/v1", "apiKey": API_KEY},
+                                     "models": {MODEL: model}}},
+              "permission": {"bash": "allow", "edit": "allow"}, "autoupdate": False, "share": "disabled"}
+    (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps(config))
+    start = len(backend.log_text())
+    done = run([str(binary), "run", "--format", "json", "-m", f"local/{MODEL}",
+                "[flow:oc-bash] What is the launch code in README.md?"], project, {"HOME": str(home)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    texts = [e["part"]["text"] for e in events if e.get("type") == "text"]
+    assert texts and texts[-1] == "The launch code is PURPLE-OTTER-42.", done.stdout[-3000:]
+    apis = {r[0] for r in served(backend, start)}
+    assert apis == {"openai" if wire == "chat" else "responses"}
+    record("opencode", f"{wire} ({provider})", "bash tool round trip", "pass")
+
+
+# --- openai-agents -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_openai_agents_function_tool(backend, tmp_path: Path, api: str):
+    python = need(CLIENTS / "agents-venv" / "bin" / "python")
+    (tmp_path / "README.md").write_text(README)
+    done = run([str(python), str(Path(__file__).parent / "agent_clients" / "agents_driver.py"), f"{backend.base_url}/v1",
+                API_KEY, MODEL, api, str(tmp_path), "[flow:agents] What is the launch code in README.md?"],
+               tmp_path, {"HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["final"] == "The launch code is PURPLE-OTTER-42."
+    assert result["calls"] == [{"name": "read_file", "path": "README.md"}] and result["requests"] == 2
+    record("openai-agents", "responses (default model)" if api == "responses" else "chat (OpenAIChatCompletionsModel)",
+           "function tool round trip", "pass")
+
+
+# --- aider -------------------------------------------------------------------------------------------
+def test_aider_search_replace_edit(backend, tmp_path: Path):
+    aider = need(CLIENTS / "aider-venv" / "bin" / "aider")
+    (tmp_path / "hello.py").write_text('print("hi")\n')
+    done = run([str(aider), "--model", f"openai/{MODEL}", "--openai-api-base", f"{backend.base_url}/v1",
+                "--openai-api-key", API_KEY, "--no-git", "--yes-always", "--no-check-update", "--no-analytics",
+                "--no-show-model-warnings", "--no-pretty", "--no-stream", "--message",
+                "[flow:aider] Make hello.py greet with Hello, aider", "hello.py"],
+               tmp_path, {"HOME": str(tmp_path)})
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert (tmp_path / "hello.py").read_text() == 'print("Hello, aider")\n', done.stdout[-2000:]
+    record("aider", "chat (no tools, SEARCH/REPLACE)", "edit applied", "pass")

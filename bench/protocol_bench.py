@@ -7,8 +7,10 @@ Prints
    session of ~N tokens whose newest turn adds ~2K tokens, median over repeats, with the piece
    cache warm from the previous turn (what a real session sees), next to
 2. the naive cost: tokenizing the whole prompt text in the same run, and
-3. parse + emit throughput (detokenizer, streaming parser, Anthropic and OpenAI emitters) in
-   tokens/s on one core, feeding one token per call (the worst case: one engine step each).
+3. parse + emit throughput (detokenizer, streaming parser, Anthropic, OpenAI chat and OpenAI
+   Responses emitters) in tokens/s on one core, feeding one token per call (the worst case: one
+   engine step each), for a reasoning + text + small call output and for an output that is
+   mostly one streamed tool argument (a ~300-line Write).
 """
 
 from __future__ import annotations
@@ -130,17 +132,29 @@ def bench_whole(proto: Protocol, body: dict[str, Any], repeats: int) -> tuple[fl
     return statistics.median(naive), statistics.median(cold)
 
 
-def bench_stream(proto: Protocol, num_tokens: int) -> dict[str, float]:
-    tok = proto.tokenizer
+def stream_outputs() -> dict[str, str]:
     unit = ("Let me look at the call sites of encode_segments and check how the cache is keyed. "
             "The piece cache is shared by sessions, so identical system prompts hit. ") * 4
-    out = (unit * 3 + "</think>" + "I will now update the module and run the tests. " * 10 +
-           f"\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n<{D} parameter name=\"file_path\" string=\"true\">/src/a.py</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
+    mixed = (unit * 3 + "</think>" + "I will now update the module and run the tests. " * 10 +
+             f"\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n<{D} parameter name=\"file_path\" string=\"true\">/src/a.py</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
+    code = _code_text(random.Random(1), 12_000)  # ~300 lines
+    write = (f"I will write the module.</think>\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n"
+             f"<{D} parameter name=\"file_path\" string=\"true\">/src/a.py</{D} parameter>\n"
+             f"<{D} parameter name=\"content\" string=\"true\">{code}</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
+    return {"mixed": mixed, "write": write}
+
+
+def bench_stream(proto: Protocol, num_tokens: int, out: str) -> dict[str, float]:
+    tok = proto.tokenizer
     ids = tok.encode_text(out).tolist()
     reps = max(1, num_tokens // len(ids))
     results = {}
-    for api in ("anthropic", "openai"):
-        if api == "anthropic":
+    for api in ("anthropic", "openai", "responses"):
+        if api == "responses":
+            p = proto.prepare_responses({"model": MODEL, "stream": True, "store": False, "input": "x",
+                                         "include": ["reasoning.encrypted_content"],
+                                         "tools": [{"type": "function", "name": "Read", "parameters": {"type": "object"}}]}, {})
+        elif api == "anthropic":
             p = proto.prepare_anthropic({"model": MODEL, "max_tokens": 100, "stream": True, "thinking": {"type": "adaptive"},
                                          "tools": [{"name": "Read", "input_schema": {"type": "object"}}],
                                          "messages": [{"role": "user", "content": "x"}]}, {})
@@ -181,10 +195,12 @@ def main() -> None:
           f"-> body bytes to ids {res['bytes_to_ids_ms'] + res['validate_ms']:.1f} ms")
     print(f"  whole prompt tokenized at once (naive, added-token matching): {naive_ms:.0f} ms")
     print(f"  whole prompt tokenized segment-wise, cache off (cold first turn): {cold_ms:.0f} ms")
-    st = bench_stream(proto, args.stream_tokens)
-    print(f"parse+emit, one token per feed, one core: anthropic {st['anthropic']:,.0f} tok/s "
-          f"({st['anthropic_bytes_per_token']:.0f} SSE bytes/token), openai {st['openai']:,.0f} tok/s "
-          f"({st['openai_bytes_per_token']:.0f} bytes/token)")
+    for name, out in stream_outputs().items():
+        st = bench_stream(proto, args.stream_tokens, out)
+        label = "reasoning+text+call" if name == "mixed" else "300-line Write argument"
+        print(f"parse+emit, one token per feed, one core, {label}: "
+              + ", ".join(f"{api} {st[api]:,.0f} tok/s ({st[api + '_bytes_per_token']:.0f} SSE bytes/token)"
+                          for api in ("anthropic", "openai", "responses")))
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def test_aider_search_replace_edit(backend, tmp_path: Path):
     (tmp_path / "hello.py").write_text('print("hi")\n')
     done = run([str(aider), "--model", f"openai/{MODEL}", "--openai-api-base", f"{backend.base_url}/v1",
                 "--openai-api-key", API_KEY, "--no-git", "--yes-always", "--no-check-update", "--no-analytics",
-                "--no-show-model-warnings", "--no-pretty", "--no-stream", "--message",
+                "--no-show-model-warnings", "--no-pretty", "--edit-format", "diff", "--message",
                 "[flow:aider] Make hello.py greet with Hello, aider", "hello.py"],
                tmp_path, {"HOME": str(tmp_path)})
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])

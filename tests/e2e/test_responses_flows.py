@@ -6,14 +6,14 @@ cache because the ledger repeats the generated ids, and ``previous_response_id``
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from e2e_harness import API_KEY, MODEL, running_backend
+from e2e_harness import MODEL
+from test_openai_flows import backend, client, run_tool  # noqa: F401 - the same backend fixtures and tools
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,24 +25,6 @@ TOOLS = [
          "command": {"type": "string"}, "timeout_s": {"type": "integer"}}, "required": ["command"]}},
     {"type": "web_search"},  # Codex sends it; accepted and not shown to the model
 ]
-
-
-@pytest.fixture(scope="module")
-def backend():
-    with running_backend("openai_tools.json", ranks=1) as b:
-        yield b
-
-
-@pytest.fixture()
-def client(backend):
-    return openai.OpenAI(base_url=f"{backend.base_url}/v1", api_key=API_KEY, max_retries=0)
-
-
-def run_tool(project: Path, name: str, arguments: dict[str, Any]) -> str:
-    if name == "read_file":
-        return (project / arguments["path"]).read_text()
-    done = subprocess.run(arguments["command"], shell=True, cwd=project, capture_output=True, text=True, timeout=30)
-    return done.stdout
 
 
 def respond(client, items: list[dict[str, Any]], stream: bool, **kw: Any) -> tuple[dict[str, Any], list[str]]:

@@ -43,6 +43,7 @@ import numpy as np
 from cache.admission import AdmissionQueue, AdmitLevel
 from cache.config import CacheConfig
 from cache.eviction import EvictionPolicy
+from cache.gauges import GaugeRefresher
 from cache.hashing import BlockHash, ChainHasher, as_token_array
 from cache.idle_load import IdleLoad
 from cache.l0_index import L0Index, Node, RankIndex
@@ -67,7 +68,6 @@ log = logging.getLogger(__name__)
 _RANK_ERRORS = (RankFailed, RankUnavailable, CapacityExhausted, EngineMisuse, NotImplementedError)
 _IMPORT_ATTEMPTS = 3  # an import the engine is short for is retried (see _import)
 _IMPORT_RETRY_S = 0.02  # x attempt number: about one engine step between tries
-_GAUGE_EVERY_S = 0.1  # load gauges refresh at most this often (the last change is always shown)
 
 
 @dataclass(slots=True, eq=False)
@@ -184,8 +184,7 @@ class CacheManager:
         self.num_export_failures = 0
         self.num_partial_prefix_admissions = 0
         self.num_lost_prefix_tokens = 0
-        self._gauges_at_s = -float("inf")
-        self._gauges_timer: asyncio.TimerHandle | None = None
+        self._gauges = GaugeRefresher(self._refresh_gauges)
         self._rank_gauges = (
             [(metrics.rank_load_tokens.labels(str(r)), metrics.rank_free_blocks.labels(str(r)),
               metrics.rank_cached_blocks.labels(str(r)), metrics.queue_depth.labels(str(r)))
@@ -824,8 +823,9 @@ class CacheManager:
 
     async def _await_releases(self, rank: int, epoch: int, timeout_s: float = 2.0) -> None:
         """Wait (bounded) until no release is pending on ``rank``."""
-        deadline = time.monotonic() + timeout_s  # a wall bound, whatever clock the policy uses
-        while self.epoch == epoch and self._ledgers[rank].num_releasing > 0 and time.monotonic() < deadline:
+        loop = asyncio.get_running_loop()  # a wall bound (the loop's time), whatever clock the policy uses
+        deadline = loop.time() + timeout_s
+        while self.epoch == epoch and self._ledgers[rank].num_releasing > 0 and loop.time() < deadline:
             await asyncio.sleep(0.002)
 
     def _release_later(self, rank: int, block_ids: list[int]) -> None:
@@ -843,6 +843,7 @@ class CacheManager:
             if counted and self.epoch == epoch:
                 self._ledgers[rank].num_releasing -= len(block_ids)
             self.queue.notify(rank)
+            self._update_gauges()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -980,30 +981,13 @@ class CacheManager:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
-        """Refresh the load gauges, at most every ``_GAUGE_EVERY_S`` (a turn's admit and finish
-        both call this; a timer shows the last change once the interval has passed)."""
-        m = self.metrics
-        if m is None:
-            return
-        now_s = time.monotonic()  # wall time, whatever clock the policy uses
-        wait_s = self._gauges_at_s + _GAUGE_EVERY_S - now_s
-        if wait_s <= 0:
-            self._refresh_gauges()
-        elif self._gauges_timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self._refresh_gauges()
-                return
-            self._gauges_timer = loop.call_later(wait_s, self._refresh_gauges)
+        """The state changed: show it in the load gauges soon (``cache/gauges.py``)."""
+        if self.metrics is not None:
+            self._gauges.changed()
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
         assert m is not None
-        if self._gauges_timer is not None:
-            self._gauges_timer.cancel()
-            self._gauges_timer = None
-        self._gauges_at_s = time.monotonic()
         for load, (load_g, free_g, cached_g, depth_g) in zip(self.loads(), self._rank_gauges):
             load_g.set(load.load_tokens)
             free_g.set(load.num_free_blocks)

@@ -2,7 +2,8 @@
 
 For cache tests and the capacity simulator: same semantics as ``RankGroup`` (streams, epochs,
 restart listeners, block ids per rank) without processes or sockets. One asyncio task steps
-every engine that has work, round-robin, and yields to the event loop after each round; it
+every engine that has work, round-robin, and yields to the event loop after each round (or
+sleeps ``step_s``: tests on virtual time give a step a duration, ``bench/simulator/vclock.py``); it
 sleeps on an event while all engines are idle. Engines run on the event-loop thread (they are
 not thread-safe), so with a compute model a step blocks the loop for its duration.
 """
@@ -28,11 +29,12 @@ class LocalRankGroup:
 
     def __init__(
         self, engine_factory: Callable[[int], Engine], num_ranks: int, *, host_pool: Any = None,
-        host_pool_path: str | None = None,
+        host_pool_path: str | None = None, step_s: float = 0.0,
     ) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self._factory = engine_factory
+        self.step_s = step_s  # how long a round of steps takes (0: just yield)
         self.num_ranks = num_ranks
         self.host_pool = host_pool
         self._host_pool_path = host_pool_path  # unlinked on close when we created the file
@@ -52,7 +54,8 @@ class LocalRankGroup:
 
     @classmethod
     def from_config(
-        cls, config: Any, *, num_ranks: int | None = None, host_pool_bytes: int = 0, name: str | None = None
+        cls, config: Any, *, num_ranks: int | None = None, host_pool_bytes: int = 0, name: str | None = None,
+        step_s: float = 0.0,
     ) -> LocalRankGroup:
         """Engines from ``make_engine``; a shared host pool of ``host_pool_bytes`` if > 0."""
         from rank.engines import make_engine
@@ -66,7 +69,8 @@ class LocalRankGroup:
             HostPool.unlink(path)
             host_pool = HostPool(path, host_pool_bytes)
         n = num_ranks if num_ranks is not None else config.ep
-        return cls(lambda rank: make_engine(config, rank, host_pool), n, host_pool=host_pool, host_pool_path=path)
+        return cls(lambda rank: make_engine(config, rank, host_pool), n, host_pool=host_pool, host_pool_path=path,
+                   step_s=step_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -179,7 +183,7 @@ class LocalRankGroup:
                     busy = True
                     self._dispatch(rank, engine.step())
             if busy:
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.step_s)
             else:
                 self._wake.clear()
                 await self._wake.wait()

@@ -6,6 +6,11 @@ sleeps, waits on events and awaits the rank client. Running it under this loop t
 ready, the selector "waits" by advancing ``time()`` to the next timer instead of blocking. There is
 no I/O: a loop with no ready callback and no timer is a deadlock of the simulated system and
 raises ``SimulationDeadlock`` (the bookkeeping tests rely on that instead of hanging).
+
+The cache tests run on it too (``tests/cache/conftest.py`` installs ``VirtualTimePolicy``, so each
+``asyncio.run`` gets a virtual-time loop): work that is ready takes no virtual time and timers fire
+in virtual-time order, so which callbacks run in which order, and what time the policy sees, is a
+function of the test alone, not of the machine's speed or load (issue 15 item 9).
 """
 
 from __future__ import annotations
@@ -69,6 +74,13 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def advance(self, seconds: float) -> None:
         self._virtual_now_s += seconds
+
+
+class VirtualTimePolicy(asyncio.DefaultEventLoopPolicy):
+    """``asyncio.run`` (and ``new_event_loop``) under this policy runs on virtual time."""
+
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return VirtualTimeLoop()
 
 
 def run_virtual(main: Coroutine[Any, Any, T]) -> T:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from dataclasses import dataclass
@@ -37,13 +38,15 @@ def workload(model: str = "null", num_blocks: int = 96, num_ranks: int = 2) -> W
 
 
 async def make_group(
-    model: str = "null", num_blocks: int = 96, num_ranks: int = 2, host_slots: int = 256
+    model: str = "null", num_blocks: int = 96, num_ranks: int = 2, host_slots: int = 256, step_s: float = 0.001
 ) -> LocalRankGroup:
+    """``step_s``: the (virtual) time a round of engine steps takes; > 0 lets turns overlap in
+    time, so concurrent agents interleave the same way on every run."""
     cfg = workload(model, num_blocks, num_ranks)
     probe_bytes = kv_bytes_per_block(MODEL_SPECS[model], BLOCK_SIZE, torch.float32)
     group = LocalRankGroup.from_config(
         cfg, num_ranks=num_ranks, host_pool_bytes=host_slots * probe_bytes,
-        name=f"cachetest-{os.getpid()}-{next(_ids)}",
+        name=f"cachetest-{os.getpid()}-{next(_ids)}", step_s=step_s,
     )
     await group.start()
     return group
@@ -53,7 +56,9 @@ def make_manager(group: LocalRankGroup, **overrides: object) -> tuple[CacheManag
     registry = CollectorRegistry()
     values: dict[str, object] = {"queue_recheck_s": 0.01}
     values.update(overrides)
-    mgr = CacheManager(group, CacheConfig(**values), CacheMetrics(registry))  # type: ignore[arg-type]
+    # The policy's clock is the loop's: virtual time under tests/cache/conftest.py.
+    clock = asyncio.get_running_loop().time
+    mgr = CacheManager(group, CacheConfig(**values), CacheMetrics(registry), clock=clock)  # type: ignore[arg-type]
     return mgr, registry
 
 

@@ -24,6 +24,7 @@ from rank.local_group import LocalRankGroup
 from tests.cache.cache_harness import make_group, next_prompt, run_turn, settle, tokens
 
 pytestmark = pytest.mark.timeout(120)
+STEP_S = 0.002
 
 
 class SteppedClient:
@@ -63,8 +64,7 @@ class SteppedClient:
 
     async def run_steps(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            for _ in range(20):  # a step: the event loop runs the backend meanwhile
-                await asyncio.sleep(0)
+            await asyncio.sleep(STEP_S)  # a step (virtual time): the event loop runs the backend meanwhile
             await self.boundary()
 
 
@@ -77,7 +77,8 @@ def test_evict_release_and_restore_share_one_step_boundary() -> None:
         stepper = asyncio.create_task(client.run_steps(stop))
         registry = CollectorRegistry()
         config = CacheConfig(queue_recheck_s=0.01, l1_write_watermark=0.0, protect_s=0.0)
-        mgr = CacheManager(client, config, CacheMetrics(registry))  # type: ignore[arg-type]
+        mgr = CacheManager(client, config, CacheMetrics(registry),  # type: ignore[arg-type]
+                           clock=asyncio.get_running_loop().time)
         try:
             first = await run_turn(mgr, group, tokens(rng, 100), "a", stop=StopKind.END_TURN)
             await mgr.drain()

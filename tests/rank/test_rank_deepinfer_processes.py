@@ -58,7 +58,7 @@ def _request(rid: str, ids: np.ndarray, max_tokens: int, prefix: list[int] | Non
 
 async def _wait_all_free(group: RankGroup) -> None:
     """Every block back on every rank (stats arrive with steps and replies, so poll a little)."""
-    for _ in range(200):
+    for _ in range(1200):  # stats arrive every 100 ms; up to 60 s on a loaded machine
         if all(group.stats(r).num_free_blocks == group.num_blocks - 1 for r in range(group.num_ranks)):
             return
         await asyncio.sleep(0.05)

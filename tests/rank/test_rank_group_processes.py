@@ -44,7 +44,7 @@ async def _drain_kept(group: RankGroup, results: list[tuple[int, RequestOutput]]
 
 
 async def _wait_idle(group: RankGroup) -> None:
-    for _ in range(100):
+    for _ in range(1200):  # stats arrive every 100 ms; up to 60 s on a loaded machine
         if all(group.stats(r).num_free_blocks == group.num_blocks - 1 for r in range(group.num_ranks)):
             return
         await asyncio.sleep(0.05)

@@ -72,7 +72,7 @@ def oai(server: tuple[Runtime, Any, str]) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def _no_leaks(runtime: Runtime, loop: Any, timeout_s: float = 10.0) -> None:
+def _no_leaks(runtime: Runtime, loop: Any, timeout_s: float = 60.0) -> None:
     """Every engine idle and consistent, and no cache use-ref left (after the request ended)."""
     deadline = time.monotonic() + timeout_s
     while True:

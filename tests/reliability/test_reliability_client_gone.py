@@ -53,10 +53,15 @@ def _wait_running(rt: RuntimeThread, timeout_s: float = 60.0) -> None:
 @pytest.mark.parametrize("path,stream", [
     ("/v1/messages", False), ("/v1/messages", True),
     ("/v1/chat/completions", False), ("/v1/chat/completions", True),
+    ("/v1/responses", False), ("/v1/responses", True),
 ])
 def test_client_gone_aborts_the_engine_request(rt: RuntimeThread, path: str, stream: bool) -> None:
-    body: dict[str, object] = {"model": "default", "max_tokens": MAX_TOKENS, "stream": stream,
-                               "messages": [{"role": "user", "content": f"write forever {path} {stream}"}]}
+    text = f"write forever {path} {stream}"
+    body: dict[str, object] = {"model": "default", "stream": stream}
+    if path == "/v1/responses":
+        body.update(max_output_tokens=MAX_TOKENS, input=text)
+    else:
+        body.update(max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": text}])
     port = int(rt.url.rsplit(":", 1)[1])
     cancelled_before = _sample(rt, "deepinfer_requests_finished_total", {"reason": "cancelled"})
     tokens_before = _sample(rt, "deepinfer_output_tokens_total")

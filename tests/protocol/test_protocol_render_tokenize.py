@@ -168,9 +168,13 @@ def test_plain_encoder_does_not_match_added_tokens(tok: PromptTokenizer) -> None
     assert tok.decode(ids) == "a</think>b<｜end▁of▁sentence｜>c｜DSML｜"
 
 
-safe_text = st.text(
+# Hypothesis also draws string constants found in the code under test ("<think>", "｜DSML｜"),
+# which the whole-prompt encode below would turn into control tokens: keep them out.
+_TAG_PIECES = ("<｜", "｜>", "think>", "｜DSML｜")
+safe_text = (st.text(
     alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40
-) | st.sampled_from(["", "\n\n", " ", "def f():\n    return 1\n", "１２３ 世界", "a\r\nb", "  x  "])
+) | st.sampled_from(["", "\n\n", " ", "def f():\n    return 1\n", "１２３ 世界", "a\r\nb", "  x  "])).filter(
+    lambda s: not any(piece in s for piece in _TAG_PIECES))
 
 
 @st.composite

@@ -52,15 +52,24 @@ class OtherBlock(_Wire):
     type: str
 
 
+class ToolReferenceBlock(_Wire):
+    """A tool search result: loads the named (deferred) tool's definition at this point of the
+    conversation (Anthropic's ``advanced-tool-use`` beta; docs/protocol.md, deferred tools)."""
+
+    type: Literal["tool_reference"] = "tool_reference"
+    tool_name: str = Field(min_length=1, max_length=256)
+
+
 def _tool_result_part_tag(v: Any) -> str:
     t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return t if t in ("text", "image") else "other"
+    return t if t in ("text", "image", "tool_reference") else "other"
 
 
 ToolResultPart = Annotated[
     Union[
         Annotated[TextBlock, Tag("text")],
         Annotated[ImageBlock, Tag("image")],
+        Annotated[ToolReferenceBlock, Tag("tool_reference")],
         Annotated[OtherBlock, Tag("other")],
     ],
     Discriminator(_tool_result_part_tag),
@@ -127,6 +136,8 @@ class Tool(_Wire):
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     type: str | None = None  # "custom" or absent; server tools (web_search_...) are not served
     cache_control: CacheControl | None = None
+    # Left out of the prompt's tools block until a tool_reference loads it (docs/protocol.md).
+    defer_loading: bool | None = None
 
 
 class ToolChoice(_Wire):

@@ -140,7 +140,7 @@ class Protocol:
             stop=tuple(req.stop_sequences or ()),
             thinking=conv.thinking,
             reasoning_effort=conv.effort if conv.thinking else None,
-            tool_names=tuple(t["name"] for t in conv.tools),
+            tool_names=tuple(t["name"] for t in conv.callable_tools()),
             tool_choice=tool_choice,
             tool_choice_name=tool_name,
             include_usage=True,
@@ -176,7 +176,7 @@ class Protocol:
             stop=stop,
             thinking=conv.thinking,
             reasoning_effort=conv.effort if conv.thinking else None,
-            tool_names=tuple(t.get("name", "") for t in conv.tools),
+            tool_names=tuple(t.get("name", "") for t in conv.callable_tools()),
             tool_choice=tool_choice,
             tool_choice_name=tool_name,
             include_usage=bool(req.stream_options and req.stream_options.include_usage) or not req.stream,
@@ -264,8 +264,10 @@ class Protocol:
 
 
 def _tool_params(conv: Conversation) -> dict[str, frozenset[str]]:
+    """Declared parameter names of each tool the model is offered (deferred tools only once a
+    reference loaded them): the parser's wrapper collapse and bare-invoke recovery use them."""
     out: dict[str, frozenset[str]] = {}
-    for t in conv.tools:
+    for t in conv.callable_tools():
         params = t.get("parameters") or {}
         props = params.get("properties") if isinstance(params, dict) else None
         out[str(t.get("name", ""))] = frozenset(props) if isinstance(props, dict) else frozenset()

@@ -4,6 +4,11 @@ A ``Conversation`` is what ``render.py`` turns into a V4.1 prompt. Conversion ke
 verbatim (nothing is escaped or trimmed); the only thing dropped is Claude Code's per-request
 ``x-anthropic-billing-header`` system block (it changes every request and would break the
 prefix cache; reference/claude-code-client.md section 3).
+
+Deferred tools (Anthropic ``defer_loading``): they stay out of ``tools`` (the prompt's tools
+block) and sit in ``tool_catalog``; a ``tool_reference`` in a tool result becomes a
+``PART_TOOL_REFS`` part that ``render.py`` expands into the definitions at that point, so
+loading a tool never changes the prompt before it (docs/protocol.md, "Deferred tools").
 """
 
 from __future__ import annotations
@@ -31,15 +36,23 @@ BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 IMAGE_TEXT = "[Unsupported image]"  # no vision path on this deployment; see docs/protocol.md
 
 
+# Kinds of a tool result's parts (``Block.parts``): template text, client text, or a run of
+# tool references (payload: the tuple of tool names it loads).
+PART_OURS = 0
+PART_CLIENT = 1
+PART_TOOL_REFS = 2
+
+
 @dataclass(slots=True)
 class Block:
-    """One user-turn block: ``text`` (client text), ``tool_result`` (``parts`` are
-    (is_client_text, text) pairs joined by "\\n\\n") or ``other`` (rendered as ours text)."""
+    """One user-turn block: ``text`` (client text), ``tool_result`` (``parts`` are (PART_*,
+    payload) pairs joined by "\\n\\n"; a bool kind means client text or not) or ``other``
+    (rendered as ours text)."""
 
     kind: str
     text: str = ""
     tool_use_id: str = ""
-    parts: list[tuple[bool, str]] = field(default_factory=list)
+    parts: list[tuple[int, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -65,10 +78,18 @@ class Message:
 @dataclass(slots=True)
 class Conversation:
     messages: list[Message]
-    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI ``function`` objects
+    tools: list[dict[str, Any]] = field(default_factory=list)  # ``function`` objects of the tools block
     thinking: bool = False
     effort: int = DEFAULT_EFFORT
     response_format: Any = None
+    # every declared tool by name, deferred ones included: what a tool_reference can load
+    tool_catalog: dict[str, dict[str, Any]] = field(default_factory=dict)
+    loaded_tools: list[str] = field(default_factory=list)  # referenced tools, first reference first
+
+    def callable_tools(self) -> list[dict[str, Any]]:
+        """The tools the model is offered: the tools block plus the ones references loaded."""
+        shown = {t.get("name") for t in self.tools}
+        return self.tools + [self.tool_catalog[n] for n in self.loaded_tools if n not in shown]
 
 
 def effort_value(name: str | int | None) -> int:
@@ -90,20 +111,25 @@ def effort_value(name: str | int | None) -> int:
 
 
 # --- Anthropic ----------------------------------------------------------------------------------
-def _tool_result_parts(content: str | list[Any] | None) -> list[tuple[bool, str]]:
+def _tool_result_parts(content: str | list[Any] | None) -> list[tuple[int, Any]]:
     if content is None:
-        return [(True, "")]
+        return [(PART_CLIENT, "")]
     if isinstance(content, str):
-        return [(True, content)]
-    parts: list[tuple[bool, str]] = []
+        return [(PART_CLIENT, content)]
+    parts: list[tuple[int, Any]] = []
     for p in content:
-        if p.type == "text":
-            parts.append((True, p.text))
+        if p.type == "tool_reference":
+            if parts and parts[-1][0] == PART_TOOL_REFS:  # one definitions block per run
+                parts[-1] = (PART_TOOL_REFS, parts[-1][1] + (p.tool_name,))
+            else:
+                parts.append((PART_TOOL_REFS, (p.tool_name,)))
+        elif p.type == "text":
+            parts.append((PART_CLIENT, p.text))
         elif p.type == "image":
-            parts.append((False, IMAGE_TEXT))
+            parts.append((PART_OURS, IMAGE_TEXT))
         else:
-            parts.append((False, f"[Unsupported {p.type}]"))
-    return parts or [(True, "")]
+            parts.append((PART_OURS, f"[Unsupported {p.type}]"))
+    return parts or [(PART_CLIENT, "")]
 
 
 def _anthropic_system_text(system: str | list[A.TextBlock] | None) -> str | None:
@@ -118,6 +144,12 @@ def _anthropic_system_text(system: str | list[A.TextBlock] | None) -> str | None
 def anthropic_conversation(
     req: A.MessagesRequest | A.CountTokensRequest, raw_tools: list[dict[str, Any]] | None
 ) -> Conversation:
+    declared = [_anthropic_tool(t, (raw_tools or [None] * len(req.tools))[k]) for k, t in enumerate(req.tools or [])]
+    tools = [fn for t, fn in zip(req.tools or [], declared) if not t.defer_loading]
+    catalog: dict[str, dict[str, Any]] = {}
+    for fn in declared:
+        catalog.setdefault(fn["name"], fn)
+    loaded: dict[str, None] = {}  # an ordered set
     msgs: list[Message] = []
     sys_text = _anthropic_system_text(req.system)
     if sys_text is not None and (sys_text or req.tools):
@@ -132,24 +164,34 @@ def anthropic_conversation(
                 text = "\n\n".join(b.text for b in m.content if b.type == "text")
             msgs.append(Message(role="system", content=text))
         else:
-            msgs.append(Message(role="user", blocks=_anthropic_user_blocks(m.content, i)))
-    tools = [_anthropic_tool(t, (raw_tools or [None] * len(req.tools))[k]) for k, t in enumerate(req.tools or [])]
+            msgs.append(Message(role="user", blocks=_anthropic_user_blocks(m.content, i, catalog, loaded)))
     thinking = req.thinking is not None and req.thinking.type != "disabled"
     effort = effort_value(req.output_config.effort if req.output_config else None)
     fmt = req.output_config.format if req.output_config else None
-    return Conversation(messages=msgs, tools=tools, thinking=thinking, effort=effort, response_format=fmt)
+    return Conversation(messages=msgs, tools=tools, thinking=thinking, effort=effort, response_format=fmt,
+                        tool_catalog=catalog, loaded_tools=list(loaded))
 
 
-def _anthropic_user_blocks(content: str | list[Any], msg_index: int) -> list[Block]:
+def _anthropic_user_blocks(
+    content: str | list[Any], msg_index: int, catalog: dict[str, dict[str, Any]], loaded: dict[str, None]
+) -> list[Block]:
+    """The user turn's blocks; tool references are checked against ``catalog`` (a reference to
+    an undeclared tool is a 400, as in Anthropic's API) and their names added to ``loaded``."""
     if isinstance(content, str):
         return [Block(kind="text", text=content)]
     blocks: list[Block] = []
-    for b in content:
+    for k, b in enumerate(content):
         t = b.type
         if t == "text":
             blocks.append(Block(kind="text", text=b.text))
         elif t == "tool_result":
-            blocks.append(Block(kind="tool_result", tool_use_id=b.tool_use_id, parts=_tool_result_parts(b.content)))
+            parts = _tool_result_parts(b.content)
+            for name in (n for kind, names in parts if kind == PART_TOOL_REFS for n in names):
+                if name not in catalog:
+                    where = f"messages.{msg_index}.content.{k}"
+                    raise InvalidRequest(f"{where}: tool_reference names {name!r}, which is not in tools", param=where)
+                loaded.setdefault(name)
+            blocks.append(Block(kind="tool_result", tool_use_id=b.tool_use_id, parts=parts))
         elif t == "image":
             blocks.append(Block(kind="other", text=IMAGE_TEXT))
         elif t in ("thinking", "redacted_thinking", "tool_use"):

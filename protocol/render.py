@@ -12,6 +12,11 @@ encoder). A segment is ``(kind, payload)``:
 Deliberate deviation from vLLM's wrapper: tools always attach to the system message at index 0
 (inserting an empty one), never to a later inline system message, so an inline system message
 cannot move the tools block (a cache breaker, section 2).
+
+Deferred tools are not in the tools block; a tool result's tool references render, in place, as
+a ``<functions>`` block holding each loaded tool's schema line exactly as the tools block would
+print it, wrapped in ``<function>`` tags (the format Claude Code's ToolSearch description
+promises the model). Loading a tool therefore only appends to the prompt.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 import orjson
 import xxhash
 
-from protocol.conversation import Block, Conversation, Message, ToolCall
+from protocol.conversation import PART_TOOL_REFS, Block, Conversation, Message, ToolCall
 
 OURS = 0
 CLIENT = 1
@@ -62,6 +67,10 @@ TOOLS_HEAD = (
     "### Available Tool Schemas\n\n"
 )
 TOOLS_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+FUNCTIONS_OPEN = "<functions>"
+FUNCTIONS_CLOSE = "\n</functions>"
+FUNCTION_OPEN = "\n<function>"
+FUNCTION_CLOSE = "</function>"
 
 Segment = tuple[int, Any]
 
@@ -170,10 +179,11 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
 
     ``end_think_id`` / ``eos_id`` are needed only to splice ledger ids (IDS segments)."""
     msgs = _preprocess(conv.messages)
-    if conv.tools or conv.response_format is not None:
+    has_tools = bool(conv.tools or conv.tool_catalog)  # deferred tools count: they can be loaded
+    if has_tools or conv.response_format is not None:
         if not msgs or msgs[0].role != "system":
             msgs.insert(0, Message(role="system", content=""))
-    drop = not conv.tools
+    drop = not has_tools
     thinking = conv.thinking
     if thinking and drop:
         msgs = _drop_thinking(msgs)
@@ -190,7 +200,7 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
             if i > 0:
                 out.append((OURS, SYSTEM))
             out.append((CLIENT, m.content))
-            if i == 0 and conv.tools:
+            if i == 0 and has_tools:
                 out.append((OURS, "\n\n" + TOOLS_HEAD))
                 out.append((CLIENT, tools_schema_text(conv.tools)))
                 out.append((OURS, TOOLS_TAIL))
@@ -202,7 +212,7 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
             out.append((CLIENT, m.content))
         elif role == "user":
             out.append((OURS, USER))
-            _render_user_blocks(m.blocks or [], out)
+            _render_user_blocks(m.blocks or [], conv.tool_catalog, out)
         elif role == "assistant":
             with_reasoning = thinking and (not drop or i > last_user)
             _render_assistant(m, with_reasoning, out, end_think_id, eos_id)
@@ -218,7 +228,7 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
     return out
 
 
-def _render_user_blocks(blocks: list[Block], out: list[Segment]) -> None:
+def _render_user_blocks(blocks: list[Block], catalog: dict[str, dict[str, Any]], out: list[Segment]) -> None:
     first = True
     for b in blocks:
         if not first:
@@ -229,14 +239,27 @@ def _render_user_blocks(blocks: list[Block], out: list[Segment]) -> None:
         elif b.kind == "tool_result":
             out.append((OURS, "<tool_result>"))
             first_part = True
-            for is_client, text in b.parts:
+            for kind, payload in b.parts:
                 if not first_part:
                     out.append((OURS, "\n\n"))
                 first_part = False
-                out.append((CLIENT if is_client else OURS, text))
+                if kind == PART_TOOL_REFS:
+                    _render_tool_definitions(payload, catalog, out)
+                else:
+                    out.append((CLIENT if kind else OURS, payload))
             out.append((OURS, "</tool_result>"))
         else:
             out.append((OURS, b.text))
+
+
+def _render_tool_definitions(names: tuple[str, ...], catalog: dict[str, dict[str, Any]], out: list[Segment]) -> None:
+    """A run of tool references: each tool's schema line, as the tools block prints it."""
+    out.append((OURS, FUNCTIONS_OPEN))
+    for name in names:
+        out.append((OURS, FUNCTION_OPEN))
+        out.append((CLIENT, tools_schema_text([catalog[name]])))
+        out.append((OURS, FUNCTION_CLOSE))
+    out.append((OURS, FUNCTIONS_CLOSE))
 
 
 def _render_assistant(

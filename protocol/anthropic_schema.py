@@ -156,6 +156,9 @@ class ToolChoice(_Wire):
 class ThinkingConfig(_Wire):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=0)
+    # "summarized" (default) | "omitted" | "updates": the last two send thinking blocks without
+    # their text (V4.1 writes no separate progress updates). Other values are treated as
+    # "summarized", so a newer client's display mode never costs it a 400.
     display: str | None = None
 
 

@@ -56,6 +56,9 @@ SESSION_HEADER = "x-claude-code-session-id"
 # and last a hash of the conversation head.
 SESSION_HEADERS = (SESSION_HEADER, "x-session-affinity", "session-id")
 MAX_SESSION_KEY_CHARS = 512
+# thinking.display values whose thinking blocks carry no text: "omitted", and "updates" (only
+# progress-update blocks carry text there, and V4.1 writes none: all its thinking is reasoning)
+HIDDEN_REASONING_DISPLAYS = frozenset({"omitted", "updates"})
 
 
 def session_hint(headers: Mapping[str, str] | None) -> str | None:
@@ -144,6 +147,7 @@ class Protocol:
             tool_choice=tool_choice,
             tool_choice_name=tool_name,
             include_usage=True,
+            show_reasoning=req.thinking is None or req.thinking.display not in HIDDEN_REASONING_DISPLAYS,
             num_ledger_hits=hits,
             num_ledger_divergences=divergences,
             tool_params=_tool_params(conv),

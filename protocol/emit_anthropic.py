@@ -9,6 +9,8 @@ arguments as ``input_json_delta``s as the parser streams them (Claude Code ignor
 in the start event); a call cut by max_tokens is closed as it stands (``stop_reason:
 max_tokens`` tells the client).
 Usage: ``input_tokens`` = prompt - cached, ``cache_read_input_tokens`` = cached.
+With ``show_reasoning`` False (``thinking.display`` "omitted"/"updates") a thinking block still
+opens and ends with its signature, but carries no ``thinking_delta``.
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ def anthropic_usage(num_prompt_tokens: int, num_cached_tokens: int, num_output_t
 class AnthropicEmitter:
     """Streaming state: which block is open and its index. Not thread-safe."""
 
-    __slots__ = ("message_id", "model", "signature", "_open", "_index", "_pinged")
+    __slots__ = ("message_id", "model", "signature", "show_reasoning", "_open", "_index", "_pinged")
 
-    def __init__(self, message_id: str, model: str, signature: str) -> None:
+    def __init__(self, message_id: str, model: str, signature: str, show_reasoning: bool = True) -> None:
         self.message_id = message_id
         self.model = model
         self.signature = signature
+        self.show_reasoning = show_reasoning
         self._open: int = -1  # REASONING / TEXT / TOOL_START while a block is open, else -1
         self._index = -1
         self._pinged = False
@@ -97,7 +100,8 @@ class AnthropicEmitter:
                     self._close(out)
                     self._begin(out, {"type": "thinking", "thinking": "", "signature": ""})
                     self._open = REASONING
-                out.append(_DELTA_HEAD % (self._index, b"thinking_delta", b"thinking") + orjson.dumps(payload) + _DELTA_TAIL)
+                if self.show_reasoning:
+                    out.append(_DELTA_HEAD % (self._index, b"thinking_delta", b"thinking") + orjson.dumps(payload) + _DELTA_TAIL)
             elif kind == TOOL_START:
                 index, name = payload
                 self._close(out)
@@ -125,7 +129,7 @@ class AnthropicEmitter:
 def anthropic_body(
     message_id: str,
     model: str,
-    reasoning: str,
+    reasoning: str | None,
     signature: str,
     blocks: list[tuple[int, Any]],
     call_ids: list[str],
@@ -133,9 +137,10 @@ def anthropic_body(
     stop_sequence: str | None,
     usage: dict[str, int],
 ) -> dict[str, Any]:
-    """Non-streaming message. ``blocks`` is the ordered list of (TEXT, str) / (TOOL, call)."""
+    """Non-streaming message. ``blocks`` is the ordered list of (TEXT, str) / (TOOL, call);
+    ``reasoning`` None means no thinking block."""
     content: list[dict[str, Any]] = []
-    if reasoning:
+    if reasoning is not None:
         content.append({"type": "thinking", "thinking": reasoning, "signature": signature})
     for kind, payload in blocks:
         if kind == TEXT:

@@ -92,7 +92,7 @@ class ResponseStream:
         self._r: ResponsesEmitter | None = None
         if self.api == "anthropic":
             self.message_id = "msg_" + request_id
-            self._a = AnthropicEmitter(self.message_id, prepared.model, self.signature)
+            self._a = AnthropicEmitter(self.message_id, prepared.model, self.signature, prepared.show_reasoning)
             self._o = None
         elif self.api == "responses":  # the Responses API (protocol/responses_*.py)
             self.message_id = "resp_" + request_id
@@ -234,7 +234,7 @@ class ResponseStream:
             output_ids=ids,
             thinking=self.prepared.thinking,
             think_end=think_end,
-            reasoning="".join(self._reasoning),
+            reasoning=self._reasoning_view() or "",
             text_parts=tuple(p for k, p in self._blocks if k == TEXT),
             calls=tuple((c.name, c.arguments) for c in self._calls),
         )
@@ -244,6 +244,13 @@ class ResponseStream:
         """Index of the first ``</think>`` in the output (= reasoning tokens), -1 if none."""
         hits = np.flatnonzero(np.asarray(self.output_ids, dtype=np.int32) == self._table.end_think_id)
         return int(hits[0]) if len(hits) else -1
+
+    def _reasoning_view(self) -> str | None:
+        """The thinking text the client was sent; None when it got no thinking block."""
+        reasoning = "".join(self._reasoning)
+        if not reasoning:
+            return None
+        return reasoning if self.prepared.show_reasoning else ""
 
     def error(self, exc: BaseException) -> bytes:
         err = error_from_exception(exc)
@@ -262,7 +269,7 @@ class ResponseStream:
             return anthropic_body(
                 self.message_id,
                 self.prepared.model,
-                "".join(self._reasoning),
+                self._reasoning_view(),
                 self.signature,
                 self._blocks,
                 self._call_ids,

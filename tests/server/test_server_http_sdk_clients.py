@@ -35,6 +35,8 @@ SCRIPT = {
          "tool_calls": [{"name": "Read", "arguments": {"file_path": "/tmp/README.md"}}]},
         {"name": "long", "match": "LONG REPLY", "text": LONG_TEXT},
         {"name": "stop", "match": "STOP TEST", "text": "alpha beta gamma STOPHERE delta epsilon"},
+        {"name": "think", "match": "THINK THEN ANSWER", "reasoning": "Private chain of thought.",
+         "text": "Answer after thinking."},
         {"name": "hello", "text": "Hello from the scripted model."},
     ],
 }
@@ -134,6 +136,29 @@ def test_anthropic_stop_sequence_ends_stream_and_aborts_engine(
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "STOPHERE"
     assert "STOPHERE" not in msg.content[0].text and "delta" not in msg.content[0].text
     _no_leaks(server[0], server[1])
+
+
+# What Claude Code 2.1.332 sends in stream-json mode (reference/claude-code-client.md, addendum)
+BETAS_2_1_332 = ("claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
+                 "mid-conversation-tool-changes-2026-07-01,thinking-token-count-2026-05-13,"
+                 "advanced-tool-use-2025-11-20,effort-2025-11-24,thinking-display-updates-2026-08-18")
+
+
+@pytest.mark.parametrize("display", ["omitted", "updates"])
+def test_anthropic_new_betas_and_hidden_thinking_display(server: tuple[Runtime, Any, str], display: str) -> None:
+    body = {"model": "default", "max_tokens": 64, "stream": True,
+            "thinking": {"type": "adaptive", "display": display},
+            "messages": [{"role": "user", "content": "THINK THEN ANSWER"}]}
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01", "anthropic-beta": BETAS_2_1_332}
+    resp = httpx.post(server[2] + "/v1/messages?beta=true", json=body, headers=headers, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert "Answer after thinking." in "".join(json.loads(line[6:]).get("delta", {}).get("text", "")
+                                               for line in resp.text.splitlines() if line.startswith("data: "))
+    assert "Private chain of thought" not in resp.text  # no reasoning text on the wire
+    assert '"type":"signature_delta"' in resp.text
+    whole = httpx.post(server[2] + "/v1/messages", json={**body, "stream": False}, headers=headers, timeout=30).json()
+    assert whole["content"][0]["type"] == "thinking" and whole["content"][0]["thinking"] == ""
+    assert whole["content"][0]["signature"] and whole["content"][1]["text"] == "Answer after thinking."
 
 
 # -- OpenAI ---------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Every package raises these (server, cache, rank adapters); the HTTP layer catche
 ``ProtocolError`` and answers with ``openai_body()`` / ``anthropic_body()`` and ``http_status``,
 or, once a stream has started, with ``openai_sse()`` / ``anthropic_sse()``.
 
-Invariant: each subclass fixes ``http_status`` and the type names of both APIs; instances only
+Invariant: each subclass fixes ``http_status`` (``status(api)``: the one API that answers
+differently sets ``anthropic_http_status``) and the type names of both APIs; instances only
 carry the message, the offending parameter and (for retryable errors) ``retry_after_s``.
 """
 
@@ -21,6 +22,7 @@ class ProtocolError(Exception):
     """Base class: an error a client gets to see, in its own API's format."""
 
     http_status: ClassVar[int] = 500
+    anthropic_http_status: ClassVar[int | None] = None  # set where the Anthropic API answers differently
     anthropic_type: ClassVar[str] = "api_error"
     openai_type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
@@ -39,6 +41,12 @@ class ProtocolError(Exception):
         self.param = param
         self.code = code if code is not None else self.default_code
         self.retry_after_s = retry_after_s
+
+    def status(self, api: str) -> int:
+        """The HTTP status for ``api`` ('openai' or 'anthropic')."""
+        if api == "anthropic" and self.anthropic_http_status is not None:
+            return self.anthropic_http_status
+        return self.http_status
 
     # -- bodies -------------------------------------------------------------------------------
     def openai_body(self) -> dict[str, Any]:
@@ -104,9 +112,18 @@ class InvalidRequest(ProtocolError):
 
 
 class ModelNotAvailable(InvalidRequest):
-    """400 with the seed guide's text: a model name this endpoint does not serve."""
+    """The seed guide's text for a model name this endpoint does not serve: 400 on the OpenAI
+    API, 410 ``not_found_error`` on the Anthropic API.
+
+    Why 410: Claude Code >= 2.1.3xx resends any 400 or 422 up to six times, dropping a beta each
+    time (six full requests of ~90-130 KB), and replaces a 404's message with its own generic
+    text after a second request; 410 is answered once and its message shown verbatim, by
+    2.1.197 as well (docs/claude-code.md). No HTTP client or SDK retries a 410.
+    """
 
     default_code = "model_not_found"
+    anthropic_http_status = 410
+    anthropic_type = "not_found_error"
 
     def __init__(self, model: str) -> None:
         super().__init__(f"Model '{model}' is not available on this endpoint", param="model")

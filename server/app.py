@@ -120,7 +120,7 @@ def error_response(exc: ProtocolError, api: str, request_id: str | None = None) 
     if request_id is not None:
         exc = with_request_id(exc, request_id)
         headers["x-request-id"] = request_id
-    return json_response(exc.http_status, exc.body(api), headers)
+    return json_response(exc.status(api), exc.body(api), headers)
 
 
 def check_declared_length(request: Request, limit_bytes: int) -> None:
@@ -185,7 +185,7 @@ class StreamResponse(Response):
         except Exception as exc:  # noqa: BLE001 - answered in the caller's shape
             perr = _log_unexpected(exc, self._request_id)
             if not started:
-                self.status_code = perr.http_status
+                self.status_code = perr.status(self._api)
                 await error_response(perr, self._api, self._request_id)(scope, receive, send)
                 return
             perr = with_request_id(perr, self._request_id)
@@ -299,7 +299,7 @@ class Routes:
                             headers={"x-request-id": request_id})
         except Exception as exc:  # noqa: BLE001 - every error in the caller's shape
             perr = _log_unexpected(exc, request_id)
-            metrics.count_request(route, perr.http_status)
+            metrics.count_request(route, perr.status(api))
             self._observe_refusal(perr)
             return error_response(perr, api, request_id)
 
@@ -323,7 +323,7 @@ class Routes:
             return json_response(200, {"input_tokens": int(num_tokens)}, {"x-request-id": request_id})
         except Exception as exc:  # noqa: BLE001
             perr = _log_unexpected(exc, request_id)
-            self.state.metrics.count_request("count_tokens", perr.http_status)
+            self.state.metrics.count_request("count_tokens", perr.status("anthropic"))
             return error_response(perr, "anthropic", request_id)
 
     # -- metadata routes -------------------------------------------------------------------------

@@ -109,7 +109,8 @@ def test_bad_json_and_unknown_model(proto: Protocol) -> None:
     with pytest.raises(ModelNotAvailable) as ei:
         proto.prepare_anthropic(body, {})
     assert ei.value.message == "Model 'claude-opus-4-8' is not available on this endpoint"
-    assert ei.value.http_status == 400
+    assert (ei.value.status("openai"), ei.value.status("anthropic")) == (400, 410)
+    assert ei.value.anthropic_body()["error"]["type"] == "not_found_error"
 
 
 def test_prompt_too_long_message(tok: PromptTokenizer) -> None:

@@ -191,11 +191,13 @@ def test_openai_second_turn_reports_cached_tokens(oai: openai.OpenAI) -> None:
 
 
 # -- errors, in each API's shape --------------------------------------------------------------------
-def test_unknown_model_is_400_in_both_shapes(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
-    with pytest.raises(anthropic.BadRequestError) as a_err:
+def test_unknown_model_is_410_anthropic_400_openai(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    # Anthropic: 410, which Claude Code neither retries nor rewrites (a 400 costs it six requests)
+    with pytest.raises(anthropic.APIStatusError) as a_err:
         claude.messages.create(model="claude-opus-4-8", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    assert a_err.value.status_code == 410
     assert a_err.value.body["error"]["message"] == "Model 'claude-opus-4-8' is not available on this endpoint"
-    assert a_err.value.body["error"]["type"] == "invalid_request_error"
+    assert a_err.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(openai.BadRequestError) as o_err:
         oai.chat.completions.create(model="gpt-4o", max_tokens=8, messages=[{"role": "user", "content": "x"}])
     assert o_err.value.body["message"] == "Model 'gpt-4o' is not available on this endpoint"

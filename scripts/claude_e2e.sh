@@ -1,42 +1,70 @@
 #!/usr/bin/env bash
-# Claude Code end to end: the real CLI against the backend on the scripted stand-in model.
+# Claude Code end to end: the real CLI against the backend on the scripted stand-in model, run on
+# every pinned CLI version (scripts/claude-versions.txt: the oldest supported, the newest on npm).
 #
-#   bash scripts/claude_e2e.sh            # install the CLI if needed, run every scenario
-#   bash scripts/claude_e2e.sh -k parallel   # extra args go to pytest
+#   bash scripts/claude_e2e.sh                                 # the version matrix
+#   CLAUDE_CODE_VERSIONS=2.1.332 bash scripts/claude_e2e.sh    # chosen versions only
+#   CLAUDE_BIN=/path/to/claude bash scripts/claude_e2e.sh      # one binary you already have
+#   bash scripts/claude_e2e.sh -k parallel                     # extra args go to pytest
 #
-# Installs @anthropic-ai/claude-code (pinned: CLAUDE_CODE_VERSION, default the version the
-# protocol notes were observed on) into .cache/claude-cli with npm, checks `claude --version`
-# offline, then runs the tests marked claude_cli plus the OpenAI-SDK flows. Needs node/npm once,
-# for the install; the runs themselves need no network (everything is on 127.0.0.1).
-# See docs/claude-code.md.
+# Each version is installed once with npm into .cache/claude-cli/<version> (gitignored; the
+# native binary is 245-400 MB) and checked with `claude --version`, offline. The first version
+# runs all of tests/e2e (CLI scenarios, OpenAI-SDK flows, scripted-engine unit tests); the others
+# run the tests marked claude_cli. Prints each version's wall time, then a summary. Needs npm
+# only to install; the runs stay on 127.0.0.1. See docs/claude-code.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CLI_DIR=${CLAUDE_CLI_DIR:-.cache/claude-cli}
-VERSION=${CLAUDE_CODE_VERSION:-2.1.197}
+PINS=scripts/claude-versions.txt
+CACHE=${CLAUDE_CLI_CACHE:-.cache/claude-cli}
+VERSIONS=${CLAUDE_CODE_VERSIONS:-$(awk '$1 !~ /^#/ && NF >= 2 {print $2}' "$PINS")}
+[ -n "${CLAUDE_BIN:-}" ] && VERSIONS=custom
 
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 
-find_bin() {
+installed_bin() {  # the native binary of version $1 in the cache, if installed
   local b
-  for b in "$CLI_DIR"/node_modules/@anthropic-ai/claude-code-*/claude; do
+  for b in "$CACHE/$1"/node_modules/@anthropic-ai/claude-code-*/claude; do
     [ -x "$b" ] && { realpath "$b"; return 0; }
   done
   return 1
 }
 
-if ! BIN=$(find_bin); then
-  command -v npm >/dev/null || { echo "error: npm is needed to install the Claude Code CLI" >&2; exit 2; }
-  mkdir -p "$CLI_DIR"
-  echo "installing @anthropic-ai/claude-code@$VERSION into $CLI_DIR"
-  npm install --prefix "$CLI_DIR" --no-audit --no-fund --loglevel=error "@anthropic-ai/claude-code@$VERSION"
-  BIN=$(find_bin) || { echo "error: the npm package brought no native binary for this platform" >&2; exit 2; }
-fi
-echo "claude: $BIN ($(HOME=$(mktemp -d) DISABLE_AUTOUPDATER=1 "$BIN" --version))"
+binary_for() {  # install version $1 if needed; print its binary
+  if [ "$1" = custom ]; then realpath "$CLAUDE_BIN"; return 0; fi
+  if ! installed_bin "$1"; then
+    command -v npm >/dev/null || { echo "error: npm is needed to install the Claude Code CLI" >&2; return 2; }
+    mkdir -p "$CACHE/$1"
+    echo "installing @anthropic-ai/claude-code@$1 into $CACHE/$1" >&2
+    npm install --prefix "$CACHE/$1" --no-audit --no-fund --loglevel=error "@anthropic-ai/claude-code@$1" >&2
+    installed_bin "$1" || { echo "error: the npm package brought no native binary for this platform" >&2; return 2; }
+  fi
+}
 
-start=$(date +%s)
+probe_home=$(mktemp -d)
+trap 'rm -rf "$probe_home"' EXIT
+summary=()
 status=0
-CLAUDE_BIN="$BIN" .venv/bin/python -m pytest -m "claude_cli or not claude_cli" -p no:cacheprovider \
-  -o addopts="" tests/e2e -v -ra --durations=12 "$@" || status=$?
-echo "claude_e2e: wall time $(( $(date +%s) - start )) s, exit $status"
+first=1
+for version in $VERSIONS; do
+  bin=$(binary_for "$version")
+  reported=$(HOME=$probe_home DISABLE_AUTOUPDATER=1 "$bin" --version)
+  if [ "$version" != custom ] && [ "${reported%% *}" != "$version" ]; then
+    echo "error: $bin reports '$reported', expected $version" >&2
+    exit 2
+  fi
+  echo "=== Claude Code $reported: $bin"
+  if [ $first = 1 ]; then marker="claude_cli or not claude_cli"; else marker="claude_cli"; fi
+  start=$(date +%s)
+  rc=0
+  CLAUDE_BIN="$bin" .venv/bin/python -m pytest -m "$marker" -p no:cacheprovider -o addopts="" \
+    tests/e2e -v -ra --durations=12 "$@" || rc=$?
+  wall=$(( $(date +%s) - start ))
+  echo "claude_e2e: Claude Code ${reported%% *}: wall time $wall s, exit $rc"
+  summary+=("  ${reported%% *}: exit $rc, wall time $wall s ($marker)")
+  [ $rc = 0 ] || status=$rc
+  first=0
+done
+echo "claude_e2e summary:"
+printf '%s\n' "${summary[@]}"
 exit $status

@@ -31,13 +31,26 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 SCENARIOS = HERE / "scenarios"
 PROJECTS = HERE / "projects"
-CLI_DIR = Path(os.environ.get("CLAUDE_CLI_DIR", REPO / ".cache" / "claude-cli"))
+CLI_CACHE = Path(os.environ.get("CLAUDE_CLI_CACHE", REPO / ".cache" / "claude-cli"))
+VERSION_PINS = REPO / "scripts" / "claude-versions.txt"
 MODEL = "deepseek-v4.1-flash"
 API_KEY = "test-key-0123456789"
 
 
+def pinned_versions() -> dict[str, str]:
+    """``scripts/claude-versions.txt`` as {role: version} (oldest, newest)."""
+    pins = {}
+    for line in VERSION_PINS.read_text().splitlines():
+        words = line.split()
+        if len(words) >= 2 and not words[0].startswith("#"):
+            pins[words[0]] = words[1]
+    return pins
+
+
 def find_claude() -> Path | None:
-    """The Claude Code native binary: $CLAUDE_BIN, the npm cache dir, or ``claude`` on PATH.
+    """The Claude Code native binary: $CLAUDE_BIN (``scripts/claude_e2e.sh`` sets it for each
+    version of the matrix), else the newest pinned version installed in the cache, else
+    ``claude`` on PATH.
 
     npm >= 11 does not run the package's postinstall (which copies the native binary over the
     ``bin/claude.exe`` placeholder) unless scripts are allowed, so the platform package's binary
@@ -45,13 +58,11 @@ def find_claude() -> Path | None:
     """
     if os.environ.get("CLAUDE_BIN"):
         return Path(os.environ["CLAUDE_BIN"]).resolve()  # the CLI runs with cwd = the project
-    scoped = CLI_DIR / "node_modules" / "@anthropic-ai"
-    for candidate in sorted(scoped.glob("claude-code-*/claude")):
-        if os.access(candidate, os.X_OK):
-            return candidate.resolve()
-    placeholder = scoped / "claude-code" / "bin" / "claude.exe"
-    if placeholder.is_file() and placeholder.stat().st_size > 1_000_000:
-        return placeholder.resolve()
+    for version in reversed(list(pinned_versions().values())):
+        scoped = CLI_CACHE / version / "node_modules" / "@anthropic-ai"
+        for candidate in sorted(scoped.glob("claude-code-*/claude")):
+            if os.access(candidate, os.X_OK):
+                return candidate.resolve()
     found = shutil.which("claude")
     return Path(found) if found else None
 

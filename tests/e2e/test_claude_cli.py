@@ -161,18 +161,19 @@ def test_prompt_over_window_compacts_and_carries_on(claude_bin, tmp_path: Path):
 
 
 def test_unknown_model_name(claude_bin, shared_backend, tmp_path: Path):
-    # The seed guide's behaviour: a model name the endpoint does not serve (here a Claude model id,
-    # what Claude Code sends when ANTHROPIC_MODEL is not set to ours) is a 400 naming the model.
+    # The seed guide's text for a model name the endpoint does not serve (here a Claude model id,
+    # what Claude Code sends when ANTHROPIC_MODEL is not set to ours), as a 410: newer CLIs resend
+    # a 400 six times (dropping betas) and replace a 404's message; every version answers a 410
+    # once and shows its message (docs/claude-code.md).
     project = make_project(tmp_path, {"README.md": "hello\n"})
-    before_400, before_200 = shared_backend.messages_requests(400), shared_backend.messages_requests(200)
+    before = {s: shared_backend.messages_requests(s) for s in (200, 400, 404, 410)}
     run = run_claude(claude_bin, "What is the launch code in README.md?", project, shared_backend.base_url,
                      model="claude-sonnet-4-5")
-    num_400 = shared_backend.messages_requests(400) - before_400
-    num_200 = shared_backend.messages_requests(200) - before_200
+    counts = {s: shared_backend.messages_requests(s) - n for s, n in before.items()}
     assert run.rc == 1 and run.result.get("is_error") is True, run.describe()
-    assert run.result.get("api_error_status") == 400, run.describe()
-    assert run.result["result"] == "API Error: 400 Model 'claude-sonnet-4-5' is not available on this endpoint"
-    assert (num_400, num_200) == (1, 0)  # a 400 is final: Claude Code did not retry
+    assert run.result.get("api_error_status") == 410, run.describe()
+    assert run.result["result"] == "API Error: 410 Model 'claude-sonnet-4-5' is not available on this endpoint"
+    assert counts == {200: 0, 400: 0, 404: 0, 410: 1}, counts  # one request: not retried
     assert sorted(p.name for p in project.iterdir()) == ["README.md"]  # nothing ran
 
 

@@ -44,7 +44,7 @@ from protocol.responses_api import prepare_responses
 from protocol.responses_store import ResponseStore
 from protocol.sampling import engine_sampling
 from protocol.stream import ResponseStream
-from protocol.tokenize import PromptTokenizer
+from protocol.tokenize import PromptTokenizer, TokenBudgetExceeded
 
 _Req = TypeVar("_Req", bound=BaseModel)
 
@@ -194,7 +194,8 @@ class Protocol:
         return prepare_responses(self, _load_body(body), headers)
 
     def count_tokens_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> int:
-        """Exact prompt length of an Anthropic count_tokens body (same rendering as a request)."""
+        """Exact prompt length of an Anthropic count_tokens body (same rendering as a request);
+        a prompt no request could send (over ``max_model_len - 1``) is refused like a request."""
         data = _load_body(body)
         req = _validate(A.CountTokensRequest, data)
         conv = anthropic_conversation(req, data.get("tools"))
@@ -210,11 +211,14 @@ class Protocol:
             raise ModelNotAvailable(model)
 
     def _tokenize(self, conv: Conversation) -> Any:
+        """The prompt ids; a prompt over ``max_model_len - 1`` tokens is refused as soon as that
+        is known (the tokenizer stops there), with an estimate of its length."""
         segments = render(conv, self.table.end_think_id, self.table.eos_id)
-        ids = self.tokenizer.encode_segments(segments)
-        if len(ids) > self.max_model_len - 1:
-            raise PromptTooLong(len(ids), self.max_model_len - 1)
-        return ids
+        limit = self.max_model_len - 1
+        try:
+            return self.tokenizer.encode_segments(segments, max_tokens=limit)
+        except TokenBudgetExceeded as exc:
+            raise PromptTooLong(exc.num_tokens, limit) from None
 
     def _sampling(self, temperature: float | None, top_p: float | None, top_k: int | None,
                   seed: int | None) -> dict[str, Any]:

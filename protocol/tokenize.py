@@ -13,6 +13,16 @@ LRU shared by all sessions (identical system prompts and tool lists are shared t
 only encodes pieces it has not seen: its new messages.
 
 Invariant: ``encode_segments(s)`` depends only on the segments, never on the cache state.
+
+Long pieces and the event loop: a piece longer than ``_CHUNK_CHARS`` is encoded chunk by chunk,
+cut only where the V4 pre-tokenizer always splits (after a newline that precedes a non-space
+character, or else between two ASCII letters separated by one space), so the ids equal the
+single-call encoding; every piece longer than ``_SMALL_PIECE_CHARS`` goes through
+``Tokenizer.encode_batch``, which releases the GIL while it encodes (``encode`` holds it), so a
+worker thread tokenizing megabytes leaves the event loop running. With ``max_tokens`` set,
+``encode_segments`` stops as soon as the prompt is known to be longer and raises
+``TokenBudgetExceeded``: "prompt too long" costs at most ``max_tokens`` tokens of encoding plus one
+chunk, however large the body.
 """
 
 from __future__ import annotations
@@ -34,6 +44,81 @@ from protocol.render import CLIENT, IDS, OURS, Segment
 _ENTRY_OVERHEAD_BYTES = 200  # dict slot + OrderedDict link + ndarray header, roughly
 _SMALL_PIECE_CHARS = 256  # pieces up to this long are cached by their text in a plain dict
 _SMALL_CACHE_ENTRIES = 65536  # ~30 MB at most
+_CHUNK_CHARS = 1 << 17  # longer pieces are encoded in chunks of at most this many characters
+_ASCII_LETTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_ASCII_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+
+
+class TokenBudgetExceeded(ValueError):
+    """The prompt has more than ``max_tokens`` tokens; encoding stopped early.
+
+    ``num_tokens`` is an estimate of the whole prompt's length (the tokens counted so far, plus
+    the text not encoded yet at the ratio seen so far); it is always above the budget."""
+
+    def __init__(self, num_tokens: int, max_tokens: int) -> None:
+        super().__init__(f"prompt has about {num_tokens} tokens, more than {max_tokens}")
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
+
+# UTF-8 bytes -> b" " for ASCII whitespace (space, \t, \n, \v, \f, \r: all ``\s`` for the
+# pre-tokenizer's regex), b"x" for every other byte
+_RUN_TABLE = bytes(32 if i in (9, 10, 11, 12, 13, 32) else 120 for i in range(256))
+_COUNT_CHARS = 1 << 20  # min_tokens works in slices this long (each a short GIL hold)
+
+
+def min_tokens(text: str) -> int:
+    """A lower bound on the number of ids ``text`` encodes to (without added-token matching):
+    its number of runs of characters other than ASCII whitespace.
+
+    Why: every BPE token lies inside one pre-token, and no pre-token of the V4 pre-tokenizer holds
+    two such runs (each regex alternative is at most one leading character, then one run of
+    letters, punctuation, digits or whitespace; a whitespace character always starts a ``\\s+``
+    match, so unmatched gaps hold none). Counting is two passes of C over the UTF-8 bytes
+    (``translate``, ``count``), milliseconds per megabyte against seconds of BPE."""
+    runs = 0
+    after_space = True
+    for start in range(0, len(text), _COUNT_CHARS):
+        marks = text[start : start + _COUNT_CHARS].encode("utf-8", "surrogatepass").translate(_RUN_TABLE)
+        runs += marks.count(b" x") + (after_space and marks[:1] == b"x")
+        after_space = marks[-1:] == b" "
+    return runs
+
+
+def _text_key(text: str) -> int:
+    """xxh3-128 of the UTF-8 bytes, hashed a slice at a time (short GIL holds for megabytes)."""
+    if len(text) <= _COUNT_CHARS:
+        return xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
+    hasher = xxhash.xxh3_128()
+    for start in range(0, len(text), _COUNT_CHARS):
+        hasher.update(text[start : start + _COUNT_CHARS].encode("utf-8", "surrogatepass"))
+    return hasher.intdigest()
+
+
+def safe_cut(text: str, lo: int, hi: int) -> int:
+    """A position in ``(lo, hi]`` where the V4 pre-tokenizer splits whatever surrounds it, or
+    ``hi`` when there is none (text without newlines or spaces: the cut may then change the ids
+    at that point, never the text).
+
+    Why these are exact: no alternative of the pre-tokenizer's regex matches a newline followed
+    by a non-space character (newlines only end matches), and a run of ASCII letters always ends
+    a match before a space or an ASCII punctuation character, whose next match starts there
+    (`` ?letters``, ``punctuation+letters`` or ``punctuation+``)."""
+    k = text.rfind("\n", lo, hi - 1)
+    while k >= lo:
+        nxt = text[k + 1]
+        if nxt.isalnum() or (nxt.isascii() and nxt.isprintable() and nxt != " "):
+            return k + 1
+        k = text.rfind("\n", lo, k)
+    k = text.rfind(" ", lo + 1, hi - 1)
+    while k > lo:
+        if text[k - 1] in _ASCII_LETTERS and text[k + 1] in _ASCII_LETTERS:
+            return k
+        k = text.rfind(" ", lo + 1, k)
+    for k in range(hi - 1, lo, -1):  # minified JSON, base64: a letter run ends before punctuation
+        if text[k] in _ASCII_PUNCTUATION and text[k - 1] in _ASCII_LETTERS:
+            return k
+    return hi
 
 
 def default_tokenizer_path() -> str:
@@ -101,6 +186,39 @@ class PieceCache:
             self.stats.num_entries = 0
 
 
+class _OverBudget(Exception):
+    """Internal: a piece's encoding passed its budget after ``num_chars`` of its characters."""
+
+    def __init__(self, num_ids: int, num_chars: int) -> None:
+        super().__init__(num_ids, num_chars)
+        self.num_ids = num_ids
+        self.num_chars = num_chars
+
+
+class _Progress:
+    """Ids produced and text characters consumed so far, for the budget and the estimate."""
+
+    __slots__ = ("num_ids", "num_text_ids", "num_chars")
+
+    def __init__(self) -> None:
+        self.num_ids = self.num_text_ids = self.num_chars = 0
+
+    def ids(self, n: int) -> None:
+        self.num_ids += n
+
+    def text(self, num_ids: int, num_chars: int) -> None:
+        self.num_ids += num_ids
+        self.num_text_ids += num_ids
+        self.num_chars += num_chars
+
+    def exceeded(self, segments: list[Segment], max_tokens: int) -> TokenBudgetExceeded:
+        """The error, estimating the rest of the text at the ids-per-character ratio so far."""
+        total_chars = sum(len(p) for kind, p in segments if kind != IDS)
+        rest = max(0, total_chars - self.num_chars)
+        estimate = self.num_ids + (rest * self.num_text_ids // self.num_chars if self.num_chars else 0)
+        return TokenBudgetExceeded(max(estimate, max_tokens + 1), max_tokens)
+
+
 class PromptTokenizer:
     """Loads ``tokenizer.json``; encodes segment lists; decodes ids; knows the control ids."""
 
@@ -154,30 +272,51 @@ class PromptTokenizer:
             self._ours_cache[text] = parts
         return parts
 
-    def encode_plain(self, text: str) -> np.ndarray:
-        """Ids of text with no added-token matching (uncached)."""
-        return np.asarray(self.plain.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+    def encode_plain(self, text: str, budget: int | None = None) -> np.ndarray:
+        """Ids of text with no added-token matching (uncached), chunked as the module docstring
+        says. With ``budget``, raises ``_OverBudget`` once more than ``budget`` ids came out."""
+        if len(text) <= _SMALL_PIECE_CHARS:
+            return np.asarray(self.plain.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        parts: list[np.ndarray] = []
+        num_ids = pos = 0
+        while pos < len(text):
+            end = len(text) if len(text) - pos <= _CHUNK_CHARS else safe_cut(text, pos + _CHUNK_CHARS // 2,
+                                                                               pos + _CHUNK_CHARS)
+            chunk = text if pos == 0 and end == len(text) else text[pos:end]
+            ids = np.asarray(self.plain.encode_batch([chunk], add_special_tokens=False)[0].ids, dtype=np.int32)
+            parts.append(ids)
+            num_ids += len(ids)
+            pos = end
+            if budget is not None and num_ids > budget:
+                raise _OverBudget(num_ids, pos)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _piece_ids(self, text: str, use_cache: bool) -> np.ndarray:
+    def _piece_ids(self, text: str, use_cache: bool, budget: int | None) -> np.ndarray:
         if not use_cache:
-            return self.encode_plain(text)
-        key = xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
+            return self.encode_plain(text, budget)
+        key = _text_key(text)
         ids = self.cache.get(key)
         if ids is None:
-            ids = self.encode_plain(text)
+            ids = self.encode_plain(text, budget)
             ids.setflags(write=False)
             self.cache.put(key, ids)
         return ids
 
-    def encode_segments(self, segments: Iterable[Segment], use_cache: bool = True) -> np.ndarray:
+    def encode_segments(self, segments: Iterable[Segment], use_cache: bool = True,
+                        max_tokens: int | None = None) -> np.ndarray:
         """Token ids of a rendered prompt (int32, 1-D).
 
         Short pieces (tags, names, paths) and control ids accumulate in one Python list; long
-        pieces come from the byte-bounded LRU as arrays. Few numpy calls per prompt."""
+        pieces come from the byte-bounded LRU as arrays. Few numpy calls per prompt. With
+        ``max_tokens``, raises ``TokenBudgetExceeded`` as soon as the prompt is longer."""
+        segments = list(segments)
+        if max_tokens is not None:
+            self._refuse_if_surely_over(segments, max_tokens)
         chunks: list[np.ndarray] = []
         small: list[int] = []
         pending: list[str] = []
         small_cache = self._small_cache
+        done = _Progress()
 
         def flush_text() -> None:
             text = "".join(pending) if len(pending) != 1 else pending[0]
@@ -192,11 +331,19 @@ class PromptTokenizer:
                         small_cache.clear()  # bounded; refills from the next prompts
                     small_cache[text] = ids
                 small.extend(ids)
+                done.text(len(ids), len(text))
                 return
             if small:
                 chunks.append(np.asarray(small, dtype=np.int32))
                 small.clear()
-            chunks.append(self._piece_ids(text, use_cache))
+            budget = None if max_tokens is None else max_tokens - done.num_ids
+            try:
+                piece = self._piece_ids(text, use_cache, budget)
+            except _OverBudget as over:
+                done.text(over.num_ids, over.num_chars)
+                raise done.exceeded(segments, max_tokens) from None
+            chunks.append(piece)
+            done.text(len(piece), len(text))
 
         for kind, payload in segments:
             if kind == CLIENT:
@@ -208,6 +355,7 @@ class PromptTokenizer:
                         if pending:
                             flush_text()
                         small.append(part)
+                        done.ids(1)
                     else:
                         pending.append(part)
             elif kind == IDS:
@@ -217,15 +365,39 @@ class PromptTokenizer:
                     chunks.append(np.asarray(small, dtype=np.int32))
                     small.clear()
                 chunks.append(np.asarray(payload, dtype=np.int32))
+                done.ids(len(payload))
             else:  # pragma: no cover - render produces only the three kinds
                 raise AssertionError(f"bad segment kind {kind}")
+            if max_tokens is not None and done.num_ids > max_tokens:
+                raise done.exceeded(segments, max_tokens)
         if pending:
             flush_text()
+        if max_tokens is not None and done.num_ids > max_tokens:
+            raise done.exceeded(segments, max_tokens)
         if small:
             chunks.append(np.asarray(small, dtype=np.int32))
         if not chunks:
             return np.zeros(0, dtype=np.int32)
         return np.concatenate(chunks) if len(chunks) > 1 else chunks[0].copy()
+
+    def _refuse_if_surely_over(self, segments: list[Segment], max_tokens: int) -> None:
+        """Raise ``TokenBudgetExceeded`` when a lower bound on the prompt's length (client text
+        by ``min_tokens``, ledger ids exactly; our template text not counted) is already over
+        ``max_tokens``: a 20 MB body is refused in milliseconds instead of after encoding a
+        million tokens. Only worth counting when the text is longer than the budget."""
+        texts = [p for kind, p in segments if kind == CLIENT and p]
+        if sum(len(t) for t in texts) <= max_tokens:
+            return
+        num_ids = sum(len(p) for kind, p in segments if kind == IDS)
+        # runs of adjacent segments may join in the prompt: one run per segment boundary less
+        bound = num_ids + sum(min_tokens(t) for t in texts) - len(texts)
+        if bound <= max_tokens:
+            return
+        # the reported length: the bound scaled by the ids-per-run ratio of a sample
+        sample = max(texts, key=len)[: 1 << 14]
+        runs = min_tokens(sample)
+        ratio = len(self.encode_plain(sample)) / runs if runs else 1.0
+        raise TokenBudgetExceeded(max(bound, int(bound * ratio)), max_tokens)
 
     def encode_text(self, text: str) -> np.ndarray:
         """Whole-string encoding with added-token matching (the naive way; tests and bench)."""

@@ -51,6 +51,7 @@ from server.auth import ApiKeyCheck
 from server.config import WorkloadConfig
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from server.metrics import ServerMetrics
+from server.prepare import RequestPreparer
 
 log = logging.getLogger("deepinfer.server")
 
@@ -88,6 +89,7 @@ class AppState:
     service: Any = None  # server.service.ChatService
     symptoms: Any = None  # server.symptoms.RuntimeSymptoms
     request_ids: Callable[[], str] = field(default_factory=lambda: RequestIds())
+    preparer: RequestPreparer = field(default_factory=RequestPreparer)  # bodies -> prompts, off the loop
 
 
 class RequestIds:
@@ -281,7 +283,7 @@ class Routes:
             service.prefetch(session_hint(headers))
             body = await read_body(request, self.state.config.max_body_bytes)
             prepare = {"anthropic": protocol.prepare_anthropic, "responses": protocol.prepare_responses}
-            prepared = prepare.get(api, protocol.prepare_openai)(body, headers)
+            prepared = await self.state.preparer.run(prepare.get(api, protocol.prepare_openai), body, headers)
             if prepared.stream:
                 async def run(write: Write) -> None:
                     await service.stream(prepared, request_id, write, arrival_s)
@@ -318,7 +320,7 @@ class Routes:
             self._check_auth(request)
             body = await read_body(request, self.state.config.max_body_bytes)
             protocol, _ = self._ready_parts()
-            num_tokens = protocol.count_tokens_anthropic(body, request.headers)
+            num_tokens = await self.state.preparer.run(protocol.count_tokens_anthropic, body, request.headers)
             self.state.metrics.count_request("count_tokens", 200)
             return json_response(200, {"input_tokens": int(num_tokens)}, {"x-request-id": request_id})
         except Exception as exc:  # noqa: BLE001

@@ -117,6 +117,7 @@ class Runtime:
     async def stop(self) -> None:
         self._ready = False
         self.state.protocol = self.state.service = None
+        self.state.preparer.close()
         if self._server is not None:
             self._server.should_exit = True
             if self._server_task is not None:
@@ -261,13 +262,15 @@ class Runtime:
     async def openai_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A non-streaming OpenAI chat completion, in process (no HTTP)."""
         service = self._ready_service()
-        prepared = self.protocol.prepare_openai(orjson.dumps({**body, "stream": False}), {})
+        prepared = await self.state.preparer.run(self.protocol.prepare_openai,
+                                                 orjson.dumps({**body, "stream": False}), {})
         return await service.complete(prepared, self.state.request_ids(), time.perf_counter())
 
     async def openai_chat_chunks(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """OpenAI ``chat.completion.chunk`` dicts of one streamed completion, in process."""
         service = self._ready_service()
-        prepared = self.protocol.prepare_openai(orjson.dumps({**body, "stream": True}), {})
+        prepared = await self.state.preparer.run(self.protocol.prepare_openai,
+                                                 orjson.dumps({**body, "stream": True}), {})
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 
         async def write(data: bytes) -> None:

@@ -12,6 +12,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from protocol import sampling as S
+
 MAX_KEY_CHARS = 512
 
 
@@ -142,7 +144,7 @@ class ResponsesRequest(_Wire):
     parallel_tool_calls: bool | None = None
     reasoning: Reasoning | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=S.TEMPERATURE_MAX)  # protocol/sampling.py
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     store: bool = True
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_CHARS)

@@ -210,8 +210,8 @@ class Recorder:
         orig_admit = cache.admit
 
         @functools.wraps(orig_admit)
-        async def admit(prompt_ids: Any, session_hint: str | None, num_output_tokens_hint: int) -> Any:
-            adm = await orig_admit(prompt_ids, session_hint, num_output_tokens_hint)
+        async def admit(prompt_ids: Any, session_hint: str | None, max_tokens: int, **kw: Any) -> Any:
+            adm = await orig_admit(prompt_ids, session_hint, max_tokens, **kw)
             self.admissions.append({
                 "t": time.monotonic(), "hint": session_hint if (session_hint or "").startswith(PROBE_PREFIX) else None,
                 "rank": adm.rank, "epoch": adm.epoch, "prompt": adm.num_prompt_tokens,

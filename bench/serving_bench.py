@@ -306,13 +306,17 @@ async def service_only(num_streams: int, num_steps: int) -> float:
     class _Admission:
         rank, prefix_blocks, num_cached_tokens, queue_time_s = 0, (), 0, 0.0
         cached_tokens_by_tier = {"l0": 0, "l1": 0}
+        max_output_tokens = 8192
 
         def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: object) -> str:
             return request_id
 
     class _Cache:
-        async def admit(self, *_: object) -> _Admission:
+        async def admit(self, *_: object, **__: object) -> _Admission:
             return _Admission()
+
+        def make_room(self, *_: object) -> None:
+            pass
 
         def finish(self, *_: object) -> None:
             pass

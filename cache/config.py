@@ -31,7 +31,14 @@ class CacheConfig(BaseModel):
     output_reserve_tokens: int = Field(
         8192, ge=1, description="Output tokens a turn reserves at admission (capped: clients such "
         "as OpenAI SDKs without max_tokens would otherwise reserve the whole context). Longer "
-        "outputs grow block by block in the engine, out of the reserve_blocks slack and evictions."
+        "replies grow their reservation while they decode, evicting idle blocks (cache/output_room.py)."
+    )
+    output_lead_tokens: int = Field(
+        256, ge=1, description="A running reply's KV reservation grows once fewer than this many of "
+        "its tokens are left (time for evicted blocks' releases to land before the engine needs them)."
+    )
+    output_grow_tokens: int = Field(
+        2048, ge=1, description="Tokens a running reply's reservation grows by (cache/output_room.py)."
     )
     reserve_blocks: int = Field(
         2, ge=0, description="Blocks per rank kept out of admission (slack for decode overrun)."

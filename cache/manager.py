@@ -3,10 +3,11 @@
 One turn::
 
     cache.prefetch(session_hint)                 # optional, as soon as the headers are read
-    adm = await cache.admit(prompt_ids, session_hint, num_output_tokens_hint)
+    adm = await cache.admit(prompt_ids, session_hint, max_tokens)   # sampling.max_tokens = adm.max_output_tokens
     try:
         stream = client.submit(adm.rank, adm.engine_request(request_id, prompt_ids, sampling))
-        async for out in stream: ...             # last output has finished=True
+        async for out in stream:                 # last output has finished=True
+            cache.make_room(adm, num_output_tokens_so_far)
     except BaseException:
         cache.abort(adm)                         # no terminal output will come (or it was lost)
         raise
@@ -49,6 +50,7 @@ from cache.idle_load import IdleLoad
 from cache.l0_index import L0Index, Node, RankIndex
 from cache.l1_index import L1Index, WritePlan
 from cache.metrics import CacheMetrics
+from cache.output_room import OutputRoom, output_limit
 from cache.router import RankLoad, Router
 from cache.sessions import Session, SessionId, SessionTable, StopKind
 from protocol.errors import InvalidRequest, Overloaded, PromptTooLong
@@ -89,6 +91,8 @@ class Admission:
     num_used_blocks: int = 0  # use refs held on hashes[:num_used_blocks] on ``rank``
     reserved_blocks: int = 0  # blocks the sequence may still allocate (released at close)
     context_tokens: int = 0
+    max_output_tokens: int = 1  # the engine request's max_tokens (trimmed to the KV room if a default)
+    room_blocks: int = 0  # blocks the turn may hold: prefix + reserved; grows while it decodes
     is_closed: bool = False
 
     def engine_request(
@@ -185,6 +189,7 @@ class CacheManager:
         self.num_partial_prefix_admissions = 0
         self.num_lost_prefix_tokens = 0
         self._gauges = GaugeRefresher(self._refresh_gauges)
+        self.output_room = OutputRoom(self)
         self._rank_gauges = (
             [(metrics.rank_load_tokens.labels(str(r)), metrics.rank_free_blocks.labels(str(r)),
               metrics.rank_cached_blocks.labels(str(r)), metrics.queue_depth.labels(str(r)))
@@ -227,12 +232,21 @@ class CacheManager:
         self._prefetches[session.session_id] = task
 
     async def admit(
-        self, prompt_ids: np.ndarray | Sequence[int], session_hint: str | None, num_output_tokens_hint: int
+        self, prompt_ids: np.ndarray | Sequence[int], session_hint: str | None, max_tokens: int,
+        *, max_tokens_is_default: bool = False,
     ) -> Admission:
-        """Route, pin, queue if needed, restore; see the module docstring."""
+        """Route, pin, queue if needed, restore; see the module docstring. A turn whose prompt
+        plus ``max_tokens`` cannot fit a rank's usable pool is refused before it queues
+        (``cache/output_room.py``), unless ``max_tokens`` is a default: then it is trimmed."""
         tokens = as_token_array(prompt_ids)
         if tokens.size == 0:
             raise InvalidRequest("prompt is empty", param="messages")
+        # A running sequence holds all its blocks (shared prefix ones too), so a turn must fit a
+        # rank's usable pool whole (every rank has the same pool).
+        limit = self._ledgers[0].capacity_blocks - self._keep_out_blocks(self._ledgers[0])
+        if -(-(len(tokens) + 1) // self.block_size) > limit:
+            raise PromptTooLong(len(tokens), max(0, limit * self.block_size - 1))
+        max_output = output_limit(len(tokens), max(1, max_tokens), limit * self.block_size, max_tokens_is_default)
         now = self._clock()
         self._sync_l1()
         hashes = self.hasher.hashes(tokens) if self.config.prefix_cache else []
@@ -257,8 +271,9 @@ class CacheManager:
         session.num_in_flight += 1
         self._idle.update(session, now)
         try:
-            num_reserve = max(1, min(num_output_tokens_hint, self.config.output_reserve_tokens))
+            num_reserve = min(max_output, self.config.output_reserve_tokens)
             adm = await self._admit_on(rank, session, tokens, hashes, num_reserve)
+            adm.max_output_tokens = max_output
         except BaseException:
             session.num_in_flight -= 1
             self._idle.update(session, self._clock())
@@ -318,6 +333,13 @@ class CacheManager:
             self._forget_idle_sessions(now)
         self.queue.notify(rank)
         self._update_gauges()
+
+    def make_room(self, admission: Admission, num_output_tokens: int) -> None:
+        """A running turn has produced ``num_output_tokens``: grow its KV reservation ahead of
+        its decode, evicting idle blocks if needed (``cache/output_room.py``). The service calls
+        this as outputs arrive; it returns at once while the reservation has room to spare."""
+        if self.output_room.needs_room(admission, num_output_tokens):
+            self.output_room.grow(admission, num_output_tokens)
 
     def abort(self, admission: Admission) -> None:
         """The turn will not produce a terminal output to file (submit failed, the rank group
@@ -412,11 +434,7 @@ class CacheManager:
         num_prompt = len(tokens)
         sid = session.session_id
         limit = ledger.capacity_blocks - self._keep_out_blocks(ledger)
-        # A running sequence holds all its blocks (shared prefix ones too), so a turn must fit
-        # the rank's pool whole; the output estimate is trimmed to what fits.
-        if -(-(num_prompt + 1) // bs) > limit:
-            raise PromptTooLong(num_prompt, max(0, limit * bs - 1))
-        total_blocks = min(-(-(num_prompt + num_output) // bs), limit)
+        total_blocks = min(-(-(num_prompt + num_output) // bs), limit)  # admit() checked the fit
         plan: dict[str, int] = {}
         victims: list[Node] = []
         exports: list[_ChainExport] = []
@@ -481,6 +499,7 @@ class CacheManager:
             queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
             keep_blocks=self.config.prefix_cache, num_prompt_tokens=num_prompt, hashes=hashes,
             num_used_blocks=num_l0, reserved_blocks=need, context_tokens=num_prompt + num_output,
+            room_blocks=total_blocks,
         )
         ledger.num_in_flight += 1
         ledger.running_tokens += adm.context_tokens
@@ -725,6 +744,12 @@ class CacheManager:
             else:
                 self._spawn(release)
                 await asyncio.sleep(0)  # the task's first step sends the command
+
+    def _plannable_free_blocks(self, rank: int) -> int:
+        """Free blocks any planner may take on ``rank`` (negative when running replies' growth
+        overcommitted the pool)."""
+        ledger = self._ledgers[rank]
+        return ledger.free_blocks(len(self.l0[rank])) - self._keep_out_blocks(ledger)
 
     def _l1_has_block(self, node: Node) -> bool:
         """True when the L1 copy of the block's owner holds it at its place in the chain."""

@@ -64,6 +64,14 @@ class CacheMetrics:
             "duplicate_blocks", "Kept blocks released because the index already held their hash.",
             namespace=ns, registry=registry,
         )
+        self.output_room_grown_blocks = Counter(
+            "output_room_grown_blocks", "Blocks running replies' KV reservations grew by while decoding.",
+            namespace=ns, registry=registry,
+        )
+        self.output_room_short_blocks = Counter(
+            "output_room_short_blocks", "Blocks of that growth neither free nor evictable (running "
+            "sequences held the pool; new turns waited).", namespace=ns, registry=registry,
+        )
         self.sessions_moved = Counter(
             "sessions_moved", "Sessions moved to another rank through L1.", namespace=ns, registry=registry
         )

@@ -176,6 +176,7 @@ class Protocol:
             num_prompt_tokens=len(ids),
             session_key=self._session_key(headers, conv, req.metadata, data.get("prompt_cache_key")),
             max_tokens=max_tokens,
+            max_tokens_is_default=not requested,
             **self._sampling(req.temperature, req.top_p, req.top_k, req.seed),
             stop=stop,
             thinking=conv.thinking,

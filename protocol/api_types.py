@@ -23,6 +23,9 @@ class PreparedRequest:
     num_prompt_tokens: int
     session_key: str  # X-Claude-Code-Session-Id, else a hash of the conversation head
     max_tokens: int
+    # True when the client sent no max_tokens (it is the room left in max_model_len): the KV pool
+    # may cut it shorter. A max_tokens the client sent is refused (400) when the pool cannot hold it.
+    max_tokens_is_default: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

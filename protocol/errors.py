@@ -145,6 +145,27 @@ class PromptTooLong(InvalidRequest):
         self.max_prompt_tokens = max_prompt_tokens
 
 
+class ContextLimitExceeded(InvalidRequest):
+    """400 ``input length and `max_tokens` exceed context limit: I + M > C, decrease input length
+    or `max_tokens` and try again`` (the Anthropic API's text): the prompt fits, but not with
+    ``max_tokens`` more. Claude Code (2.1.197 and 2.1.332 binaries) parses the three numbers and
+    retries at once with ``max_tokens = C - I - 1000``, giving up when that is under 3000 or no
+    smaller than before; OpenAI SDKs do not retry a 400. So a client never retries it for minutes,
+    as it does an overloaded error."""
+
+    default_code = "context_length_exceeded"
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int, context_limit: int) -> None:
+        super().__init__(
+            f"input length and `max_tokens` exceed context limit: {num_prompt_tokens} + {max_tokens} > "
+            f"{context_limit}, decrease input length or `max_tokens` and try again",
+            param="max_tokens",
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_limit = context_limit
+
+
 class AuthenticationError(ProtocolError):
     http_status = 401
     anthropic_type = "authentication_error"

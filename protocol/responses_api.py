@@ -54,6 +54,7 @@ def prepare_responses(proto: Protocol, data: dict[str, Any], headers: Mapping[st
         num_prompt_tokens=len(ids),
         session_key=proto._session_key(headers, conv, req.metadata, req.prompt_cache_key),
         max_tokens=proto._max_tokens(len(ids), req.max_output_tokens),
+        max_tokens_is_default=not req.max_output_tokens,
         **proto._sampling(req.temperature, req.top_p, None, None),
         thinking=conv.thinking,
         reasoning_effort=conv.effort if conv.thinking else None,

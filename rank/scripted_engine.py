@@ -19,8 +19,11 @@ Invariants (checked by ``check_accounting``):
 * block 0 is never handed out; ``ref[b] == seq_refs[b] + cache_refs[b]`` for every block, where
   ``seq_refs`` counts occurrences in live sequences' block tables;
 * a block is on the free list exactly when its count is 0, and at most once;
-* every block of a live sequence's table is allocated for its whole output up front (the script
-  fixes the output length), so decoding never runs out of blocks and nothing is preempted.
+* blocks are allocated as in the real engines: the prompt's at admission (a head that does not
+  fit waits while anything runs), then one by one as decode needs them; a decode step that finds
+  no free block ends the request with ``FinishReason.ERROR`` ("KV pool exhausted during decode",
+  DeepInfer's ``stop_preempted_request``). Keeping room for replies is the cache layer's job
+  (``cache/output_room.py``).
 """
 
 from __future__ import annotations
@@ -212,7 +215,17 @@ class ScriptedEngine(Engine):
                     continue
             assert seq.plan_ids is not None  # planned at admission
             start = len(seq.output_ids)
-            seq.output_ids.extend(seq.plan_ids[start : start + seq.tokens_per_step])
+            new_ids = seq.plan_ids[start : start + seq.tokens_per_step]
+            # KV of every token but the newest: the blocks this step writes into
+            num_new = -(-(seq.prompt_len + start + len(new_ids) - 1) // self.block_size) - len(seq.block_table)
+            if num_new > 0 and not self._pool.can_allocate(num_new):
+                out = self._finish(seq, FinishReason.ERROR, keep=False)
+                out.error = "KV pool exhausted during decode"
+                outputs.append(out)
+                continue
+            if num_new > 0:
+                seq.block_table += self._pool.allocate_seq(num_new)
+            seq.output_ids.extend(new_ids)
             self._write_kv(seq, self._kv_target(seq))
             delay_s = max(delay_s, seq.step_delay_s)
             if len(seq.output_ids) == len(seq.plan_ids):
@@ -236,7 +249,7 @@ class ScriptedEngine(Engine):
             if seq.error is None:
                 if seq.plan_ids is None:  # plan once: a blocked head is retried every step
                     self._plan(seq)
-                num_new = self._blocks_needed(seq) - len(seq.block_table)
+                num_new = -(-seq.prompt_len // self.block_size) - len(seq.block_table)
                 if not self._pool.can_allocate(num_new):
                     if self._running:
                         break  # wait for running requests to finish and free blocks
@@ -300,10 +313,6 @@ class ScriptedEngine(Engine):
         unresolved: set[str] = set()
         text = render_reply(reply, view, self.script.resolve_vars(view), unresolved)
         return text, unresolved
-
-    def _blocks_needed(self, seq: _Seq) -> int:
-        assert seq.plan_ids is not None
-        return -(-(seq.prompt_len + len(seq.plan_ids)) // self.block_size)
 
     @staticmethod
     def _kv_target(seq: _Seq) -> int:

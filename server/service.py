@@ -146,7 +146,8 @@ class ChatService:
             raise Overloaded(f"rank group is {client.state.value}; retry shortly",
                              retry_after_s=RESTART_RETRY_AFTER_S)
         prompt_ids: np.ndarray = prepared.prompt_ids
-        admission = await self._cache.admit(prompt_ids, prepared.session_key, prepared.max_tokens)
+        admission = await self._cache.admit(prompt_ids, prepared.session_key, prepared.max_tokens,
+                                            max_tokens_is_default=prepared.max_tokens_is_default)
         settled = False
         engine_stream: RequestStream | None = None
         symptoms = self._symptoms
@@ -155,7 +156,8 @@ class ChatService:
             symptoms.observe_turn(prepared.session_key, prepared.num_prompt_tokens, admission.num_cached_tokens)
         try:
             self._count_admission(admission, flight)
-            sampling = SamplingParams(max_tokens=prepared.max_tokens, temperature=prepared.temperature,
+            # max_output_tokens: max_tokens, or the KV room left when max_tokens was a default
+            sampling = SamplingParams(max_tokens=admission.max_output_tokens, temperature=prepared.temperature,
                                       top_p=prepared.top_p, top_k=prepared.top_k, seed=prepared.seed)
             request = admission.engine_request(flight.request_id, prompt_ids, sampling)
             try:
@@ -167,7 +169,7 @@ class ChatService:
             if write is not None:
                 flight.started = True  # from here on, errors go out as the stream's error event
                 await write(rs.start(admission.num_cached_tokens))
-            output_ids, last = await self._pump(engine_stream, rs, flight, write)
+            output_ids, last = await self._pump(engine_stream, rs, flight, write, admission)
             stop_hit = rs.stop_hit
             if stop_hit:
                 reason = "stop"
@@ -235,8 +237,10 @@ class ChatService:
             self._cache.abort(admission)
 
     async def _pump(self, engine_stream: RequestStream, rs: Any, flight: _Flight,
-                    write: Write | None) -> tuple[list[int], RequestOutput | None]:
-        """Feed engine outputs to the response stream until finished or a stop sequence."""
+                    write: Write | None, admission: Any) -> tuple[list[int], RequestOutput | None]:
+        """Feed engine outputs to the response stream until finished or a stop sequence; as
+        they arrive, the cache grows the turn's KV room ahead of its decode (``make_room``)."""
+        make_room = self._cache.make_room
         output_ids = flight.output_ids
         last: RequestOutput | None = None
         metrics = self._metrics
@@ -261,6 +265,7 @@ class ChatService:
             if tokens:
                 output_ids.extend(tokens)
                 flight.num_output_tokens += len(tokens)
+                make_room(admission, flight.num_output_tokens)
                 output_tokens.inc(len(tokens))  # per batch, so /metrics shows live throughput
                 data = rs.feed(tokens)
                 if data and write is not None:

@@ -113,12 +113,15 @@ async def _agent(
         out_ids: list[int] = []
         t_first = t_last = None
         last = None
+        make_room = getattr(manager, "make_room", None)  # ours: grow the KV room as the reply decodes
         async for out in stream:
             if out.token_ids:
                 now = loop.time()
                 t_first = now if t_first is None else t_first
                 t_last = now
                 out_ids.extend(out.token_ids)
+                if make_room is not None:
+                    make_room(adm, len(out_ids))
             last = out
         assert last is not None and last.finished
         if last.finish_reason == FinishReason.ERROR:  # preempted: DeepInfer failed the request

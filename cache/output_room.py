@@ -1,0 +1,131 @@
+"""KV room for a turn's output: checked at admission, grown on demand while the reply decodes.
+
+A running sequence holds all its blocks on its rank, so a turn's whole context (prompt + every
+output token) must fit the rank's pool. Reserving ``max_tokens`` up front would starve
+concurrency (Claude Code asks for 32,000 and most replies are short), so admission reserves
+``min(max_tokens, output_reserve_tokens)`` and this module does the rest:
+
+* **Admission** (``output_limit``): a turn whose ``prompt + max_tokens`` cannot fit the rank's
+  usable pool even when empty is refused before its first token with the Anthropic API's
+  ``input length and `max_tokens` exceed context limit: I + M > C`` (400,
+  ``ContextLimitExceeded``): Claude Code retries it once with a smaller max_tokens, OpenAI SDKs
+  do not retry a 400, where a 503 was retried for minutes. A max_tokens the client did not send
+  (OpenAI without max_tokens: the rest of max_model_len) is trimmed to the room instead.
+* **Decode** (``OutputRoom.grow``): as outputs arrive, the service reports the turn's output
+  count; when fewer than ``output_lead_tokens`` of its reservation are left, the reservation
+  grows by ``output_grow_tokens`` (never past max_tokens). Blocks come from the rank's free
+  blocks, else idle cached blocks are evicted (sessions not about to return first, then any
+  unused block: a reply in flight outranks a cached prefix, which L1 keeps when it has room),
+  exported to L1 where it lacks them and released. The lead gives that release time to land
+  before the engine needs the block: the engine allocates decode blocks one at a time and fails
+  (reference engine) or preempts (DeepInfer, ``stop_preempted_request``) a sequence it has no
+  free block for. Growth keeps cached + reserved blocks under ``usable_fraction`` like
+  admission does, so DeepInfer's 0.9 prefill watermark still admits new prompts.
+* If even eviction cannot cover the growth (running sequences hold the pool), the growth is
+  reserved anyway: the rank's free count goes negative, new turns queue until running ones end
+  (running replies first), and the shortfall is counted (``output_room_short_blocks_total``).
+  Only then can an engine still run out mid-reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from protocol.errors import ContextLimitExceeded
+
+if TYPE_CHECKING:
+    from cache.manager import Admission, CacheManager
+
+log = logging.getLogger(__name__)
+
+
+def output_limit(num_prompt_tokens: int, max_tokens: int, room_tokens: int, is_default: bool) -> int:
+    """The output tokens a turn may produce in ``room_tokens`` of KV (the rank's usable pool):
+    ``max_tokens`` when it fits, the room left when ``max_tokens`` was a default, else a 400.
+    The caller has checked that the prompt plus one token fits."""
+    if num_prompt_tokens + max_tokens <= room_tokens:
+        return max_tokens
+    if is_default:
+        return max(1, room_tokens - num_prompt_tokens)
+    raise ContextLimitExceeded(num_prompt_tokens, max_tokens, room_tokens)
+
+
+class OutputRoom:
+    """Grows running turns' reservations on their rank (see the module docstring). Part of the
+    ``CacheManager`` (it plans on the manager's ledgers and index); one event loop."""
+
+    def __init__(self, manager: CacheManager) -> None:
+        self._mgr = manager
+        self.lead_tokens = manager.config.output_lead_tokens
+        self.grow_tokens = manager.config.output_grow_tokens
+        self.num_grows = 0
+        self.num_grown_blocks = 0
+        self.num_evicted_blocks = 0
+        self.num_short_blocks = 0
+
+    def needs_room(self, adm: Admission, num_output_tokens: int) -> bool:
+        """Cheap: is the turn within ``lead_tokens`` of the end of its reservation?"""
+        room_tokens = adm.room_blocks * self._mgr.block_size
+        return (adm.num_prompt_tokens + num_output_tokens + self.lead_tokens > room_tokens
+                and room_tokens < adm.num_prompt_tokens + adm.max_output_tokens)
+
+    def grow(self, adm: Admission, num_output_tokens: int) -> None:
+        """Extend ``adm``'s reservation ahead of its decode, evicting idle blocks if needed."""
+        mgr = self._mgr
+        if adm.is_closed or adm.epoch != mgr.epoch or not self.needs_room(adm, num_output_tokens):
+            return
+        bs = mgr.block_size
+        end_tokens = adm.num_prompt_tokens + adm.max_output_tokens
+        target_tokens = min(end_tokens, adm.num_prompt_tokens + num_output_tokens + self.lead_tokens + self.grow_tokens)
+        want = -(-target_tokens // bs) - adm.room_blocks
+        if want <= 0:
+            return
+        rank = adm.rank
+        ledger = mgr._ledgers[rank]  # package-internal: this class is part of the manager
+        free = mgr._plannable_free_blocks(rank)
+        if want > free:
+            got = self._evict(rank, want - max(0, free))
+            self.num_evicted_blocks += got
+            free += got
+        short = max(0, want - max(0, free))
+        ledger.reserved_blocks += want
+        adm.reserved_blocks += want
+        adm.room_blocks += want
+        grown_tokens = min(end_tokens, adm.room_blocks * bs) - adm.context_tokens
+        if grown_tokens > 0:
+            ledger.running_tokens += grown_tokens
+            adm.context_tokens += grown_tokens
+        self.num_grows += 1
+        self.num_grown_blocks += want
+        m = mgr.metrics
+        if m is not None:
+            m.output_room_grown_blocks.inc(want)
+        if short:
+            self.num_short_blocks += short
+            if m is not None:
+                m.output_room_short_blocks.inc(short)
+            log.warning("rank %d: a reply's KV room grew by %d blocks, %d of them over the pool (running "
+                        "sequences hold it; new turns wait)", rank, want, short)
+        mgr._update_gauges()
+
+    def _evict(self, rank: int, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` unused blocks on ``rank``: sessions not about to return
+        first, then any. Each evicted chain goes to L1 where L1 lacks it, then is released (in the
+        background, ``_retire``). They count as releasing until the release lands, for every
+        planner but the reply that asked, as an admission's evictions do. Returns how many."""
+        mgr = self._mgr
+        now = mgr._clock()
+        idx = mgr.l0[rank]
+        got = idx.evict(num_blocks, mgr.policy.scorer(rank, now), mgr.policy.chooser(rank, now, False))
+        if len(got) < num_blocks:
+            got += idx.evict(num_blocks - len(got), mgr.policy.scorer(rank, now), mgr.policy.chooser(rank, now, True))
+        if got:
+            mgr._ledgers[rank].num_releasing += len(got)
+            exports = mgr._hold_for_export(rank, got)
+            mgr._spawn(mgr._retire(rank, got, mgr.epoch, exports=exports))
+        return len(got)
+
+    def stats(self) -> dict[str, Any]:
+        return {"grows": self.num_grows, "grown_blocks": self.num_grown_blocks,
+                "evicted_blocks": self.num_evicted_blocks, "short_blocks": self.num_short_blocks}

@@ -50,6 +50,16 @@ Semantics the adapter papers over
 * Prefix start: ``LLMEngine.enqueue_with_prefix(seq, blocks, num_cached, swa_valid_start)``
   with ``num_cached = 128 * len(blocks) <= len(prompt) - 1`` and ``swa_valid_start =
   num_cached`` (the last matched block is replayed: ``usable_prefix_blocks`` in rank/engine.py).
+* Fault isolation: ``llm.step()`` runs the whole batch (scheduler, model, sampler) with no
+  per-request hook, so a value its sampler cannot run would fail every request of the step and
+  the rank. ``add`` therefore checks the shared limits (``protocol/sampling.py``) and refuses
+  with ``EngineMisuse`` before submit; an exception from ``step()`` itself is fatal to the rank
+  (its collectives are in an unknown state) and the supervisor restarts the group.
+* KV room: DeepInfer grows a sequence's blocks one at a time in decode and, when none is free,
+  preempts the longest output (``stop_preempted_request``: it ends as
+  ``insufficient_system_resource``, an ERROR output here). The cache grows each reply's
+  reservation ahead of its decode (``cache/output_room.py``) and keeps cached + reserved blocks
+  under the 0.9 prefill watermark, so this happens only when running sequences hold the pool.
 * Without the patch (``patch_missing_reason`` names what is missing) the engine runs with the
   prefix cache off: ``prefix_cache_supported`` is False, ``prefix_cache_reason`` says why, and
   requests with prefix blocks are refused with ``EngineMisuse``.

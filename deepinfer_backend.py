@@ -7,6 +7,12 @@ the HTTP server (``/v1/messages``, ``/v1/chat/completions``) on a background eve
 returns only when the model is ready. ``process()`` answers the SDK's non-streaming jobs;
 ``chat()`` streams OpenAI chunks for SDKs that stream.
 
+Import order (the worker's two venvs): the backend runs in a venv made from ``requirements.txt``
+and the SDK only. Until ``add_venv_site_packages`` has run, only this module and
+``server.config`` (pydantic) may be imported; torch, numpy, orjson, pyzmq and tokenizers
+(``RUNTIME_MODULES``) come from the DeepInfer venv, so ``server.runtime`` and everything under it
+is imported after that point. ``tests/server/test_backend_import_order.py`` enforces it.
+
 Outside the SDK the same runtime runs from the command line::
 
     python -m deepinfer_backend serve [--config FILE] [--engine reference|deepinfer|scripted]
@@ -19,9 +25,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import importlib.util
 import json
 import logging
+import os
 import signal
+import site
 import sys
 import threading
 import time
@@ -31,9 +40,14 @@ from typing import Any
 
 from inferencekey.backend import BackendContext, CustomBackend, InvalidInput, Job, Result
 
-from server.config import ConfigError, WorkloadConfig, load_config
+from server.config import ConfigError, WorkloadConfig, load_config, load_worker_config
 
 log = logging.getLogger("deepinfer.backend")
+
+# What the backend process imports only once the DeepInfer venv is on sys.path (requirements.txt
+# leaves them out: on the worker they are the DeepInfer venv's pinned builds).
+RUNTIME_MODULES = ("torch", "numpy", "orjson", "zmq", "tokenizers")
+PREFLIGHT_SKIP_ENV = "DIB_PREFLIGHT_SKIP"  # tests only (run_preflight)
 
 _HERE = Path(__file__).resolve().parent
 # Job input keys passed through to the OpenAI request (everything else is ignored, not an error:
@@ -60,7 +74,9 @@ def _backend_version() -> str:
 
 
 def add_venv_site_packages(venv: str | None) -> list[str]:
-    """Append the DeepInfer venv's site-packages to ``sys.path`` (after ours: our pins win)."""
+    """Add the DeepInfer venv's site-packages to ``sys.path``, after ours (our venv's versions win),
+    as a site directory: its ``.pth`` files run, so an editable ``deepinfer`` resolves as it does in
+    the venv's own interpreter."""
     if not venv:
         return []
     root = Path(venv)
@@ -74,7 +90,7 @@ def add_venv_site_packages(venv: str | None) -> list[str]:
                         candidate, candidate.parent.name, tag)
             continue
         if str(candidate) not in sys.path:
-            sys.path.append(str(candidate))
+            site.addsitedir(str(candidate))
             added.append(str(candidate))
     if not added:
         log.warning("deepinfer_venv %s has no site-packages for %s; rank processes still use its "
@@ -82,14 +98,43 @@ def add_venv_site_packages(venv: str | None) -> list[str]:
     return added
 
 
+def require_runtime_modules(venv: str | None) -> None:
+    """Fail with one clear line when torch, numpy, orjson, pyzmq or tokenizers cannot be found."""
+    missing = [name for name in RUNTIME_MODULES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    where = (f"the DeepInfer venv {venv} does not provide them" if venv else
+             "set deepinfer_venv to the DeepInfer venv (or install them next to the backend)")
+    raise ConfigError(f"the backend needs {', '.join(missing)} at runtime; requirements.txt leaves them out "
+                      f"because on the worker they come from the DeepInfer venv: {where}")
+
+
+def describe_runtime_modules() -> str:
+    """``name version (path)`` of each runtime module, for the log: which venv supplied it."""
+    parts = []
+    for name in RUNTIME_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            origin = str(Path(getattr(module, "__file__", "") or "?").parent.parent)
+            parts.append(f"{name} {getattr(module, '__version__', '?')} ({origin})")
+    return ", ".join(parts)
+
+
 def run_preflight(config: WorkloadConfig) -> Any | None:
-    """Run the preflight checks when the module is present; raise on a fatal finding."""
+    """Run the preflight checks when the module is present; raise on a fatal finding.
+
+    TESTS ONLY: ``DIB_PREFLIGHT_SKIP`` (comma-separated check names) skips checks that need the
+    B200 machine itself; the worker stand-in sets it for engine 'deepinfer' on a CPU machine."""
     try:
         from server import preflight
     except ImportError:
         log.warning("server.preflight is not available; skipping preflight checks")
         return None
-    report = preflight.run_preflight(config)
+    skip = frozenset(filter(None, os.environ.get(PREFLIGHT_SKIP_ENV, "").split(",")))
+    if skip:
+        log.warning("%s: TEST knob, preflight checks skipped: %s", PREFLIGHT_SKIP_ENV,
+                    ", ".join(sorted(skip)))
+    report = preflight.run_preflight(config, options=preflight.PreflightOptions(skip=skip))
     report.log(log)
     report.raise_if_fatal()  # PreflightError lists every fatal check and its fix
     return report
@@ -152,18 +197,26 @@ class DeepInferBackend(CustomBackend):
 
     # -- SDK contract ----------------------------------------------------------------------------
     def setup(self, ctx: BackendContext) -> None:
+        started_s = time.monotonic()
+        _configure_logging()
+        # ConfigError names the key and the allowed values; unknown keys are ignored with a warning.
+        config, config_warnings = load_worker_config(ctx.config)
+        for warning in config_warnings:
+            log.warning("setup: %s", warning)
+        self.config = config
+        if config.http_mode == "native" and config.port != 0 and config.port == ctx.port:
+            raise ConfigError(f"config key 'port': {config.port} is the SDK server's own port (the worker "
+                              "chose it); the native HTTP server needs another one (or 0 for a free one)")
+        log.info("setup: engine=%s ranks=%d model=%s http=%s:%d (%s), SDK port %d", config.engine, config.ep,
+                 config.model_name, config.host, config.port, config.http_mode, ctx.port)
+        # Nothing outside requirements.txt is imported above this line (module docstring).
+        add_venv_site_packages(config.deepinfer_venv)
+        require_runtime_modules(config.deepinfer_venv)
         from server.background import LoopThread
         from server.runtime import Runtime
 
-        started_s = time.monotonic()
-        _configure_logging()
-        config = load_config(ctx.config)  # ConfigError names the key and the allowed values
-        self.config = config
-        log.info("setup: engine=%s ranks=%d model=%s http=%s:%d (%s)", config.engine, config.ep,
-                 config.model_name, config.host, config.port, config.http_mode)
-        add_venv_site_packages(config.deepinfer_venv)
         report = run_preflight(config)
-        runtime = Runtime(config, preflight_report=report)
+        runtime = Runtime(config, preflight_report=report, config_warnings=config_warnings)
         loop = LoopThread()
         try:
             loop.start(runtime.start, timeout_s=config.ready_timeout_secs)
@@ -173,7 +226,8 @@ class DeepInferBackend(CustomBackend):
         with self._lock:
             self._runtime, self._loop = runtime, loop
         atexit.register(self.close)
-        log.info("setup: ready in %.1f s; %s", time.monotonic() - started_s, runtime.describe())
+        log.info("setup: ready in %.1f s; %s; runtime packages: %s", time.monotonic() - started_s,
+                 runtime.describe(), describe_runtime_modules())
 
     def process(self, job: Job) -> Result:
         body = job_to_openai_body(job)
@@ -245,6 +299,20 @@ def _configure_logging(level: int = logging.INFO) -> None:
     logging.getLogger("deepinfer").setLevel(level)
 
 
+def _add_config_venv(argv: list[str]) -> None:
+    """The preflight helper imports runtime modules: add the config's DeepInfer venv first."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    path = parser.parse_known_args(argv)[0].config
+    venv = None
+    if path and path != "-":
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        venv = raw.get("deepinfer_venv") if isinstance(raw, dict) else None
+        venv = venv if isinstance(venv, str) else None
+    add_venv_site_packages(venv)
+    require_runtime_modules(venv)
+
+
 def _cli_config(args: argparse.Namespace) -> WorkloadConfig:
     raw: dict[str, Any] = {}
     if args.config:
@@ -278,9 +346,14 @@ async def _serve_forever(config: WorkloadConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["preflight"]:  # the preflight helper owns its flags (--json, --skip, ...)
+        _configure_logging()
+        try:
+            _add_config_venv(argv[1:])
+        except (ConfigError, OSError, ValueError) as exc:
+            print(f"preflight: {exc}", file=sys.stderr)
+            return 2
         from server import preflight
 
-        _configure_logging()
         return int(preflight.main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m deepinfer_backend")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -301,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _cli_config(args)
         add_venv_site_packages(config.deepinfer_venv)
+        require_runtime_modules(config.deepinfer_venv)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

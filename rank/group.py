@@ -64,6 +64,9 @@ BACKEND_ROOT = str(Path(__file__).resolve().parents[1])
 ENV_PASSTHROUGH = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_HOME")
 KERNEL_CACHE_VARS = ("DG_JIT_CACHE_DIR", "EP_JIT_CACHE_DIR", "TILELANG_CACHE_DIR", "TRITON_CACHE_DIR")
 ENV_PREFIXES = ("NCCL_", "DEEPINFER_")  # engine knobs an operator may set; never credentials
+# TEST ONLY knobs of the rank worker (DIB_DEEPINFER_MODULE, DIB_FAKE_DEEPINFER: rank/worker.py), passed
+# on when the backend's own environment sets them (the worker stand-in does; a rank logs a warning).
+TEST_ENV_PREFIX = "DIB_"
 WATCHDOG_EVERY_S = 0.25
 SHUTDOWN_GRACE_S = 5.0
 _DRAIN_BATCH = 32  # messages taken per wakeup before yielding to the event loop once
@@ -121,10 +124,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _master_port(engine: str) -> int:
-    """MASTER_PORT for a new epoch. DeepInfer rendezvouses at MASTER_PORT-50 (+engine_group_rank,
-    0 here), so for it the port that must be free is the one 50 below."""
-    if engine != "deepinfer":
+def rank_python(config: Any) -> str:
+    """The ranks' interpreter: the DeepInfer venv's whenever one is configured (whatever the engine:
+    on the worker the backend's own venv has no torch or pyzmq), else this process's."""
+    return os.path.join(config.deepinfer_venv, "bin", "python") if config.deepinfer_venv else sys.executable
+
+
+def _master_port(config: Any) -> int:
+    """MASTER_PORT for a new epoch: the configured one (``deepinfer_env``, then ``env``), else a
+    free one. DeepInfer rendezvouses at MASTER_PORT-50 (+engine_group_rank, 0 here), so for it the
+    port that must be free is the one 50 below."""
+    if config.master_port:
+        return int(config.master_port)
+    if config.engine != "deepinfer":
         return _free_port()
     for _ in range(100):
         port = _free_port() + DEEPINFER_PORT_OFFSET
@@ -160,7 +172,7 @@ class RankGroup:
         if self.num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
         if python is None:
-            python = os.path.join(config.deepinfer_venv, "bin", "python") if config.engine == "deepinfer" else sys.executable
+            python = rank_python(config)
         self.python = python
         self.name = name or f"g{os.getpid()}-{id(self) & 0xFFFFFF:x}"
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -343,10 +355,12 @@ class RankGroup:
         config_path = os.path.join(self._tmpdir, f"config-{self.epoch}.json")
         raw = self.config.model_dump(mode="json")
         raw["api_key"] = None  # ranks never need the HTTP credential
+        model_dir = self.config.resolved_model_dir()  # so a rank without pydantic needs no rules
+        raw["model_dir"] = str(model_dir) if model_dir is not None else None
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(orjson.dumps(raw))
-        master_port = _master_port(self.config.engine)
+        master_port = _master_port(self.config)
         self._ranks = []
         now = time.monotonic()
         for rank in range(self.num_ranks):
@@ -388,14 +402,23 @@ class RankGroup:
         return 0
 
     def rank_env(self, rank: int, master_port: int) -> dict[str, str]:
-        """Only what a rank needs: no API keys, tokens or the backend's other settings."""
+        """Only what a rank needs: no API keys, tokens or the backend's other settings.
+
+        Layers, later wins: a few of the backend's variables (``ENV_PASSTHROUGH``, ``NCCL_*``,
+        ``DEEPINFER_*``, ``KERNEL_CACHE_VARS``), the workload's ``env``, its ``deepinfer_env``, then
+        what the group manages (PYTHONPATH, MASTER_*, CUDA_VISIBLE_DEVICES order). PYTHONPATH is
+        the backend's code only: a rank imports nothing but our code, the standard library and
+        the interpreter's own packages (torch, numpy, orjson, pyzmq: the DeepInfer venv's, see
+        ``rank_python``), never the backend venv's (``tests/rank/test_rank_imports.py``).
+        """
         base = self._base_env
         env = {k: base[k] for k in ENV_PASSTHROUGH if k in base}
-        env.update({k: v for k, v in base.items() if k.startswith(ENV_PREFIXES)})
+        env.update({k: v for k, v in base.items() if k.startswith((*ENV_PREFIXES, TEST_ENV_PREFIX))})
         for key in KERNEL_CACHE_VARS:
             value = self.config.env.get(key) or base.get(key)
             if value:
                 env[key] = value
+        env.update(self.config.env)
         env.update(self.config.deepinfer_env)
         env["PYTHONPATH"] = BACKEND_ROOT
         env["PYTHONUNBUFFERED"] = "1"

@@ -90,6 +90,16 @@ def _heartbeat_loop(ctx: Any, out_addr: str, rank: int, status: _Status, stop: t
         sock.close(0)
 
 
+class _ValidatedConfig(SimpleNamespace):
+    """The supervisor's config as plain attributes, for a DeepInfer venv without pydantic (the
+    backend validated it; ``RankGroup`` writes ``model_dir`` already resolved)."""
+
+    def resolved_model_dir(self) -> Any:
+        from pathlib import Path
+
+        return Path(self.model_dir) if self.model_dir else None
+
+
 def _load_config(path: str) -> Any:
     import orjson
 
@@ -98,7 +108,7 @@ def _load_config(path: str) -> Any:
     try:
         from server.config import WorkloadConfig
     except ImportError:  # the DeepInfer venv may lack pydantic; the backend validated it already
-        return SimpleNamespace(**raw)
+        return _ValidatedConfig(**raw)
     return WorkloadConfig.model_validate(raw)
 
 

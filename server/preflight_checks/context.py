@@ -22,10 +22,14 @@ def human_bytes(num_bytes: float) -> str:
 
 
 def rank_env(config: WorkloadConfig, base_env: Mapping[str, str]) -> dict[str, str]:
-    """The environment a rank process sees: the backend's, then ``env``, then ``deepinfer_env``."""
+    """The environment a rank process sees: the backend's, then ``env``, then ``deepinfer_env``;
+    MASTER_PORT only as configured (the rank group sets it: the configured port or a free one)."""
     merged = dict(base_env)
     merged.update(config.env)
     merged.update(config.deepinfer_env)
+    merged.pop("MASTER_PORT", None)
+    if config.master_port:
+        merged["MASTER_PORT"] = config.master_port
     return merged
 
 

@@ -858,38 +858,3 @@ def make_api(patched: bool = True, core: Any = None, **options: Any) -> SimpleNa
         SequenceStatus=core.SequenceStatus, is_fake=True,
     )
 
-
-def load_native_extension(src_dir: str, stub_dir: str | None = None) -> Any:
-    """``deepinfer._C`` from an in-place build of the sdist (``scripts/build_deepinfer.sh``).
-
-    Loaded by path under a bare ``deepinfer`` package, because the package's ``__init__`` needs
-    Python 3.12 (PEP 695) and GPU-side imports; the C++ engine classes need neither. torch must
-    be imported first (the extension links libc10 without an rpath) and a ``libcuda.so.1`` must
-    be loadable (``stub_dir`` holds the build's driver stub on GPU-less machines).
-    """
-    import ctypes
-    import importlib.machinery
-    import importlib.util
-    import sys
-    import types
-    from pathlib import Path
-
-    pkg_dir = Path(src_dir) / "deepinfer"
-    found = sorted(pkg_dir.glob("_C*.so"))
-    if not found:
-        raise FileNotFoundError(f"no deepinfer/_C*.so under {src_dir}: run scripts/build_deepinfer.sh")
-    if "deepinfer._C" in sys.modules:
-        return sys.modules["deepinfer._C"]
-    if stub_dir is not None:
-        ctypes.CDLL(str(Path(stub_dir) / "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
-    if "deepinfer" not in sys.modules:
-        pkg = types.ModuleType("deepinfer")
-        pkg.__path__ = [str(pkg_dir)]
-        sys.modules["deepinfer"] = pkg
-    loader = importlib.machinery.ExtensionFileLoader("deepinfer._C", str(found[0]))
-    spec = importlib.util.spec_from_file_location("deepinfer._C", str(found[0]), loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    sys.modules["deepinfer._C"] = module
-    return module

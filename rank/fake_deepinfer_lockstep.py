@@ -2,9 +2,17 @@
 
 ``python -m rank.worker`` imports this module instead of ``deepinfer`` when the environment has
 ``DIB_DEEPINFER_MODULE=rank.fake_deepinfer_lockstep`` (tests put it in the workload's
-``deepinfer_env``); ``DIB_FAKE_DEEPINFER`` holds JSON options: ``patched`` (default true) and any
-``rank.fake_deepinfer.FakeOptions`` field. Never set these in production: the worker logs a
-warning naming the stand-in.
+``deepinfer_env``; the worker stand-in in the backend's environment); ``DIB_FAKE_DEEPINFER`` holds
+JSON options: ``patched`` (default true), ``core`` and any ``rank.fake_deepinfer.FakeOptions``
+field. Never set these in production: the worker logs a warning naming the stand-in.
+
+``core: "installed"`` runs on the DeepInfer package installed in the rank's interpreter (the
+DeepInfer venv, ``scripts/build_deepinfer.sh``): DeepInfer's real ``EngineArgs`` and its compiled
+``Scheduler``, ``BlockManager``, ``Sequence``, output pools and ``build_request_outputs``, the
+Scheduler voting prefill (ALL/ANY points) over DeepInfer's default group across the ranks. Only
+the SM100 forward and ``LLMEngine``'s step loop around it are this stand-in's (no NextN/MTP head:
+``DEEPINFER_USE_NEXTN_DECODE`` defaults to 0). A ``libcuda.so.1`` must be loadable (the build's
+stub on a GPU-less machine).
 
 The in-process stand-in is one rank voting alone. This module adds what DeepInfer does *across*
 ranks (facts: ``../shared/reference/deepinfer-engine.md`` section 1), so the rank worker's lockstep
@@ -24,12 +32,14 @@ Each collective carries (kind, sequence number) and checks that every rank is in
 ranks out of lockstep fail loudly here ("lockstep broken") instead of silently pairing a vote
 with a step, which gloo would allow for same-shaped tensors.
 
-Not modelled: the ALL/ANY prefill votes (each rank decides prefill locally, every
-``DEEPINFER_PREFILL_ATTEMPT_INTERVAL`` decode steps), timing, and GPU memory.
+Not modelled with the stand-in core: the ALL/ANY prefill votes (each rank decides prefill
+locally, every ``DEEPINFER_PREFILL_ATTEMPT_INTERVAL`` decode steps); with either core: timing
+and GPU memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from datetime import timedelta
@@ -43,6 +53,7 @@ from rank import fake_deepinfer
 
 OPTIONS_ENV = "DIB_FAKE_DEEPINFER"
 _VOTE, _STEP = 1, 2
+_WORLD = "world"  # options.dp_group placeholder: the default group, once the engine created it
 
 
 class LockstepBroken(RuntimeError):
@@ -68,6 +79,8 @@ class _GroupMember:
         self._dist = dist
         self._num_votes = 0
         self._num_group_steps = 0
+        if self.options.dp_group == _WORLD:  # DeepInfer's Scheduler votes prefill on its default group
+            self.options = dataclasses.replace(self.options, dp_group=dist.group.WORLD)
         super().__init__(args)  # type: ignore[call-arg]
 
     def _collective(self, kind: int, seq: int, value: int) -> int:
@@ -99,8 +112,27 @@ def deepinfer_api() -> SimpleNamespace:
     """What ``rank.deepinfer_adapter.import_deepinfer`` returns, over the multi-rank stand-in."""
     options: dict[str, Any] = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
     patched = bool(options.pop("patched", True))
+    core = options.pop("core", "stand-in")
     # Read at import time, as DeepInfer's SchedulerConfig defaults are (the adapter sets it).
     options.setdefault("prefill_attempt_interval", int(os.environ.get("DEEPINFER_PREFILL_ATTEMPT_INTERVAL", "1")))
+    if core == "installed":
+        return _installed_api(options)
+    if core != "stand-in":
+        raise ValueError(f"{OPTIONS_ENV}: core must be 'stand-in' or 'installed', got {core!r}")
     api = fake_deepinfer.make_api(patched=patched, **options)
     api.LLMEngine = type("FakeLLMEngine", (_GroupMember, api.LLMEngine), {})
+    return api
+
+
+def _installed_api(options: dict[str, Any]) -> SimpleNamespace:
+    """The installed DeepInfer package with this module's forward (``core: "installed"``)."""
+    os.environ.setdefault("DEEPINFER_USE_NEXTN_DECODE", "0")  # read by the Scheduler's constructor
+    import deepinfer  # type: ignore[import-not-found]  # noqa: F401 - the package's own __init__ runs
+    from deepinfer._C import engine  # type: ignore[import-not-found]
+    from deepinfer.engine.arg_utils import EngineArgs  # type: ignore[import-not-found]
+
+    options["dp_group"] = _WORLD
+    api = fake_deepinfer.make_api(core=engine, **options)
+    api.LLMEngine = type("FakeLLMEngine", (_GroupMember, api.LLMEngine), {})
+    api.EngineArgs = EngineArgs
     return api

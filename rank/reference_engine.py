@@ -16,6 +16,7 @@ and the "KV" written into each row is the token ids, so block export/import carr
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from collections import deque
@@ -60,6 +61,7 @@ class ReferenceEngineConfig:
     weights: str | None = None
     seed: int = 0
     exact: bool | None = None  # batch-invariant math; default: on for CPU
+    eos_every: int = 0  # random weights: a sampled reply ends about once every N tokens (0: never)
 
     @classmethod
     def from_workload(cls, config: Any) -> ReferenceEngineConfig:
@@ -72,6 +74,7 @@ class ReferenceEngineConfig:
             max_model_len=config.max_model_len,
             device=config.reference_device,
             weights=config.reference_weights,
+            eos_every=getattr(config, "reference_eos_every", 0),
         )
 
 
@@ -359,8 +362,20 @@ class ReferenceEngine(Engine):
         errors: dict[int, str] = {}
         if not sampled:
             return [], errors
+        if self.config.eos_every > 1 and self.config.weights is None:
+            self._favour_eos(logits, sampled)
         tokens = sample(logits, [s.request.sampling for s in sampled], [s.generator for s in sampled], errors)
         return tokens, errors
+
+    def _favour_eos(self, logits: torch.Tensor, sampled: list[_Seq]) -> None:
+        """Random weights never end a reply; clients that stop only on end_turn (Claude Code) need
+        one. For sampled rows (temperature > 0) set the EOS logit so that, at temperature 1, EOS
+        has probability 1/eos_every: log(sum of the others' exp) - log(eos_every - 1)."""
+        rows = [i for i, s in enumerate(sampled) if not s.request.sampling.is_greedy]
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            logits[idx, EOS_ID] = float("-inf")
+            logits[idx, EOS_ID] = torch.logsumexp(logits[idx], dim=-1) - math.log(self.config.eos_every - 1)
 
     def _null_forward(
         self, token_ids: np.ndarray, positions: np.ndarray, items: list[SeqBatchItem],

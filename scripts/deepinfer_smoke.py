@@ -1,6 +1,8 @@
-"""Load a built deepinfer._C by path and report whether the prefix-cache patch API is present.
+"""Import the installed DeepInfer package and its extension; report whether the prefix-cache patch
+API is present.
 
-Usage (from scripts/build_deepinfer.sh): python scripts/deepinfer_smoke.py SRC_DIR STUB_DIR
+Usage (from scripts/build_deepinfer.sh, with the DeepInfer venv's interpreter and the libcuda stub
+on LD_LIBRARY_PATH): PYTHONPATH=<repo> python scripts/deepinfer_smoke.py
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ from types import SimpleNamespace
 
 import torch  # noqa: F401  (deepinfer._C needs libc10 loaded first)
 
-from rank.deepinfer_adapter import patch_missing_reason
-from rank.fake_deepinfer import load_native_extension
 
+def main() -> int:
+    import deepinfer
+    from deepinfer._C import engine
 
-def main(argv: list[str]) -> int:
-    native = load_native_extension(argv[1], argv[2] if len(argv) > 2 else None)
-    engine = native.engine
-    print("deepinfer._C loaded from", native.__file__)
+    from rank.deepinfer_adapter import patch_missing_reason
+
+    print(f"deepinfer {deepinfer.__version__} from {deepinfer.__file__}; _C from {engine.__name__}")
     reason = patch_missing_reason(
         SimpleNamespace(Scheduler=engine.Scheduler, BlockManager=engine.BlockManager, Sequence=engine.Sequence))
     print("prefix-cache patch:", "present" if reason is None else f"MISSING ({reason})")
@@ -27,4 +29,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

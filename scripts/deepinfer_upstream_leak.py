@@ -1,24 +1,20 @@
 """Run the adapter over an UNPATCHED deepinfer._C (real upstream classes) and show what it does.
 
-    DEEPINFER_PATCH=none bash scripts/build_deepinfer.sh   # then keep a copy of the .so:
-    mkdir -p .deepinfer-build/unpatched && cp .deepinfer-build/src/deepinfer-0.1.0/deepinfer/_C*.so .deepinfer-build/unpatched/
-    .deepinfer-build/venv/bin/python scripts/deepinfer_upstream_leak.py
+    DEEPINFER_PATCH=none bash scripts/build_deepinfer.sh   # its own cached build; prints DEEPINFER_BUILD_DIR=...
+    export DEEPINFER_BUILD_DIR=<that directory>
+    PYTHONPATH=. LD_LIBRARY_PATH=$DEEPINFER_BUILD_DIR/stubs $DEEPINFER_BUILD_DIR/pytest-venv/bin/python \
+        scripts/deepinfer_upstream_leak.py
 
 Prints the patch detection (prefix cache off, with the reason) and shows upstream 0.1.0 leaking
 the blocks and state slot of a chunked prefill aborted between chunks (what the patch fixes).
 """
 
-import os, socket, sys, tempfile
+import os, socket, sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO); sys.path.insert(0, os.path.join(REPO, "tests", "deepinfer"))
 os.environ["DEEPINFER_USE_NEXTN_DECODE"] = "0"
-import shutil, pathlib, torch, torch.distributed as dist
-build = pathlib.Path(os.environ.get("DEEPINFER_BUILD_DIR", os.path.join(REPO, ".deepinfer-build")))
-src = pathlib.Path(tempfile.mkdtemp()); (src / "deepinfer").mkdir()
-for so in (build / "unpatched").glob("_C*.so"):
-    shutil.copy(so, src / "deepinfer")
-from rank import fake_deepinfer
-mod = fake_deepinfer.load_native_extension(str(src), str(build / "stubs"))
+import torch, torch.distributed as dist
+from deepinfer import _C as mod  # the unpatched build's DeepInfer venv
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -99,6 +99,11 @@ class WorkloadConfig(BaseModel):
     reference_device: str = Field("cpu", description="Reference engine device: cpu or cuda.")
     reference_num_blocks: int = Field(2048, ge=8, description="Reference engine KV blocks per rank.")
     reference_weights: str | None = Field(None, description="Optional safetensors weights file.")
+    reference_eos_every: int = Field(
+        0, ge=0, description="Reference engine with random weights: a sampled reply (temperature > 0) "
+        "ends about once every N tokens, so clients that stop only at end_turn (Claude Code) finish; "
+        "0 = never.",
+    )
     script_file: str | None = Field(None, description="Replies file for engine 'scripted'.")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="HTTP request body limit.")
     prefill_attempt_interval: int = Field(

@@ -28,7 +28,8 @@ _MARKER = "PREFLIGHT_JSON "
 RANK_MODULES = ("torch", "numpy", "zmq")
 # The prefix-cache patch API: (class, method, modules to look for the class in, first hit wins).
 PREFIX_API = (
-    ("Scheduler", "add_sequence_with_prefix", ("deepinfer._C", "deepinfer.engine.scheduler", "deepinfer")),
+    ("Scheduler", "add_sequence_with_prefix",
+     ("deepinfer._C.engine", "deepinfer._C", "deepinfer.engine.scheduler", "deepinfer")),
     ("LLMEngine", "enqueue_with_prefix", ("deepinfer.engine.llm_engine", "deepinfer.engine", "deepinfer")),
 )
 
@@ -49,16 +50,20 @@ try:
 except BaseException as exc:
     out["import_error"] = "%%s: %%s" %% (type(exc).__name__, exc)
 else:
+    out["api_errors"] = {}
     for cls_name, attr, modules in %(api)r:
-        found = None
+        found, error = None, None
         for mod_name in modules:
             try:
                 cls = getattr(importlib.import_module(mod_name), cls_name)
-            except BaseException:
+            except BaseException as exc:
+                error = error or "%%s: %%s" %% (type(exc).__name__, exc)
                 continue
             found = hasattr(cls, attr)
             break
         out["api"][cls_name + "." + attr] = found
+        if found is None:
+            out["api_errors"][cls_name] = error
 print(%(marker)r + json.dumps(out))
 """ % {"rank_modules": RANK_MODULES, "api": PREFIX_API, "marker": _MARKER}
 
@@ -130,9 +135,17 @@ def check_prefix_api(config: WorkloadConfig, facts: dict[str, Any] | None) -> Ch
         return skipped(name, "deepinfer not importable; patch API not checked")
     api: dict[str, bool | None] = facts["api"]
     present = [k for k, v in api.items() if v]
-    absent = [k for k, v in api.items() if not v]
-    if not absent:
+    absent = [k for k, v in api.items() if v is False]
+    unknown = [k for k, v in api.items() if v is None]
+    if not absent and unknown and present:
+        errors = facts.get("api_errors") or {}
+        why = "; ".join(f"{k.split('.')[0]}: {errors.get(k.split('.')[0], 'not found')}" for k in unknown)
+        return warn(name, f"prefix-cache patch present ({', '.join(present)}); {', '.join(unknown)} not "
+                    f"checked: the class does not import in the venv ({why})",
+                    "Check the DeepInfer venv's install (the prebuilt package's install.sh).", api=api)
+    if not absent and not unknown:
         return ok(name, f"prefix-cache patch present ({', '.join(present)})", api=api)
+    absent += unknown
     if not config.prefix_cache:
         return skipped(name, f"patch API missing ({', '.join(absent)}) but prefix_cache is off", api=api)
     return warn(

@@ -1,9 +1,10 @@
 """The adapter's cache bookkeeping against DeepInfer's REAL C++ Scheduler, BlockManager, Sequence.
 
-Needs ``deepinfer._C`` built with our patch (no GPU: the scheduler is CPU code):
+Needs the DeepInfer venv (DeepInfer 0.1.0 built with our patch, Python 3.12; no GPU: the
+scheduler is CPU code), and runs in the build's pytest-venv, which is layered over it:
 
-    bash scripts/build_deepinfer.sh
-    .deepinfer-build/venv/bin/python -m pytest -m deepinfer_build tests/deepinfer
+    bash scripts/build_deepinfer.sh          # prints DEEPINFER_BUILD_DIR=...; cached per machine
+    bash scripts/test_deepinfer_build.sh     # tests/deepinfer -m deepinfer_build in that venv
 
 What is real here: DeepInfer's Scheduler (admission, chunked prefill, the prefill vote on a
 one-rank gloo group, decode block growth, aborts, ignored sequences, preemption), BlockManager
@@ -12,28 +13,25 @@ one-rank gloo group, decode block growth, aborts, ignored sequences, preemption)
 ``RequestOutputPool`` (the outputs the adapter reads are DeepInfer's own). What is not: the model
 forward and sampling (``rank/fake_deepinfer.py``'s toy model writes token ids into the pool rows
 through the real block tables and samples from what it reads back), and LLMEngine's Python loop
-(``FakeLLMEngine`` re-implements its ZOS ordering; DeepInfer's llm_engine.py needs Python 3.12
-and GPU-side modules).
+(``FakeLLMEngine`` re-implements its ZOS ordering; DeepInfer's llm_engine.py needs GPU-side
+modules). The classes are imported from the installed package (``deepinfer._C``), exactly as
+the rank processes import them on the worker.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 
 import numpy as np
 import pytest
 from deepinfer_harness import BS, cold_tokens, drive, make_engine, prompt, random_scenario, request
 
-from rank import fake_deepinfer
 from rank.deepinfer_adapter import patch_missing_reason
 from rank.engine import EngineMisuse, FinishReason, usable_prefix_blocks
 
 pytestmark = pytest.mark.deepinfer_build
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD_DIR = Path(os.environ.get("DEEPINFER_BUILD_DIR", REPO / ".deepinfer-build"))
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +39,10 @@ def native() -> dict:
     import torch.distributed as dist
 
     os.environ["DEEPINFER_USE_NEXTN_DECODE"] = "0"  # read by the Scheduler's constructor (default 5)
-    src = BUILD_DIR / "src" / "deepinfer-0.1.0"
-    if not list((src / "deepinfer").glob("_C*.so")):
-        pytest.fail(f"deepinfer._C is not built under {src}: run bash scripts/build_deepinfer.sh")
-    module = fake_deepinfer.load_native_extension(str(src), str(BUILD_DIR / "stubs"))
+    try:
+        from deepinfer import _C as module  # the DeepInfer venv's (libcuda.so.1: the build's stub)
+    except ImportError as exc:
+        pytest.fail(f"deepinfer._C does not import ({exc}): run bash scripts/test_deepinfer_build.sh")
     if not dist.is_initialized():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

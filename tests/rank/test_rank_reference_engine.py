@@ -217,3 +217,23 @@ def test_decode_out_of_blocks_finishes_with_error_and_frees() -> None:
     for o in outs.values():
         eng.release(o[-1].kept_blocks)
     assert eng.stats().num_free_blocks == 4
+
+
+def test_eos_every_ends_sampled_replies_and_leaves_greedy_ones() -> None:
+    """reference_eos_every: random weights end a sampled reply about once every N tokens."""
+    eng = ReferenceEngine(ReferenceEngineConfig(model="tiny", block_size=BLOCK, num_blocks=256, max_num_seqs=8,
+                                                max_num_batched_tokens=64, max_model_len=1000, eos_every=4), None)
+    try:
+        for i in range(6):
+            ids = np.arange(100 + i, 140 + i, dtype=np.int32)
+            eng.add(EngineRequest(f"s{i}", ids, SamplingParams(max_tokens=300, temperature=1.0, seed=i)))
+        eng.add(EngineRequest("greedy", np.arange(100, 140, dtype=np.int32), SamplingParams(max_tokens=30)))
+        outs = run(eng, max_steps=2000)
+        for i in range(6):  # P(no EOS in 300 tokens at 1/4 each) ~ 1e-37
+            last = outs[f"s{i}"][-1]
+            assert last.finish_reason is FinishReason.STOP and last.token_ids[-1] == EOS_ID
+        assert outs["greedy"][-1].finish_reason is FinishReason.LENGTH
+        lengths = [sum(len(o.token_ids) for o in outs[f"s{i}"]) for i in range(6)]
+        print(f"\nreply lengths with eos_every=4: {lengths}")
+    finally:
+        eng.close()

@@ -1,0 +1,158 @@
+"""What the worker stand-in checks against a running backend: each returns a one-line detail or
+raises ``CheckFailed``. Real clients only: httpx on the SDK's port, the anthropic and openai SDKs
+and the pinned Claude Code CLI on the native port."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import psutil
+
+MODEL = "deepseek-v4.1-flash"
+API_KEY = "standin-any-key"  # MEASURED_CONFIG sets no api_key: any key is accepted
+READ_TOOL = {"name": "Read", "description": "Read a file",
+             "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}},
+                              "required": ["file_path"]}}
+OPENAI_READ_TOOL = {"type": "function", "function": {"name": "Read", "description": "Read a file",
+                                                     "parameters": READ_TOOL["input_schema"]}}
+ASK = [{"role": "user", "content": "What is in README.md?"}]
+RUNTIME_MODULES = ("torch", "numpy", "orjson", "zmq", "tokenizers")
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise CheckFailed(message)
+
+
+def sdk_healthz(sdk_url: str) -> str:
+    resp = httpx.get(sdk_url + "/healthz", timeout=10)
+    expect(resp.status_code == 200 and resp.json() == {"status": "ok"}, f"{resp.status_code} {resp.text}")
+    meta = httpx.get(sdk_url + "/meta", timeout=10).json()
+    expect(meta["name"] == "deepinfer-v41-flash", f"/meta {meta}")
+    return f"200 {resp.json()}; /meta {meta['name']} {meta['version']}"
+
+
+def sdk_process(sdk_url: str) -> str:
+    details = []
+    for job in ({"prompt": "Say hello."}, {"messages": ASK, "max_tokens": 16}):
+        resp = httpx.post(sdk_url + "/process", json={"id": "standin", "input": {"max_tokens": 16, **job}},
+                          timeout=300)
+        expect(resp.status_code == 200, f"{resp.status_code} {resp.text[:500]}")
+        out = resp.json()["output"]
+        expect(isinstance(out["text"], str) and out["usage"]["completion_tokens"] > 0, f"output {out}")
+        details.append(f"{next(iter(job))}: {out['usage']['completion_tokens']} tokens, {out['finish_reason']}")
+    return "; ".join(details)
+
+
+def native_healthz(native_url: str) -> str:
+    resp = httpx.get(native_url + "/healthz", timeout=10)
+    body = resp.json()
+    expect(resp.status_code == 200 and body["status"] in ("ready", "degraded"), f"{resp.status_code} {body}")
+    patch = [w for w in body.get("warnings") or [] if "lacks the prefix-cache patch" in w]
+    expect(not patch, f"preflight misses the patch the DeepInfer venv has: {patch}")
+    return f"{body['status']} {body.get('reasons') or ''} warnings={len(body.get('warnings') or [])}"
+
+
+def anthropic_messages(native_url: str) -> str:
+    with anthropic.Anthropic(base_url=native_url, api_key=API_KEY, max_retries=0, timeout=300) as client:
+        msg = client.messages.create(model=MODEL, max_tokens=24, tools=[READ_TOOL], messages=ASK)
+        expect(msg.type == "message" and msg.usage.output_tokens > 0 and msg.content is not None, str(msg))
+        with client.messages.stream(model=MODEL, max_tokens=24, tools=[READ_TOOL], messages=ASK) as stream:
+            events = [event.type for event in stream]
+            final = stream.get_final_message()
+    expect(events[0] == "message_start" and "message_stop" in events, f"events {events}")
+    expect(final.usage.output_tokens > 0, str(final))
+    return (f"create: {msg.stop_reason}, {msg.usage.output_tokens} tokens; stream: {len(events)} events, "
+            f"{final.stop_reason}")
+
+
+def openai_chat(native_url: str) -> str:
+    with openai.OpenAI(base_url=native_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300) as client:
+        done = client.chat.completions.create(model=MODEL, max_tokens=24, tools=[OPENAI_READ_TOOL], messages=ASK)
+        expect(done.object == "chat.completion" and done.usage.completion_tokens > 0, str(done))
+        chunks = list(client.chat.completions.create(model=MODEL, max_tokens=24, tools=[OPENAI_READ_TOOL],
+                                                     messages=ASK, stream=True,
+                                                     stream_options={"include_usage": True}))
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    expect(len(finish) == 1 and chunks[-1].usage is not None, f"finish reasons {finish}")
+    return (f"create: {done.choices[0].finish_reason}, {done.usage.completion_tokens} tokens; stream: "
+            f"{len(chunks)} chunks, {finish[0]}")
+
+
+def prefix_cache_hit(native_url: str) -> str:
+    """A repeated 1,000-token prompt starts from the cached blocks of the first."""
+    text = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(80))
+    messages = [{"role": "user", "content": text}]
+    with openai.OpenAI(base_url=native_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300) as client:
+        first = client.chat.completions.create(model=MODEL, max_tokens=4, messages=messages)
+        second = client.chat.completions.create(model=MODEL, max_tokens=4, messages=messages)
+    cached = second.usage.prompt_tokens_details.cached_tokens if second.usage.prompt_tokens_details else 0
+    expect(cached and cached >= 128, f"second turn cached_tokens {cached} of {second.usage.prompt_tokens}")
+    return f"{cached} of {second.usage.prompt_tokens} prompt tokens cached on the repeat (first {first.usage.prompt_tokens})"
+
+
+def claude_print(claude: str, native_url: str, home: Path) -> str:
+    """``claude -p`` (the pinned CLI) against the native endpoint; short replies keep it quick."""
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    project = home / "project"
+    project.mkdir(exist_ok=True)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "TMPDIR": str(home / "tmp"),
+           "LANG": "C.UTF-8", "TERM": "dumb", "ANTHROPIC_BASE_URL": native_url, "ANTHROPIC_API_KEY": API_KEY,
+           "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
+           "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "500000", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1"}
+    res = subprocess.run([claude, "-p", "Say hello in five words.", "--output-format", "json"], cwd=project,
+                         env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    expect(res.returncode == 0, f"exit {res.returncode}: {res.stdout[-1500:]} {res.stderr[-1500:]}")
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    return (f"exit 0, {result.get('num_turns')} turn(s), is_error={result.get('is_error')}, "
+            f"{result.get('duration_ms')} ms")
+
+
+def runtime_packages(serve_log: str, deepinfer_venv: Path) -> str:
+    """The backend process took torch, numpy, orjson, pyzmq and tokenizers from the DeepInfer venv."""
+    match = re.search(r"runtime packages: (.*)", serve_log)
+    expect(match is not None, "no 'runtime packages' line in the serve log")
+    assert match is not None
+    found = dict(re.findall(r"(\w+) [^ ]+ \(([^)]*)\)", match.group(1)))
+    wrong = {m: found.get(m) for m in RUNTIME_MODULES if not str(found.get(m, "")).startswith(str(deepinfer_venv))}
+    expect(not wrong, f"not from the DeepInfer venv: {wrong}")
+    return match.group(1).replace(str(deepinfer_venv), "<di-venv>")
+
+
+def ranks(rank_procs: list[psutil.Process], deepinfer_venv: Path, backend_dir: Path, engine: str,
+          master_port: int) -> str:
+    """Interpreter, PYTHONPATH, the configured MASTER_PORT and (engine deepinfer) DeepInfer's _C."""
+    expect(len(rank_procs) == 2, f"{len(rank_procs)} rank processes")
+    python = str(deepinfer_venv / "bin" / "python")
+    for proc in rank_procs:
+        expect(proc.cmdline()[0] == python, f"rank interpreter {proc.cmdline()[0]}, want {python}")
+        expect(proc.environ().get("PYTHONPATH") == str(backend_dir), f"PYTHONPATH {proc.environ().get('PYTHONPATH')}")
+    rendezvous = master_port - 50 if engine == "deepinfer" else master_port
+    listening = {c.laddr.port for p in rank_procs for c in p.net_connections("tcp") if c.status == "LISTEN"}
+    expect(rendezvous in listening, f"no rank listens on the rendezvous port {rendezvous} (MASTER_PORT "
+           f"{master_port}); listening: {sorted(listening)}")
+    detail = f"2 ranks on {python.replace(str(deepinfer_venv), '<di-venv>')}, rendezvous on {rendezvous}"
+    if engine == "deepinfer":
+        maps = Path(f"/proc/{rank_procs[0].pid}/maps").read_text()
+        loaded = sorted({line.split()[-1] for line in maps.splitlines() if "/deepinfer/_C" in line})
+        expect(loaded != [] and all(path.startswith(str(deepinfer_venv.parent)) for path in loaded),
+               f"deepinfer._C not loaded from the build: {loaded}")
+        detail += f", DeepInfer's _C loaded ({Path(loaded[0]).name})"
+    return detail
+
+
+def healthz_warnings(native_url: str) -> list[Any]:
+    return list(httpx.get(native_url + "/healthz", timeout=10).json().get("warnings") or [])

@@ -1,0 +1,144 @@
+"""The worker stand-in: the published archive run the way an InferenceKey worker runs it, with engine
+``reference`` and engine ``deepinfer`` (DeepInfer's real package and compiled scheduler from the
+DeepInfer venv, only the SM100 forward replaced). The check to run before every publish:
+
+    bash scripts/worker_standin.sh                   # both engines (builds the DeepInfer venv once per machine)
+    bash scripts/worker_standin.sh -k reference      # one engine
+
+Prints, per engine: seconds to ready, each check (PASS/FAIL with what it saw) and the shutdown.
+How the worker is reproduced: ``standin_worker.py``; what is checked: ``standin_checks.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import standin_checks as checks
+from standin_worker import (
+    REPO, STANDIN_CHANGES, Machine, Worker, changed_keys, free_port, log, standin_config,
+)
+
+pytestmark = [pytest.mark.worker_standin, pytest.mark.timeout(1800)]
+READY_TIMEOUT_S = 900.0
+
+
+def _build_dir() -> Path:
+    raw = os.environ.get("DEEPINFER_BUILD_DIR") or subprocess.run(
+        ["bash", str(REPO / "scripts" / "build_deepinfer.sh"), "--print-dir"], capture_output=True, text=True,
+        check=True).stdout.strip()
+    path = Path(raw)
+    if not (path / ".complete").is_file():
+        pytest.fail(f"no finished DeepInfer build at {path}: run bash scripts/build_deepinfer.sh")
+    return path
+
+
+def _claude_bin() -> str:
+    if os.environ.get("CLAUDE_BIN"):
+        return os.environ["CLAUDE_BIN"]
+    res = subprocess.run(["bash", str(REPO / "scripts" / "claude_cli.sh")], capture_output=True, text=True,
+                         check=True)
+    return res.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def machine() -> Iterator[Machine]:
+    work = Path(tempfile.mkdtemp(prefix="worker-standin-"))
+    try:
+        m = Machine(work, _build_dir())
+        for line in m.prepare():
+            log("worker", line)
+        yield m
+    finally:
+        if os.environ.get("STANDIN_KEEP"):
+            log("worker", f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+class Report:
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.failed: list[str] = []
+
+    def check(self, name: str, fn: Callable[[], str]) -> None:
+        started = time.monotonic()
+        try:
+            detail = fn()
+        except Exception as exc:  # noqa: BLE001 - every check runs; the failures are listed at the end
+            self.failed.append(name)
+            log(self.engine, f"FAIL {name} ({time.monotonic() - started:.1f} s): {type(exc).__name__}: {exc}")
+            return
+        log(self.engine, f"PASS {name} ({time.monotonic() - started:.1f} s): {detail}")
+
+
+@pytest.mark.parametrize("engine", ["reference", "deepinfer"])
+def test_worker_standin(machine: Machine, engine: str) -> None:
+    import deploy
+
+    report = Report(engine)
+    master_port = free_port() + 50  # DeepInfer rendezvouses at MASTER_PORT-50
+    config = standin_config(deploy.MEASURED_CONFIG, engine, machine, free_port(), master_port)
+    changed = changed_keys(deploy.MEASURED_CONFIG, config)
+    log(engine, f"config: deploy.MEASURED_CONFIG with {', '.join(f'{k}={_get(config, k)}' for k in changed)}")
+    report.check("config changes only engine, paths, ports, sizes",
+                 lambda: _only(changed, STANDIN_CHANGES))
+    report.check("backend venv holds none of the DeepInfer venv's packages", lambda: _no_runtime_packages(machine))
+    worker = Worker(engine, machine, config)
+    try:
+        ready_s = worker.start(READY_TIMEOUT_S)
+        log(engine, f"ready in {ready_s:.1f} s (SDK /healthz 200 on :{worker.sdk_port}; native :{config['port']})")
+        report.check("SDK /healthz and /meta", lambda: checks.sdk_healthz(worker.sdk_url))
+        report.check("SDK /process", lambda: checks.sdk_process(worker.sdk_url))
+        report.check("native /healthz", lambda: checks.native_healthz(worker.native_url))
+        report.check("runtime packages from the DeepInfer venv",
+                     lambda: checks.runtime_packages(worker.log_path.read_text(errors="replace"),
+                                                     machine.deepinfer_venv))
+        report.check("rank processes", lambda: checks.ranks(worker.ranks, machine.deepinfer_venv,
+                                                            machine.backend_dir, engine, master_port))
+        report.check("anthropic SDK /v1/messages (tools, stream and not)",
+                     lambda: checks.anthropic_messages(worker.native_url))
+        report.check("openai SDK /v1/chat/completions (tools, stream and not)",
+                     lambda: checks.openai_chat(worker.native_url))
+        report.check("prefix cache hit on a repeated prompt", lambda: checks.prefix_cache_hit(worker.native_url))
+        report.check("claude -p (pinned CLI)",
+                     lambda: checks.claude_print(_claude_bin(), worker.native_url, machine.work / f"claude-{engine}"))
+        log(engine, f"/healthz warnings: {checks.healthz_warnings(worker.native_url)}")
+    except Exception:
+        log(engine, f"serve log tail:\n{worker.log_tail(60) if worker.log_path.exists() else '(none)'}")
+        raise
+    finally:
+        if worker.proc is not None:
+            code, seconds, left = worker.stop()
+            worker.kill()
+            log(engine, f"{'PASS' if code == 0 and not left else 'FAIL'} SIGTERM to the SDK serve process: "
+                f"exit {code} in {seconds:.1f} s; left behind: {left or 'no process, /dev/shm segment or temp file'}")
+            if code != 0 or left:
+                report.failed.append("clean shutdown")
+    assert not report.failed, f"{engine}: failed checks: {report.failed}\n{worker.log_tail(60)}"
+
+
+def _get(config: dict, dotted: str) -> object:
+    value: object = config
+    for part in dotted.split("."):
+        value = value[part]  # type: ignore[index]
+    return value
+
+
+def _only(changed: list[str], allowed: tuple[str, ...]) -> str:
+    extra = sorted(set(changed) - set(allowed))
+    checks.expect(not extra, f"changed beyond engine/paths/ports/sizes: {extra}")
+    return f"{len(changed)} keys: {', '.join(changed)}"
+
+
+def _no_runtime_packages(machine: Machine) -> str:
+    have = machine.backend_venv_packages()
+    clash = sorted(have & {"torch", "numpy", "orjson", "pyzmq", "tokenizers"})
+    checks.expect(not clash, f"requirements.txt pulled in {clash}: they would shadow the DeepInfer venv's pins")
+    return f"{len(have)} distributions, none of torch/numpy/orjson/pyzmq/tokenizers"

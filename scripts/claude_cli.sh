@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
 # Installs the Claude Code CLI once per machine and prints the path of its native binary.
 #
-#   bash scripts/claude_cli.sh            # the oldest pinned version (the one the notes were observed on)
-#   bash scripts/claude_cli.sh 2.1.197    # a given version
+#   bash scripts/claude_cli.sh            # the oldest pinned version (scripts/claude-versions.txt)
+#   bash scripts/claude_cli.sh 2.1.332    # a given version
 #
-# The pin lives in scripts/claude_e2e.sh (CLAUDE_CODE_VERSION's default); this script reads it from
-# there so there is one source of truth. Installs go to
+# The pins live in scripts/claude-versions.txt (one source of truth). Installs go to
 # ${CLAUDE_CLI_CACHE:-${XDG_CACHE_HOME:-~/.cache}/deepinfer-backend/claude-cli}/<version> with npm
 # (registry access once), under a lock so parallel runs share one install. `claude --version` is
-# checked offline before the path is printed.
+# checked offline before the path is printed. scripts/claude_e2e.sh installs through this script.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PINNED=$(sed -n 's/^VERSION=\${CLAUDE_CODE_VERSION:-\([0-9][0-9.]*\)}$/\1/p' "$REPO/scripts/claude_e2e.sh")
-VERSION=${1:-$PINNED}
-[ -n "$VERSION" ] || { echo "error: no pinned Claude Code version found in scripts/claude_e2e.sh" >&2; exit 2; }
+VERSION=${1:-$(awk '$1 == "oldest" {print $2}' "$REPO/scripts/claude-versions.txt")}
+[ -n "$VERSION" ] || { echo "error: no 'oldest' pin in scripts/claude-versions.txt" >&2; exit 2; }
 ROOT=${CLAUDE_CLI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/deepinfer-backend/claude-cli}
 DIR=$ROOT/$VERSION
 

@@ -22,23 +22,9 @@ VERSIONS=${CLAUDE_CODE_VERSIONS:-$(awk '$1 !~ /^#/ && NF >= 2 {print $2}' "$PINS
 
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 
-installed_bin() {  # the native binary of version $1 in the cache, if installed
-  local b
-  for b in "$CACHE/$1"/node_modules/@anthropic-ai/claude-code-*/claude; do
-    [ -x "$b" ] && { realpath "$b"; return 0; }
-  done
-  return 1
-}
-
-binary_for() {  # install version $1 if needed; print its binary
+binary_for() {  # install version $1 if needed (scripts/claude_cli.sh); print its binary
   if [ "$1" = custom ]; then realpath "$CLAUDE_BIN"; return 0; fi
-  if ! installed_bin "$1"; then
-    command -v npm >/dev/null || { echo "error: npm is needed to install the Claude Code CLI" >&2; return 2; }
-    mkdir -p "$CACHE/$1"
-    echo "installing @anthropic-ai/claude-code@$1 into $CACHE/$1" >&2
-    npm install --prefix "$CACHE/$1" --no-audit --no-fund --loglevel=error "@anthropic-ai/claude-code@$1" >&2
-    installed_bin "$1" || { echo "error: the npm package brought no native binary for this platform" >&2; return 2; }
-  fi
+  CLAUDE_CLI_CACHE=$CACHE bash scripts/claude_cli.sh "$1" | tail -1
 }
 
 probe_home=$(mktemp -d)

@@ -320,7 +320,11 @@ def _cli_config(args: argparse.Namespace) -> WorkloadConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{args.config}: the workload config must be a JSON object")
     overrides = {"engine": args.engine, "script_file": args.script, "host": args.host, "port": args.port,
-                 "ep": args.ranks, "api_key": args.api_key, "reference_model": args.reference_model}
+                 "ep": args.ranks, "api_key": args.api_key, "reference_model": args.reference_model,
+                 "http_header_timeout_secs": getattr(args, "header_timeout", None),
+                 "http_max_header_bytes": getattr(args, "max_header_bytes", None),
+                 "http_max_connections": getattr(args, "max_connections", None),
+                 "http_keep_alive_secs": getattr(args, "keep_alive", None)}
     raw.update({k: v for k, v in overrides.items() if v is not None})
     return load_config(raw)
 
@@ -366,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--ranks", type=int, help="number of rank processes (config key ep)")
     serve.add_argument("--api-key", help="require this key (x-api-key or Bearer)")
     serve.add_argument("--reference-model", choices=["null", "tiny", "small", "medium", "large"])
+    serve.add_argument("--header-timeout", type=float, help="seconds to receive a request's headers "
+                       "(config key http_header_timeout_secs, default 20, at most 30)")
+    serve.add_argument("--max-header-bytes", type=int, help="request line + headers bound "
+                       "(http_max_header_bytes, default 65536)")
+    serve.add_argument("--max-connections", type=int, help="open client connections at most "
+                       "(http_max_connections, default 2048)")
+    serve.add_argument("--keep-alive", type=float, help="idle keep-alive seconds (http_keep_alive_secs, default 75)")
     sub.add_parser("preflight", help="check the machine against a workload config "
                    "(--config FILE [--json] [--skip CHECK]); see server/preflight.py")
     args = parser.parse_args(argv)

@@ -195,6 +195,23 @@ class RequestTooLarge(ProtocolError):
     openai_type = "invalid_request_error"
 
 
+class HeadersTimeout(ProtocolError):
+    """408: the request line and headers did not arrive within the header timeout (slow client)."""
+
+    http_status = 408
+    anthropic_type = "timeout_error"
+    openai_type = "timeout_error"
+    retryable = True
+
+
+class HeadersTooLarge(ProtocolError):
+    """431: the request line and headers are over the server's bound."""
+
+    http_status = 431
+    anthropic_type = "invalid_request_error"
+    openai_type = "invalid_request_error"
+
+
 class RateLimited(ProtocolError):
     http_status = 429
     anthropic_type = "rate_limit_error"

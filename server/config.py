@@ -106,6 +106,20 @@ class WorkloadConfig(BaseModel):
     )
     script_file: str | None = Field(None, description="Replies file for engine 'scripted'.")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="HTTP request body limit.")
+    http_header_timeout_secs: float = Field(
+        20, gt=0, le=30, description="Seconds a connection has, from its start or a request's first "
+        "byte, to finish the request line and headers; then 408 and close (slow-header clients).",
+    )
+    http_max_header_bytes: int = Field(
+        64 * 1024, ge=4096, le=64 * 1024, description="Bound on a request line + headers; over it 431 and close.",
+    )
+    http_max_connections: int = Field(
+        2048, ge=16, description="Open client connections at most (lowered to fit ulimit -n); one more "
+        "is answered 503 and closed at once.",
+    )
+    http_keep_alive_secs: float = Field(
+        75, gt=0, le=3600, description="Idle time after a response before a keep-alive connection is closed.",
+    )
     prefill_attempt_interval: int = Field(
         70, ge=1, description="DeepInfer DEEPINFER_PREFILL_ATTEMPT_INTERVAL (ALL vote points)."
     )

@@ -43,12 +43,17 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def _http_impl() -> str:
+def _http_impl(limits: Any) -> Any:
+    """Our bounded httptools protocol (server/http_limits.py); uvicorn's h11 when httptools is
+    missing (requirements.txt has it): that bounds headers but has no header timeout or cap."""
     try:
         import httptools  # noqa: F401
     except ImportError:
+        log.warning("httptools is not installed: no HTTP header timeout and no connection cap")
         return "h11"
-    return "httptools"
+    from server.http_limits import protocol_class
+
+    return protocol_class(limits)
 
 
 class Runtime:
@@ -180,10 +185,15 @@ class Runtime:
         sock.listen(2048)
         sock.setblocking(False)
         self._socket = sock
+        from server.http_limits import HttpLimits
+
+        limits = HttpLimits(header_timeout_s=cfg.http_header_timeout_secs, max_header_bytes=cfg.http_max_header_bytes,
+                            max_connections=cfg.http_max_connections, keep_alive_s=cfg.http_keep_alive_secs)
         uv_config = uvicorn.Config(
-            self.app, http=_http_impl(), loop="none", lifespan="off", access_log=False,
+            self.app, http=_http_impl(limits), loop="none", lifespan="off", access_log=False,
             log_level="warning", timeout_graceful_shutdown=HTTP_GRACE_S, backlog=2048,
-            timeout_keep_alive=75, server_header=False,
+            timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,
+            server_header=False,
         )
         self._server = _EmbeddedServer(uv_config)
         self._server_task = asyncio.ensure_future(self._server.serve(sockets=[sock]))

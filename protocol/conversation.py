@@ -36,9 +36,10 @@ BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 IMAGE_TEXT = "[Unsupported image]"  # no vision path on this deployment; see docs/protocol.md
 
 
-# Kinds of a tool result's parts (``Block.parts``): template text, client text, or a run of
-# tool references (payload: the tuple of tool names it loads).
-PART_OURS = 0
+# Kinds of a tool result's parts (``Block.parts``): client text (placeholders such as
+# ``[Unsupported <type>]`` too: they hold the client's type string), or a run of tool references
+# (payload: the tuple of tool names it loads). No kind is template text: nothing a client sends
+# is ever rendered as ours (where special-token strings become control tokens).
 PART_CLIENT = 1
 PART_TOOL_REFS = 2
 
@@ -46,8 +47,8 @@ PART_TOOL_REFS = 2
 @dataclass(slots=True)
 class Block:
     """One user-turn block: ``text`` (client text), ``tool_result`` (``parts`` are (PART_*,
-    payload) pairs joined by "\\n\\n"; a bool kind means client text or not) or ``other``
-    (rendered as ours text)."""
+    payload) pairs joined by "\\n\\n") or ``other`` (a placeholder such as
+    ``[Unsupported image]``, rendered as client text)."""
 
     kind: str
     text: str = ""
@@ -126,9 +127,9 @@ def _tool_result_parts(content: str | list[Any] | None) -> list[tuple[int, Any]]
         elif p.type == "text":
             parts.append((PART_CLIENT, p.text))
         elif p.type == "image":
-            parts.append((PART_OURS, IMAGE_TEXT))
+            parts.append((PART_CLIENT, IMAGE_TEXT))
         else:
-            parts.append((PART_OURS, f"[Unsupported {p.type}]"))
+            parts.append((PART_CLIENT, f"[Unsupported {p.type}]"))
     return parts or [(PART_CLIENT, "")]
 
 

@@ -246,10 +246,10 @@ def _render_user_blocks(blocks: list[Block], catalog: dict[str, dict[str, Any]],
                 if kind == PART_TOOL_REFS:
                     _render_tool_definitions(payload, catalog, out)
                 else:
-                    out.append((CLIENT if kind else OURS, payload))
+                    out.append((CLIENT, payload))
             out.append((OURS, "</tool_result>"))
-        else:
-            out.append((OURS, b.text))
+        else:  # a placeholder ("[Unsupported <type>]"): client text, it holds the client's type
+            out.append((CLIENT, b.text))
 
 
 def _render_tool_definitions(names: tuple[str, ...], catalog: dict[str, dict[str, Any]], out: list[Segment]) -> None:

@@ -9,9 +9,10 @@
 #
 # Each version is installed once with npm into .cache/claude-cli/<version> (gitignored; the
 # native binary is 245-400 MB) and checked with `claude --version`, offline. The first version
-# runs all of tests/e2e (CLI scenarios, OpenAI-SDK flows, scripted-engine unit tests); the others
-# run the tests marked claude_cli. Prints each version's wall time, then a summary. Needs npm
-# only to install; the runs stay on 127.0.0.1. See docs/claude-code.md.
+# runs all of tests/e2e but the agent_clients tests (CLI scenarios, OpenAI-SDK flows,
+# scripted-engine unit tests); the others run the tests marked claude_cli. Prints each version's
+# wall time, then a summary. Needs npm only to install; the runs stay on 127.0.0.1 (the TUI test
+# needs tmux). See docs/claude-code.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,14 +41,14 @@ for version in $VERSIONS; do
     exit 2
   fi
   echo "=== Claude Code $reported: $bin"
-  if [ $first = 1 ]; then marker="claude_cli or not claude_cli"; else marker="claude_cli"; fi
+  if [ $first = 1 ]; then marker="not agent_clients"; scope="all of tests/e2e"; else marker="claude_cli"; scope="claude_cli tests"; fi
   start=$(date +%s)
   rc=0
   CLAUDE_BIN="$bin" .venv/bin/python -m pytest -m "$marker" -p no:cacheprovider -o addopts="" \
-    tests/e2e -v -ra --durations=12 "$@" || rc=$?
+    tests/e2e -v -ra -rP --durations=12 "$@" || rc=$?
   wall=$(( $(date +%s) - start ))
   echo "claude_e2e: Claude Code ${reported%% *}: wall time $wall s, exit $rc"
-  summary+=("  ${reported%% *}: exit $rc, wall time $wall s ($marker)")
+  summary+=("  ${reported%% *}: exit $rc, wall time $wall s ($scope)")
   [ $rc = 0 ] || status=$rc
   first=0
 done

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_harness import find_claude
+from e2e_harness import find_claude, running_backend
 
 # tests/e2e/projects/* are the projects the scenarios hand to Claude Code (their own tests run
 # inside the scenario, in a temp copy), not part of this suite.
@@ -15,3 +15,11 @@ def claude_bin():
     if binary is None:
         pytest.skip("Claude Code CLI not installed: run scripts/claude_e2e.sh (it installs it with npm)")
     return binary
+
+
+@pytest.fixture(scope="session")
+def shared_backend():
+    """One backend for every CLI scenario that needs no special config (scenarios/shared.json
+    includes their scripts, each scoped to a phrase of its prompt): saves a start per scenario."""
+    with running_backend("shared.json") as backend:
+        yield backend

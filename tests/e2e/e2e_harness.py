@@ -248,6 +248,15 @@ class ClaudeRun:
                 f"stderr={self.stderr[-2000:]}")
 
 
+def assert_success(run: ClaudeRun, num_turns: int | None = None) -> None:
+    """rc 0, a success result, and no reply from the script's default (an unmatched prompt)."""
+    assert run.rc == 0, run.describe()
+    assert run.result.get("subtype") == "success" and run.result.get("is_error") is False, run.describe()
+    assert "SCRIPT-DEFAULT" not in run.result.get("result", ""), run.describe()
+    if num_turns is not None:
+        assert run.result.get("num_turns") == num_turns, run.describe()
+
+
 def claude_env(base_url: str, home: Path, *, model: str = MODEL, extra: dict[str, str] | None = None) -> dict[str, str]:
     """A clean environment: only what the CLI needs (no inherited ANTHROPIC_* or proxies)."""
     env = {
@@ -280,17 +289,20 @@ def make_project(root: Path, files: dict[str, str] | None = None, copy_from: str
 
 
 def start_claude(
-    binary: Path, prompt: str, project: Path, base_url: str, *,
+    binary: Path, prompt: str | None, project: Path, base_url: str, *,
     stream_json: bool = False, model: str = MODEL, extra_env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[str], Path, float]:
+    """``claude -p [PROMPT] ARGS``; without a prompt (``--input-format stream-json``) stdin is a
+    pipe for the caller to write prompts to."""
     home = project.parent / "home"
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     fmt = ["--output-format", "stream-json", "--verbose"] if stream_json else ["--output-format", "json"]
     proc = subprocess.Popen(
-        [str(binary), "-p", prompt, *fmt, "--dangerously-skip-permissions"],
+        [str(binary), "-p", *([prompt] if prompt is not None else []), *fmt, *args, "--dangerously-skip-permissions"],
         cwd=project, env=claude_env(base_url, home, model=model, extra=extra_env),
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        stdin=subprocess.DEVNULL if prompt is not None else subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     return proc, home, time.monotonic()
 
@@ -302,7 +314,12 @@ def finish_claude(proc: subprocess.Popen[str], home: Path, project: Path, t0: fl
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         stderr += f"\n[harness] killed after {timeout_s} s"
-    run = ClaudeRun(proc.returncode, stdout, stderr, time.monotonic() - t0, home, project)
+    return parsed_run(proc.returncode, stdout, stderr, time.monotonic() - t0, home, project)
+
+
+def parsed_run(rc: int, stdout: str, stderr: str, wall_s: float, home: Path, project: Path) -> ClaudeRun:
+    """A ClaudeRun with the JSON lines of ``stdout`` as events (the last result as ``result``)."""
+    run = ClaudeRun(rc, stdout, stderr, wall_s, home, project)
     for line in stdout.splitlines():
         line = line.strip()
         if not line.startswith("{"):

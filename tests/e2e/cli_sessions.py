@@ -109,7 +109,7 @@ class TuiSession:
         self._tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "50", "-c", str(project), command)
 
     def _tmux(self, *args: str) -> str:
-        out = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=30, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"tmux {' '.join(args[:2])} failed: {out.stderr.strip()}")
         return out.stdout

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import importlib.util
 import json
 import logging
@@ -118,6 +119,30 @@ def describe_runtime_modules() -> str:
             origin = str(Path(getattr(module, "__file__", "") or "?").parent.parent)
             parts.append(f"{name} {getattr(module, '__version__', '?')} ({origin})")
     return ", ".join(parts)
+
+
+class SetupInterrupted(Exception):
+    """SIGTERM while ``setup()`` was loading (a cancelled deploy): the runtime was stopped first."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While the model loads, SIGTERM raises ``SetupInterrupted`` in setup() instead of killing the
+    process outright (the SDK installs its own handler only after setup() returns), so the rank
+    processes, the L1 /dev/shm pool and the temp directory are removed before it exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeat must not cut the cleanup short
+        raise SetupInterrupted(f"signal {signum} while loading; the ranks were stopped")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_preflight(config: WorkloadConfig) -> Any | None:
@@ -219,7 +244,8 @@ class DeepInferBackend(CustomBackend):
         runtime = Runtime(config, preflight_report=report, config_warnings=config_warnings)
         loop = LoopThread()
         try:
-            loop.start(runtime.start, timeout_s=config.ready_timeout_secs)
+            with _sigterm_interrupts():
+                loop.start(runtime.start, timeout_s=config.ready_timeout_secs, abort=runtime.stop)
         except TimeoutError:
             raise RuntimeError(f"the model was not ready within ready_timeout_secs "
                                f"({config.ready_timeout_secs:g} s)") from None

@@ -55,15 +55,20 @@ class LoopThread:
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
-    def start(self, main: Callable[[], Awaitable[None]], timeout_s: float | None = None) -> None:
-        """Start the loop and run ``main()`` (the runtime's start) to completion."""
+    def start(self, main: Callable[[], Awaitable[None]], timeout_s: float | None = None,
+              abort: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start the loop and run ``main()`` (the runtime's start) to completion.
+
+        If it fails, times out or this thread is interrupted (a signal handler raising), ``abort()``
+        (the runtime's stop) runs on the loop before the loop stops: cancelling ``main()`` alone
+        would cancel what it started half-way (rank processes, their sockets, /dev/shm)."""
         assert not self._started, "LoopThread started twice"
         self._started = True
         self._thread.start()
         try:
             self.call(main(), timeout_s)
         except BaseException:
-            self.stop(None)
+            self.stop(abort)
             raise
 
     def call(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:

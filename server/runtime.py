@@ -88,6 +88,7 @@ class Runtime:
         self._socket: socket.socket | None = None
         self._ready = False
         self._failed: str | None = None
+        self._stopping: asyncio.Future[None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, on_listening: Callable[[str], None] | None = None) -> None:
@@ -121,6 +122,13 @@ class Runtime:
             raise
 
     async def stop(self) -> None:
+        """Stop everything; concurrent and repeated calls share one stop, which a cancelled
+        caller does not interrupt (a half-run stop would leave ranks, /dev/shm or sockets)."""
+        if self._stopping is None or self._stopping.done():
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         self._ready = False
         self.state.protocol = self.state.service = None
         self.state.preparer.close()

@@ -174,3 +174,35 @@ def test_sdk_and_native_servers_on_their_own_ports_and_unknown_keys_warn(tmp_pat
         httpd.shutdown()
         httpd.server_close()
         backend.close()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_while_loading_stops_the_ranks_and_leaves_nothing(tmp_path: Path) -> None:
+    """A deploy cancelled while the model loads: the SDK has no SIGTERM handler yet, so without ours
+    the process died at once, leaving the rank group's temp directory and /dev/shm pool."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    config = {"engine": "reference", "ep": 2, "block_size": 16, "reference_num_blocks": 64,
+              "max_num_batched_tokens": 256, "l1_host_gb": 0.01, "port": 0}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "inferencekey.backend.serve", "--port", str(_free_port()), "--backend",
+             "deepinfer_backend:DeepInferBackend"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir), "IK_BACKEND_CONFIG": json.dumps(config)})
+    try:
+        while "started rank 1 (pid" not in log_path.read_text(errors="replace"):  # ranks still importing torch
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.02)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 1  # setup() failed: the SDK exits non-zero
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log_path.read_text(errors="replace")
+    assert "SetupInterrupted: signal 15 while loading" in text, text[-3000:]
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive
+    assert not [n for n in os.listdir("/dev/shm") if f"-g{proc.pid}-" in n]
+    assert list(tmpdir.iterdir()) == []

@@ -36,6 +36,7 @@ from protocol import anthropic_schema as A
 from protocol import openai_schema as O
 from protocol.api_types import PreparedRequest
 from protocol.conversation import Conversation, anthropic_conversation, openai_conversation
+from protocol.depth import check_json_depth, check_json_text_depth
 from protocol.detokenize import TokenTable
 from protocol.errors import InvalidRequest, ModelNotAvailable, PromptTooLong, ProtocolError, lower_headers
 from protocol.ledger import OutputLedger
@@ -82,18 +83,21 @@ def _validate(model: type[_Req], data: dict[str, Any]) -> _Req:
 
 def _load_body(body: bytes | dict[str, Any]) -> dict[str, Any]:
     if isinstance(body, dict):
-        return body
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        data = body
+    else:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    check_json_depth(data)  # 400 here, not RecursionError in render or the ledger
     return data
 
 
 def _parse_args(arguments: Any) -> Any:
     if isinstance(arguments, str):
+        check_json_text_depth(arguments, "arguments")
         try:
             return orjson.loads(arguments)
         except orjson.JSONDecodeError:

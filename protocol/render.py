@@ -29,6 +29,7 @@ import orjson
 import xxhash
 
 from protocol.conversation import PART_TOOL_REFS, Block, Conversation, Message, ToolCall
+from protocol.depth import check_json_text_depth
 
 OURS = 0
 CLIENT = 1
@@ -110,6 +111,7 @@ def arguments_dict(arguments: Any) -> dict[str, Any]:
     value = arguments
     for _ in range(2):
         if isinstance(value, str):
+            check_json_text_depth(value, "arguments")  # a 400, not json.loads' RecursionError
             try:
                 value = json.loads(value)
             except ValueError:

@@ -137,5 +137,11 @@ class TuiSession:
         self._tmux("send-keys", "-t", self.name, "Enter")
 
     def close(self) -> None:
+        """Stop the tmux server and remove its socket file (tmux leaves it behind)."""
+        socket_path = ""
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+            socket_path = self._tmux("display-message", "-p", "#{socket_path}").strip()
         with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
             self._tmux("kill-server")
+        if socket_path:
+            Path(socket_path).unlink(missing_ok=True)

@@ -169,7 +169,7 @@ class OutputConfig(_Wire):
 
 class _RequestBase(_Wire):
     model: str = Field(min_length=1)
-    messages: list[Message]
+    messages: list[Message] = Field(min_length=1)  # Anthropic refuses an empty list too
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

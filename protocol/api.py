@@ -25,7 +25,7 @@ Anthropic thinking blocks carry the ledger handle as their ``signature``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -95,6 +95,16 @@ def _load_body(body: bytes | dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def check_tool_choice(tool_choice: str, name: str | None, declared: Collection[str]) -> None:
+    """As the APIs do: a forced tool call needs tools, and a named tool must be declared (a
+    400 instead of a request the model cannot satisfy)."""
+    if tool_choice == "required" and not declared:
+        raise InvalidRequest("tool_choice requires a tool call, but the request declares no tools",
+                             param="tool_choice")
+    if tool_choice == "named" and name not in declared:
+        raise InvalidRequest(f"tool_choice names the tool {name!r}, which is not in tools", param="tool_choice")
+
+
 def _parse_args(arguments: Any) -> Any:
     if isinstance(arguments, str):
         check_json_text_depth(arguments, "arguments")
@@ -135,6 +145,7 @@ class Protocol:
         if req.tool_choice is not None:
             tool_choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[req.tool_choice.type]
             tool_name = req.tool_choice.name
+            check_tool_choice(tool_choice, tool_name, [t["name"] for t in conv.tools] + list(conv.tool_catalog))
         return PreparedRequest(
             api="anthropic",
             model=req.model,
@@ -171,6 +182,7 @@ class Protocol:
             tool_choice = req.tool_choice
         elif req.tool_choice is not None:
             tool_choice, tool_name = "named", req.tool_choice.function["name"]
+        check_tool_choice(tool_choice, tool_name, [t.get("name", "") for t in conv.tools])
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         return PreparedRequest(
             api="openai",
@@ -203,6 +215,7 @@ class Protocol:
         a prompt no request could send (over ``max_model_len - 1``) is refused like a request."""
         data = _load_body(body)
         req = _validate(A.CountTokensRequest, data)
+        self._check_model(req.model)
         conv = anthropic_conversation(req, data.get("tools"))
         self._match_ledger(conv, strict_parts=True)
         return len(self._tokenize(conv))

@@ -39,13 +39,15 @@ def prepare_responses(proto: Protocol, data: dict[str, Any], headers: Mapping[st
         req = R.ResponsesRequest.model_validate(data)
     except ValidationError as exc:
         raise InvalidRequest.from_validation(exc) from None
-    from protocol.api import _tool_params as tool_params  # the facade's helper (imports us)
+    from protocol.api import _tool_params as tool_params  # the facade's helpers (they import us)
+    from protocol.api import check_tool_choice
 
     proto._check_model(req.model)
     conv, opts = responses_conversation(req, proto.responses_store, proto.ledger.signature)
     hits, divergences = proto._match_ledger(conv, strict_parts=False)
     ids = proto._tokenize(conv)
     tool_choice, tool_name = _tool_choice(req.tool_choice)
+    check_tool_choice(tool_choice, tool_name, {route.name for route in opts.routes.values()} | set(opts.routes))
     return PreparedRequest(
         api="responses",
         model=req.model,

@@ -16,7 +16,8 @@ is imported after that point. ``tests/server/test_backend_import_order.py`` enfo
 Outside the SDK the same runtime runs from the command line::
 
     python -m deepinfer_backend serve [--config FILE] [--engine reference|deepinfer|scripted]
-        [--script FILE] [--host H] [--port P] [--ranks N] [--api-key KEY]
+        [--script FILE] [--host H] [--port P] [--ranks N] [--api-key-file FILE | --api-key KEY]
+        [--header-timeout S] [--max-header-bytes N] [--max-connections N] [--keep-alive S]
     python -m deepinfer_backend preflight --config FILE [--json]
 """
 
@@ -346,13 +347,16 @@ def _cli_config(args: argparse.Namespace) -> WorkloadConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{args.config}: the workload config must be a JSON object")
     overrides = {"engine": args.engine, "script_file": args.script, "host": args.host, "port": args.port,
-                 "ep": args.ranks, "api_key": args.api_key, "reference_model": args.reference_model,
+                 "ep": args.ranks, "api_key": args.api_key, "api_key_file": getattr(args, "api_key_file", None),
+                 "reference_model": args.reference_model,
                  "http_header_timeout_secs": getattr(args, "header_timeout", None),
                  "http_max_header_bytes": getattr(args, "max_header_bytes", None),
                  "http_max_connections": getattr(args, "max_connections", None),
                  "http_keep_alive_secs": getattr(args, "keep_alive", None)}
     raw.update({k: v for k, v in overrides.items() if v is not None})
-    return load_config(raw)
+    config = load_config(raw)
+    config.resolved_api_key()  # an unreadable or empty api_key_file fails here, naming the key
+    return config
 
 
 async def _serve_forever(config: WorkloadConfig) -> None:
@@ -394,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--ranks", type=int, help="number of rank processes (config key ep)")
-    serve.add_argument("--api-key", help="require this key (x-api-key or Bearer)")
+    serve.add_argument("--api-key", help="require this key (x-api-key or Bearer); it shows in ps: prefer "
+                       "--api-key-file or env DEEPINFER_API_KEY")
+    serve.add_argument("--api-key-file", help="require the key this file holds (config key api_key_file)")
     serve.add_argument("--reference-model", choices=["null", "tiny", "small", "medium", "large"])
     serve.add_argument("--header-timeout", type=float, help="seconds to receive a request's headers "
                        "(config key http_header_timeout_secs, default 20, at most 30)")

@@ -246,7 +246,7 @@ class Routes:
 
     def __init__(self, state: AppState) -> None:
         self.state = state
-        self.auth = ApiKeyCheck(state.config.api_key)
+        self.auth = ApiKeyCheck(state.config.resolved_api_key())
 
     # -- helpers ---------------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -347,13 +347,29 @@ class Routes:
                  "max_model_len": cfg.max_model_len} for n in names]
         return json_response(200, {"object": "list", "data": data})
 
+    def _authenticated(self, request: Request) -> bool:
+        try:
+            self._check_auth(request)
+        except ProtocolError:
+            return False
+        return True
+
     async def healthz(self, request: Request) -> Response:
+        """The status for everyone (load balancers, probes); reasons, warnings and the rank
+        details (pids, failure texts) only with the API key, when one is set."""
         report = self.state.health()
+        if not self._authenticated(request):
+            return json_response(report.http_status, {"status": report.status})
         body = {"status": report.status, "reasons": report.reasons, "warnings": report.warnings,
                 **report.details}
         return json_response(report.http_status, body)
 
     async def metrics(self, request: Request) -> Response:
+        if self.state.config.metrics_require_key:
+            try:
+                self._check_auth(request)
+            except ProtocolError as exc:
+                return error_response(exc, "openai")
         return Response(self.state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def root(self, request: Request) -> Response:

@@ -17,11 +17,21 @@ else receives a ``WorkloadConfig`` (or a piece of it).
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+API_KEY_ENV = "DEEPINFER_API_KEY"  # the API key when neither api_key nor api_key_file is set
 DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
 DEFAULT_SLUG = "deepinfer-v41-flash"
 HTTP_MODES = ("native", "sdk")
@@ -91,7 +101,16 @@ class WorkloadConfig(BaseModel):
         "SDK it is a second server next to the SDK's own (whose port the worker chooses), so it must "
         "differ from that one; setup() refuses the SDK's port.",
     )
-    api_key: str | None = Field(None, description="If set, required as x-api-key or Bearer.")
+    api_key: str | None = Field(
+        None, description="If set, required as x-api-key or Bearer. Prefer api_key_file or env "
+        "DEEPINFER_API_KEY: a key given on the command line (serve --api-key) shows in ps.",
+    )
+    api_key_file: str | None = Field(
+        None, description="File whose content (stripped) is the API key; used when api_key is not set.",
+    )
+    metrics_require_key: bool = Field(
+        False, description="GET /metrics needs the API key too (when one is set).",
+    )
     block_size: int = Field(128, ge=16, le=1024, description="Tokens per KV block (DeepInfer: 128).")
     reference_model: Literal["null", "tiny", "small", "medium", "large"] = Field(
         "tiny", description="Reference engine size; 'null' emits tokens without compute."
@@ -140,6 +159,14 @@ class WorkloadConfig(BaseModel):
             raise ValueError(f"env.IK_BACKEND_HTTP must be one of {', '.join(HTTP_MODES)}, got {mode!r}")
         return value
 
+    @field_validator("api_key_file")
+    @classmethod
+    def _one_key_source(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # a field validator: its error shows the path, never the key (a model one shows all)
+        if value and info.data.get("api_key"):
+            raise ValueError("set api_key or api_key_file, not both")
+        return value
+
     @model_validator(mode="after")
     def _engine_requirements(self) -> WorkloadConfig:
         if self.engine == "deepinfer" and not self.deepinfer_venv:
@@ -149,6 +176,22 @@ class WorkloadConfig(BaseModel):
         if self.engine == "scripted" and not self.script_file:
             raise ValueError("script_file is required when engine is 'scripted'")
         return self
+
+    def resolved_api_key(self) -> str | None:
+        """The key the HTTP routes require: ``api_key``, else ``api_key_file``'s content, else
+        env ``DEEPINFER_API_KEY``; None means no key. Raises ConfigError for an unreadable or
+        empty key file. Only the HTTP server calls it (ranks never hold the key)."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"config key 'api_key_file': cannot read {self.api_key_file}: {exc}") from None
+            if not key:
+                raise ConfigError(f"config key 'api_key_file': {self.api_key_file} is empty")
+            return key
+        return os.environ.get(API_KEY_ENV) or None
 
     @property
     def served_model_names(self) -> frozenset[str]:

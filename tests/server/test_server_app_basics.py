@@ -32,10 +32,18 @@ def test_head_root_is_200_without_auth(base_url: str) -> None:
 
 
 def test_healthz_loading_is_503_with_reasons(base_url: str) -> None:
-    resp = httpx.get(base_url + "/healthz")
+    resp = httpx.get(base_url + "/healthz", headers={"x-api-key": KEY})
     assert resp.status_code == 503
     assert resp.json() == {"status": "loading", "reasons": ["model loading"],
                            "warnings": ["preflight: disk slow"]}
+
+
+@pytest.mark.parametrize("headers", [{}, {"x-api-key": "wrong"}, {"authorization": "Basic abc"}])
+def test_healthz_without_the_key_is_the_status_only(base_url: str, headers: dict[str, str]) -> None:
+    """Issue 15 item 8. Red before: reasons and warnings (and, loaded, the ranks' pids and the
+    last failure's text) went to anyone."""
+    resp = httpx.get(base_url + "/healthz", headers=headers)
+    assert resp.status_code == 503 and resp.json() == {"status": "loading"}
 
 
 @pytest.mark.parametrize("path,shape", [("/v1/messages?beta=true", "anthropic"),

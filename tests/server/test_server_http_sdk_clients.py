@@ -273,7 +273,7 @@ def test_new_requests_get_503_with_retry_after_while_ranks_restart(
             "model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]})
         assert resp.status_code == 503 and resp.json()["error"]["type"] == "overloaded_error"
         assert int(resp.headers["retry-after"]) >= 1
-        health = httpx.get(url + "/healthz").json()
+        health = httpx.get(url + "/healthz", headers={"x-api-key": KEY}).json()
         assert health["status"] == "loading" and "rank group restarting" in health["reasons"]
     finally:
         loop.call(set_state(GroupState.READY))
@@ -325,7 +325,7 @@ def test_client_disconnect_aborts_engine_request(server: tuple[Runtime, Any, str
 
 def test_metrics_and_healthz_after_traffic(server: tuple[Runtime, Any, str]) -> None:
     url = server[2]
-    health = httpx.get(url + "/healthz")
+    health = httpx.get(url + "/healthz", headers={"authorization": f"Bearer {KEY}"})
     assert health.status_code == 200
     assert health.json()["status"] == "degraded" and any("L1" in r for r in health.json()["reasons"])
     text = httpx.get(url + "/metrics").text

@@ -113,7 +113,7 @@ python -W ignore -c 'import torch; assert torch._C._GLIBCXX_USE_CXX11_ABI and to
 #    CUDA torch (both set above).
 mkdir -p "$CACHE_ROOT/sdist"
 TARBALL=$CACHE_ROOT/sdist/deepinfer-0.1.0.tar.gz
-if ! echo "$SDIST_SHA256  $TARBALL" | sha256sum -c --quiet - 2>/dev/null; then
+if ! echo "$SDIST_SHA256  $TARBALL" | sha256sum -c --quiet - >/dev/null 2>&1; then
     log "downloading the deepinfer 0.1.0 sdist"
     rm -f "$TARBALL"
     quiet pip download -q --no-deps --no-build-isolation deepinfer==0.1.0 -d "$CACHE_ROOT/sdist"

@@ -83,7 +83,9 @@ def test_worker_standin(machine: Machine, engine: str) -> None:
     import deploy
 
     report = Report(engine)
-    master_port = free_port() + 50  # DeepInfer rendezvouses at MASTER_PORT-50
+    # The rendezvous port must be free: MASTER_PORT itself for the reference engine's group,
+    # MASTER_PORT-50 for DeepInfer's.
+    master_port = free_port() + (50 if engine == "deepinfer" else 0)
     config = standin_config(deploy.MEASURED_CONFIG, engine, machine, free_port(), master_port)
     changed = changed_keys(deploy.MEASURED_CONFIG, config)
     log(engine, f"config: deploy.MEASURED_CONFIG with {', '.join(f'{k}={_get(config, k)}' for k in changed)}")

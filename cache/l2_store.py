@@ -1,0 +1,382 @@
+"""L2: the persistent KV tier on local disk (``l2_dir``, bounded by ``l2_gb``).
+
+It moves chain blocks between host slots (``HostSlots``, the shared L1 pool) and extent files
+(``cache/l2_format.py``): ``save`` spills a chain held in consecutive slots, ``load`` restores
+a run of a chain into consecutive slots; a restore then goes on to the GPU through the rank's
+``import_blocks``, so it is disk -> host -> GPU. Both run on a thread pool in chunks that
+overlap (several reads or writes in flight, checksums computed alongside) with direct I/O
+(``cache/l2_io.py``). The index (``cache/l2_index.py``) lives in memory and is rebuilt from the
+files' headers at ``open`` (``cache/l2_scan.py``), so it survives a backend restart.
+
+Failure is never the client's problem: disk full, a vanished directory, an unreadable, corrupt
+or truncated file all end in "not cached" (``save`` stores nothing, ``load`` returns the prefix
+it verified) plus a log line and a counter; the turn recomputes what is missing.
+
+Threading: the public methods run on one event loop; the index is touched only there. A call
+that is cancelled still waits for its chunks in flight (they hold its file descriptor and write
+into its host slots) before it lets the cancellation through, so the caller may reuse the slots
+as soon as the call has returned or raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from cache.hashing import BlockHash
+from cache.host_slots import HostSlots
+from cache.l2_format import EXTENT_SUFFIX, ExtentHeader, L2Stamp, block_checksum
+from cache.l2_index import L2Extent, L2Index
+from cache.l2_io import (
+    ShortRead,
+    block_chunks,
+    byte_chunks,
+    checksums,
+    drop_cache,
+    open_direct,
+    read_at,
+    write_at,
+)
+from cache.l2_scan import TMP_SUFFIX, ScanReport, extent_from_header, scan_into
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class L2Counters:
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    evicted_extents: int = 0
+    rejected_extents: int = 0  # corrupt or truncated found at load time
+    write_errors: int = 0  # disk full, vanished directory, I/O errors on save
+    read_errors: int = 0  # vanished or unreadable files on load
+    skipped_saves: int = 0  # no room under the bound (or L2 off)
+
+
+def statvfs_free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class L2Store:
+    """See the module docstring. ``min_free_bytes``: disk space left to others; the effective
+    bound is ``min(max_bytes, our files + free space - min_free_bytes)``, re-read before every
+    save, so a disk shared with other data shrinks L2 instead of failing writes."""
+
+    def __init__(
+        self, directory: str, max_bytes: int, stamp: L2Stamp, host: HostSlots, *,
+        io_threads: int = 4, chunk_bytes: int = 16 * MIB, direct: bool = True,
+        min_free_bytes: int = 1 << 30, clock: Callable[[], float] = time.time,
+        free_bytes: Callable[[str], int] = statvfs_free_bytes,
+    ) -> None:
+        if host.bytes_per_block != stamp.bytes_per_block:
+            raise ValueError(f"host slots hold {host.bytes_per_block} bytes per block, "
+                             f"the stamp says {stamp.bytes_per_block}")
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.stamp = stamp
+        self.host = host
+        self.index = L2Index(max_bytes)
+        self.counters = L2Counters()
+        self.chunk_bytes = max(MIB, chunk_bytes // MIB * MIB)
+        self.blocks_per_chunk = max(1, self.chunk_bytes // stamp.bytes_per_block)
+        self.direct = direct
+        self.min_free_bytes = min_free_bytes
+        self._clock = clock
+        self._free_bytes = free_bytes
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="l2-io")
+        self._seq = 0
+        self._last_warning: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def open(self) -> ScanReport:
+        """Create the directory and rebuild the index from its files. Blocking (seconds for
+        thousands of extents): call it in a thread. An unusable directory leaves L2 empty."""
+        started = time.monotonic()
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            report = scan_into(self.index, self.directory, self.stamp)
+        except OSError as exc:
+            log.warning("L2: cannot use %s (%s); the disk tier stays empty", self.directory, exc)
+            return ScanReport()
+        gib = 1 << 30
+        log.info("L2 %s: %d extents, %d blocks, %.2f of %.2f GiB from %d files in %.2f s (%s)",
+                 self.directory, len(self.index.extents), self.index.num_blocks, self.index.used_bytes / gib,
+                 self.max_bytes / gib, report.num_files, time.monotonic() - started, report.summary())
+        return report
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # ----------------------------------------------------------------- lookups
+
+    def match(self, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of the chain on disk."""
+        return self.index.match(hashes)
+
+    # ----------------------------------------------------------------- save
+
+    async def save(self, hashes: Sequence[BlockHash], parent_hash: BlockHash, host_slot: int) -> int:
+        """Spill a chain: block ``i`` of ``hashes`` is in host slot ``host_slot + i``; the blocks
+        not yet on disk are written as one new extent. ``parent_hash`` is the root hash (the
+        chain's block 0 parent). The caller keeps the slots unchanged until this returns.
+        Returns the number of blocks newly stored (0 on any failure)."""
+        k = self.index.match(hashes)
+        n = len(hashes)
+        if k >= n:
+            return 0
+        keep = self.index.path(hashes, k)
+        now = self._clock()
+        self.index.touch(keep, now)
+        before = hashes[k - 1] if k else parent_hash
+        header = ExtentHeader(self.stamp, k, before, list(hashes[k:]), [0] * (n - k))  # checksums: at write
+        nbytes = header.file_bytes
+        self._follow_free_space()
+        victims = self.index.make_room(nbytes, keep)
+        if victims is None:
+            self.counters.skipped_saves += 1
+            return 0
+        self._delete(victims, evicted=True)
+        self._seq += 1
+        name = f"{hashes[k]:016x}-{n - k}-{time.time_ns():x}-{self._seq}{EXTENT_SUFFIX}"
+        try:
+            header = await self._write(name, header, host_slot + k)
+        except OSError as exc:
+            self.counters.write_errors += 1
+            self._warn(f"write:{exc.errno}", "L2: spilling %d blocks failed (%s); they stay uncached on disk",
+                       n - k, exc)
+            if exc.errno == errno.ENOENT:
+                self._directory_vanished()
+            return 0
+        finally:
+            self.index.release(nbytes)
+        extent = extent_from_header(name, header, self._clock())
+        if not self.index.add(extent):  # its parent was evicted meanwhile, or another save won
+            self._delete([extent])
+            return 0
+        self._touch_files(keep)
+        stored = n - k - extent.first_live
+        self.counters.saved_blocks += stored
+        self.counters.saved_bytes += stored * self.stamp.bytes_per_block
+        return stored
+
+    async def _write(self, name: str, header: ExtentHeader, host_slot: int) -> ExtentHeader:
+        path = os.path.join(self.directory, name)
+        tmp = path + TMP_SUFFIX
+        bpb = self.stamp.bytes_per_block
+        payload = self.host.run(host_slot, header.num_blocks)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        fd, is_direct = await self._run(open_direct, tmp, flags, direct=self.direct)
+        done = False
+        try:
+            writes = [self._submit(write_at, fd, is_direct, header.payload_offset + a, payload[a:b])
+                      for a, b in byte_chunks(payload.nbytes, self.chunk_bytes)]
+            sums = [self._submit(checksums, payload[i * bpb : (i + c) * bpb], bpb)
+                    for i, c in block_chunks(0, header.num_blocks, self.blocks_per_chunk)]
+            results = await _wait_all(writes + sums)
+            header = header._replace(checksums=[s for part in results[len(writes):] for s in part])
+            await self._run(_finish_file, fd, is_direct, header.encode(), tmp, path)
+            done = True
+            return header
+        finally:
+            await self._run(os.close, fd)
+            if not done:
+                await self._run(_unlink_quietly, tmp)
+
+    # ----------------------------------------------------------------- load
+
+    async def load(self, hashes: Sequence[BlockHash], first: int, count: int, host_slot: int) -> int:
+        """Restore blocks ``first .. first+count-1`` of the chain into host slots from
+        ``host_slot``. Returns how many leading blocks were read and verified (0 .. count);
+        the slots after those hold garbage. A bad extent is dropped (with everything after it)."""
+        count = min(count, self.index.match(hashes) - first)
+        if count <= 0:
+            return 0
+        runs = self.index.runs(hashes, first, count)
+        self.index.touch(self.index.path(hashes, first + count), self._clock())
+        extents = list({id(r.extent): r.extent for r in runs}.values())
+        fds: dict[int, tuple[int, bool]] = {}
+        chunks: list[tuple[L2Extent, int, int, asyncio.Future[Any] | None]] = []  # chain order
+        try:
+            for extent in extents:
+                try:
+                    fds[id(extent)] = await self._run(open_direct, os.path.join(self.directory, extent.name),
+                                                      os.O_RDONLY, direct=self.direct)
+                except OSError as exc:
+                    self._drop(extent, "cannot be opened", exc)
+            slot = host_slot
+            for run in runs:
+                opened = fds.get(id(run.extent))
+                for b, c in block_chunks(run.index, run.count, self.blocks_per_chunk):
+                    future = None
+                    if opened is not None:
+                        dst = self.host.run(slot + b - run.index, c)
+                        future = self._submit(_read_verified, opened, run.extent, b, c, dst)
+                    chunks.append((run.extent, b, c, future))
+                slot += run.count
+            results = await _wait_all([f for *_, f in chunks if f is not None], return_exceptions=True)
+        finally:
+            for fd, _ in fds.values():
+                await self._run(os.close, fd)
+        verified = 0
+        outcomes = iter(results)
+        for extent, b, c, future in chunks:  # the verified prefix ends at the first bad chunk
+            if future is None:
+                break
+            res = next(outcomes)
+            if isinstance(res, BaseException):
+                self._drop(extent, "is unreadable", res)
+                break
+            verified += res
+            if res < c:
+                self._drop(extent, f"failed its checksum at chain block {extent.first_block + b + res}", None)
+                break
+        self.counters.loaded_blocks += verified
+        self.counters.loaded_bytes += verified * self.stamp.bytes_per_block
+        self._touch_files(extents)
+        return verified
+
+    # ----------------------------------------------------------------- degrading
+
+    def _drop(self, extent: L2Extent, what: str, exc: BaseException | None) -> None:
+        if isinstance(exc, FileNotFoundError) and not os.path.isdir(self.directory):
+            self._directory_vanished()
+            return
+        if exc is None or isinstance(exc, ShortRead):
+            self.counters.rejected_extents += 1
+        else:
+            self.counters.read_errors += 1
+        removed = self.index.remove(extent)
+        log.warning("L2: extent %s %s%s; dropped with %d dependent extents, the turn recomputes it",
+                    extent.name, what, f" ({exc})" if exc else "", len(removed) - 1)
+        self._delete(removed)
+
+    def _directory_vanished(self) -> None:
+        lost = self.index.clear()
+        self._warn("vanished", "L2: directory %s is gone; forgot %d extents (recreated on the next spill)",
+                   self.directory, len(lost))
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError:
+            pass
+
+    def _follow_free_space(self) -> None:
+        """Lower the bound to what the disk has room for (others may fill it); never above max_bytes."""
+        try:
+            free = self._free_bytes(self.directory)
+        except OSError:
+            return
+        room = self.index.used_bytes + self.index.reserved_bytes + free - self.min_free_bytes
+        bound = max(0, min(self.max_bytes, room))
+        if bound < self.index.max_bytes:
+            self._warn("full", "L2: the disk holding %s is nearly full; L2 bound lowered to %.2f GiB",
+                       self.directory, bound / (1 << 30))
+        self._delete(self.index.set_bound(bound), evicted=True)
+
+    def _warn(self, key: str, msg: str, *args: object) -> None:
+        """Log a repeated failure at most once a minute per kind."""
+        now = time.monotonic()
+        if now - self._last_warning.get(key, -1e9) >= 60.0:
+            self._last_warning[key] = now
+            log.warning(msg, *args)
+
+    def _delete(self, extents: Iterable[L2Extent], evicted: bool = False) -> None:
+        names = [e.name for e in extents]
+        if evicted:
+            self.counters.evicted_extents += len(names)
+        if names:
+            self._pool.submit(_unlink_all, self.directory, names)
+
+    def _touch_files(self, extents: Iterable[L2Extent]) -> None:
+        """Carry the LRU order over a restart: the scan reads it back from the files' mtimes."""
+        names = [e.name for e in extents]
+        if names:
+            self._pool.submit(_utime_all, self.directory, names)
+
+    # ----------------------------------------------------------------- threads
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        (result,) = await _wait_all([loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))])
+        return result
+
+
+async def _wait_all(futures: Sequence[Awaitable[Any]], return_exceptions: bool = False) -> list[Any]:
+    """Results of every future, in order, after all of them ended, even if the caller is
+    cancelled meanwhile (then CancelledError is raised once they have ended)."""
+    ordered = [asyncio.ensure_future(f) for f in futures]
+    pending = set(ordered)
+    cancelled = False
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    results = []
+    for f in ordered:
+        exc = f.exception()
+        if exc is not None and not return_exceptions:
+            raise exc
+        results.append(exc if exc is not None else f.result())
+    return results
+
+
+def _read_verified(opened: tuple[int, bool], extent: L2Extent, index: int, count: int, dst: Any) -> int:
+    """Read blocks ``index .. index+count-1`` of an extent into ``dst``; how many leading ones
+    match their checksums."""
+    fd, is_direct = opened
+    bpb = dst.nbytes // count
+    read_at(fd, is_direct, extent.payload_offset + index * bpb, dst)
+    view = memoryview(dst).cast("B")
+    for i in range(count):
+        if block_checksum(view[i * bpb : (i + 1) * bpb]) != extent.checksums[index + i]:
+            return i
+    return count
+
+
+def _finish_file(fd: int, is_direct: bool, header: bytes, tmp: str, path: str) -> None:
+    import numpy as np
+
+    write_at(fd, is_direct, 0, np.frombuffer(header, dtype=np.uint8))
+    os.fdatasync(fd)
+    if not is_direct:
+        drop_cache(fd)
+    os.rename(tmp, path)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _unlink_all(directory: str, names: list[str]) -> None:
+    for name in names:
+        _unlink_quietly(os.path.join(directory, name))
+
+
+def _utime_all(directory: str, names: list[str]) -> None:
+    for name in names:
+        try:
+            os.utime(os.path.join(directory, name))
+        except OSError:
+            pass

@@ -13,6 +13,11 @@ turn is rendered from the client's view and counted as a divergence.
 
 Invariant: an entry is used only when the client-visible view it recorded equals the client's
 view of that turn; memory is bounded by ``max_bytes`` (LRU).
+
+Persistence (``log``, a ``protocol.persist.KeyedLog``): every recorded entry is also put to the
+log and every hit refreshes it there, and a new ledger replays the log, so after a backend
+restart history still re-renders to the generated ids. Signatures stay valid across the restart
+only with the same ``key`` (the server keeps it in a file next to the log).
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ import numpy as np
 import orjson
 import xxhash
 
-log = logging.getLogger(__name__)
+from protocol.persist import KeyedLog
+
+logger = logging.getLogger(__name__)
 
 _ID_BYTES = 16
 _MAC_BYTES = 16
 _ENTRY_OVERHEAD_BYTES = 512
+_META_LEN = 4  # bytes of the encoded entry's metadata length prefix
 
 
 @dataclass(slots=True)
@@ -72,6 +80,32 @@ class LedgerEntry:
         return int(self.output_ids.nbytes) + sum(len(t) for t in self.text_parts) + len(self.reasoning) + _ENTRY_OVERHEAD_BYTES
 
 
+def encode_entry(entry: LedgerEntry) -> bytes:
+    """The entry as bytes for the log: metadata length (u32), metadata JSON, then int32 ids."""
+    meta = orjson.dumps({
+        "thinking": entry.thinking, "think_end": entry.think_end, "reasoning": entry.reasoning,
+        "text_parts": list(entry.text_parts), "calls": [[name, args] for name, args in entry.calls],
+    })
+    ids = np.ascontiguousarray(entry.output_ids, dtype="<i4").tobytes()
+    return len(meta).to_bytes(_META_LEN, "little") + meta + ids
+
+
+def decode_entry(entry_id: bytes, raw: bytes) -> LedgerEntry:
+    """Inverse of ``encode_entry``; raises ValueError on malformed bytes."""
+    try:
+        n = int.from_bytes(raw[:_META_LEN], "little")
+        meta = orjson.loads(raw[_META_LEN : _META_LEN + n])
+        body = raw[_META_LEN + n :]
+        if len(body) % 4:
+            raise ValueError("token id bytes are not a multiple of 4")
+        ids = np.frombuffer(body, dtype="<i4").astype(np.int32)
+        return LedgerEntry(entry_id, ids, bool(meta["thinking"]), int(meta["think_end"]),
+                           str(meta["reasoning"]), tuple(str(t) for t in meta["text_parts"]),
+                           tuple((str(name), args) for name, args in meta["calls"]))
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"malformed ledger record: {exc}") from None
+
+
 def content_key(text: str, calls: tuple[tuple[str, Any], ...]) -> int:
     """Hash of the content view (text + calls); reasoning is checked separately because
     OpenAI clients often drop ``reasoning_content``."""
@@ -96,6 +130,7 @@ class LedgerStats:
     num_bad_signatures: int = 0
     num_evictions: int = 0
     num_bytes: int = 0
+    num_restored: int = 0  # entries replayed from the persisted log at start
 
 
 @dataclass(slots=True)
@@ -107,12 +142,29 @@ class _Index:
 class OutputLedger:
     """Bounded store of generated turns, shared by all sessions. Thread-safe."""
 
-    def __init__(self, key: bytes | None = None, max_bytes: int = 512 << 20) -> None:
+    def __init__(self, key: bytes | None = None, max_bytes: int = 512 << 20,
+                 log: KeyedLog | None = None) -> None:
         self._key = key if key is not None else os.urandom(32)
         self.max_bytes = max_bytes
         self._idx = _Index()
         self._lock = threading.Lock()
         self.stats = LedgerStats()
+        self._persist = log
+        if log is not None:
+            self._replay(log)
+
+    def _replay(self, log: KeyedLog) -> None:
+        bad = 0
+        for entry_id, raw in log.replay():
+            try:
+                self._insert(decode_entry(entry_id, raw), restored=True)
+            except ValueError:
+                bad += 1
+        if bad:
+            logger.warning("output ledger: skipped %d unreadable persisted entries", bad)
+        self.stats.num_restored = len(self._idx.by_id)
+        logger.info("output ledger: %d entries (%.1f MiB) restored from the persisted log",
+                    self.stats.num_restored, self.stats.num_bytes / (1 << 20))
 
     # --- handles -----------------------------------------------------------------------------
     def new_entry_id(self) -> bytes:
@@ -136,16 +188,24 @@ class OutputLedger:
 
     # --- record / lookup ---------------------------------------------------------------------------
     def record(self, entry: LedgerEntry) -> None:
+        if self._insert(entry) and self._persist is not None:
+            self._persist.put(entry.entry_id, encode_entry(entry))
+
+    def _insert(self, entry: LedgerEntry, restored: bool = False) -> bool:
         size = entry.nbytes
         if size > self.max_bytes:
-            return
+            return False
         ckey = content_key("".join(entry.text_parts), entry.calls)
         with self._lock:
             idx = self._idx
+            previous = idx.by_id.pop(entry.entry_id, None)  # a replayed log repeats refreshed entries
+            if previous is not None:
+                self.stats.num_bytes -= previous.nbytes
             idx.by_id[entry.entry_id] = entry
             idx.by_content[ckey] = entry.entry_id
             self.stats.num_bytes += size
-            self.stats.num_recorded += 1
+            if not restored:
+                self.stats.num_recorded += 1
             while self.stats.num_bytes > self.max_bytes and idx.by_id:
                 old_id, old = idx.by_id.popitem(last=False)
                 self.stats.num_bytes -= old.nbytes
@@ -153,6 +213,7 @@ class OutputLedger:
                 okey = content_key("".join(old.text_parts), old.calls)
                 if idx.by_content.get(okey) == old_id:
                     del idx.by_content[okey]
+        return True
 
     def _get(self, entry_id: bytes) -> LedgerEntry | None:
         with self._lock:
@@ -202,8 +263,11 @@ class OutputLedger:
                 self.stats.num_hits += 1
             else:
                 self.stats.num_divergences += 1
+        if same and self._persist is not None:
+            hit = entry
+            self._persist.refresh(hit.entry_id, lambda: encode_entry(hit))
         if not same:
-            log.debug("ledger divergence for entry %s: %s", entry.entry_id.hex(), _first_difference(entry, reasoning, text_parts, calls_t))
+            logger.debug("ledger divergence for entry %s: %s", entry.entry_id.hex(), _first_difference(entry, reasoning, text_parts, calls_t))
             return None
         return entry
 

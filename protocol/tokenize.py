@@ -12,6 +12,11 @@ Incremental: a piece's ids are cached under the xxh3-128 of its UTF-8 bytes in a
 LRU shared by all sessions (identical system prompts and tool lists are shared too). A new turn
 only encodes pieces it has not seen: its new messages.
 
+Persistent (optional): with a ``protocol.persist.KeyedLog`` attached (``PieceCache.attach``), the
+cache replays the pieces an earlier process encoded and records new ones, so the first turn of
+a long session after a backend restart does not re-encode its whole history. The log must be
+stamped with ``PromptTokenizer.fingerprint`` (ids of another tokenizer would be wrong).
+
 Invariant: ``encode_segments(s)`` depends only on the segments, never on the cache state.
 
 Long pieces and the event loop: a piece longer than ``_CHUNK_CHARS`` is encoded chunk by chunk,
@@ -39,11 +44,13 @@ import numpy as np
 import xxhash
 from tokenizers import Tokenizer
 
+from protocol.persist import KeyedLog
 from protocol.render import CLIENT, IDS, OURS, Segment
 
 _ENTRY_OVERHEAD_BYTES = 200  # dict slot + OrderedDict link + ndarray header, roughly
 _SMALL_PIECE_CHARS = 256  # pieces up to this long are cached by their text in a plain dict
 _SMALL_CACHE_ENTRIES = 65536  # ~30 MB at most
+_KEY_BYTES = 16  # piece keys are xxh3-128 digests
 _CHUNK_CHARS = 1 << 17  # longer pieces are encoded in chunks of at most this many characters
 _ASCII_LETTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 _ASCII_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
@@ -150,6 +157,17 @@ class PieceCache:
         self._entries: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = CacheStats()
+        self._persist: KeyedLog | None = None
+
+    def attach(self, log: KeyedLog) -> int:
+        """Replay ``log`` into the cache, then record new pieces in it; returns pieces restored."""
+        for raw_key, raw_ids in log.replay():
+            if len(raw_key) == _KEY_BYTES and len(raw_ids) % 4 == 0:
+                ids = np.frombuffer(raw_ids, dtype="<i4").astype(np.int32)
+                ids.setflags(write=False)
+                self._store(int.from_bytes(raw_key, "little"), ids, restored=True)
+        self._persist = log
+        return len(self._entries)
 
     def get(self, key: int) -> np.ndarray | None:
         with self._lock:
@@ -160,14 +178,22 @@ class PieceCache:
             self._entries.move_to_end(key)
             self.stats.num_hits += 1
             self.stats.hit_tokens += len(ids)
-            return ids
+        if self._persist is not None:
+            found = ids
+            self._persist.refresh(key.to_bytes(_KEY_BYTES, "little"), lambda: found.astype("<i4").tobytes())
+        return ids
 
     def put(self, key: int, ids: np.ndarray) -> None:
+        if self._store(key, ids) and self._persist is not None:
+            self._persist.put(key.to_bytes(_KEY_BYTES, "little"), ids.astype("<i4").tobytes())
+
+    def _store(self, key: int, ids: np.ndarray, restored: bool = False) -> bool:
         size = ids.nbytes + _ENTRY_OVERHEAD_BYTES
         if size > self.max_bytes:
-            return
+            return False
         with self._lock:
-            self.stats.miss_tokens += len(ids)
+            if not restored:
+                self.stats.miss_tokens += len(ids)
             old = self._entries.pop(key, None)
             if old is not None:
                 self.stats.num_bytes -= old.nbytes + _ENTRY_OVERHEAD_BYTES
@@ -178,6 +204,7 @@ class PieceCache:
                 self.stats.num_bytes -= victim.nbytes + _ENTRY_OVERHEAD_BYTES
                 self.stats.num_evictions += 1
             self.stats.num_entries = len(self._entries)
+        return True
 
     def clear(self) -> None:
         with self._lock:
@@ -223,9 +250,11 @@ class PromptTokenizer:
     """Loads ``tokenizer.json``; encodes segment lists; decodes ids; knows the control ids."""
 
     def __init__(self, tokenizer_json: str, cache_bytes: int = 1 << 30) -> None:
-        with open(tokenizer_json, encoding="utf-8") as f:
-            spec = json.load(f)
+        with open(tokenizer_json, "rb") as f:
+            raw = f.read()
+        spec = json.loads(raw)
         self.path = tokenizer_json
+        self.fingerprint = xxhash.xxh3_128_hexdigest(raw)  # stamps persisted piece ids
         self.full = Tokenizer.from_str(json.dumps(spec))
         added = spec.get("added_tokens", [])
         self.added_tokens: dict[str, int] = {t["content"]: t["id"] for t in added}

@@ -78,6 +78,15 @@ class WorkloadConfig(BaseModel):
     prefix_cache: bool = Field(True, description="L0 GPU prefix cache and session routing.")
     l1_cache: bool = Field(True, description="L1 pinned host-RAM tier for idle sessions.")
     l1_host_gb: float = Field(128, ge=0, description="L1 budget per rank, GiB (lowered to what RAM allows).")
+    l2_dir: str | None = Field(
+        None, description="Directory on local disk (NVMe) for the persistent tier: KV extents under "
+        "kv/ (bounded by l2_gb) and the output ledger and tokenization cache under protocol/, so "
+        "sessions stay warm across backend restarts. Unset: nothing is persisted."
+    )
+    l2_gb: float = Field(
+        0, ge=0, description="L2 budget on disk for KV, GiB (lowered to what the disk has free); 0 keeps "
+        "KV off disk while l2_dir still persists the ledger and tokenization cache (<= 768 MiB)."
+    )
     deepinfer_env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment for the rank processes. MASTER_PORT "
         "(else env's) fixes the ranks' rendezvous port (DeepInfer's is MASTER_PORT-50); unset, the "

@@ -89,6 +89,7 @@ class Runtime:
         self._ready = False
         self._failed: str | None = None
         self._stopping: asyncio.Future[None] | None = None
+        self._persisted: list[Any] = []  # protocol state logs under l2_dir (closed at stop)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, on_listening: Callable[[str], None] | None = None) -> None:
@@ -149,6 +150,9 @@ class Runtime:
         if self.group is not None:
             await self.group.close()
             self.group = None
+        for persisted in self._persisted:
+            persisted.close()
+        self._persisted = []
 
     # -- construction -----------------------------------------------------------------------------
     def _build_protocol(self) -> Any:
@@ -156,9 +160,18 @@ class Runtime:
         from protocol.ledger import OutputLedger
         from protocol.tokenize import PromptTokenizer
 
-        model_dir = self.config.resolved_model_dir()
+        cfg = self.config
+        model_dir = cfg.resolved_model_dir()
         tokenizer = PromptTokenizer.load(str(model_dir) if model_dir else None)
-        return Protocol(tokenizer, OutputLedger(), self.config.served_model_names, self.config.max_model_len)
+        ledger = OutputLedger()
+        if cfg.l2_dir:
+            from server.persist import open_protocol_state
+
+            ledger, self._persisted = open_protocol_state(cfg.l2_dir, cfg.model_name, tokenizer)
+        if cfg.l2_dir and cfg.l2_gb > 0:
+            log.warning("l2_gb is set, but KV does not spill to disk yet (issue 19 phase 2); only the "
+                        "ledger and tokenization cache persist under %s", cfg.l2_dir)
+        return Protocol(tokenizer, ledger, cfg.served_model_names, cfg.max_model_len)
 
     def _build_group(self) -> Any:
         if self.rank_mode == "local":

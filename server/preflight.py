@@ -27,6 +27,7 @@ import orjson
 from server.config import ConfigError, WorkloadConfig, load_config
 from server.preflight_checks.context import MIB, rank_env, uses_gpu
 from server.preflight_checks.gpu import check_gpus
+from server.preflight_checks.l2_disk import check_l2_dir
 from server.preflight_checks.model_dir import (
     ModelFacts, check_model_files, check_model_filesystem, check_read_speed,
 )
@@ -48,7 +49,7 @@ __all__ = [
 
 CHECK_NAMES = (
     "gpu", "model_dir", "model_fs", "model_read_speed", "deepinfer_venv", "prefix_cache_api", "disk",
-    "host_ram", "master_port", "http_port", "nccl_env", "ready_timeout", "timeout_order",
+    "l2_dir", "host_ram", "master_port", "http_port", "nccl_env", "ready_timeout", "timeout_order",
 )
 
 
@@ -137,6 +138,8 @@ def run_preflight(
         return check_disk(paths, {label: probe.disk_free_bytes(p) for label, p in paths.items()})
 
     run("disk", disk)
+    run("l2_dir", lambda: check_l2_dir(config, probe, sample_bytes=opts.read_sample_bytes,
+                                       max_seconds=opts.read_max_seconds))
     run("host_ram", lambda: check_host_ram(config, probe.memory(), probe.disk_free_bytes(Path("/dev/shm"))))
     run("master_port", lambda: check_master_port(config, env, probe))
     if config.http_mode == "sdk":

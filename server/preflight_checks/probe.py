@@ -16,7 +16,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from cache.l2_io import DiskSpeed
 
 NVIDIA_SMI_TIMEOUT_S = 15.0
 _SMI_FIELDS_FULL = "index,uuid,name,compute_cap,memory.total,memory.used"
@@ -100,6 +103,9 @@ class SystemProbe(Protocol):
         """None when ``port`` can be bound on ``host``, else the reason it cannot."""
         ...
     def read_sample(self, path: Path, offset: int, max_bytes: int, max_seconds: float) -> ReadSample: ...
+    def disk_speed(self, directory: Path, num_bytes: int, max_seconds: float) -> DiskSpeed:
+        """Sequential direct-I/O write then read of a scratch file in ``directory`` (deleted after)."""
+        ...
     def run(self, argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None) -> RunResult: ...
     def rdma(self) -> RdmaInfo: ...
 
@@ -300,6 +306,11 @@ class RealSystemProbe:
             return ReadSample(num_bytes, time.perf_counter() - start, dropped)
         finally:
             os.close(fd)
+
+    def disk_speed(self, directory: Path, num_bytes: int, max_seconds: float) -> DiskSpeed:
+        from cache.l2_io import measure_sequential  # numpy: imported only when l2_dir is set
+
+        return measure_sequential(str(directory), num_bytes, max_seconds=max_seconds)
 
     def rdma(self) -> RdmaInfo:
         sys_ib = Path("/sys/class/infiniband")

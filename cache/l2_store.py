@@ -282,8 +282,8 @@ class L2Store:
         room = self.index.used_bytes + self.index.reserved_bytes + free - self.min_free_bytes
         bound = max(0, min(self.max_bytes, room))
         if bound < self.index.max_bytes:
-            self._warn("full", "L2: the disk holding %s is nearly full; L2 bound lowered to %.2f GiB",
-                       self.directory, bound / (1 << 30))
+            self._warn("full", "L2: the disk holding %s has room for %.2f GiB only; the L2 bound is lowered "
+                       "from %.2f GiB to that", self.directory, bound / (1 << 30), self.max_bytes / (1 << 30))
         self._delete(self.index.set_bound(bound), evicted=True)
 
     def _warn(self, key: str, msg: str, *args: object) -> None:

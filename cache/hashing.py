@@ -13,7 +13,7 @@ about 2 ms for a 1M-token prompt at 128 tokens per block on one core (``python -
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import NewType
 
 import numpy as np
@@ -40,6 +40,19 @@ def as_token_array(token_ids: np.ndarray | Sequence[int]) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
     return arr
+
+
+def filed_prefix_length(hashes: Sequence[BlockHash], filed: Container[BlockHash]) -> int:
+    """How many leading blocks of a chain are in ``filed``, by binary search. Valid for indexes
+    that keep chains prefix-closed (a block is filed only after its parent), as every tier does."""
+    lo, hi = 0, len(hashes)  # invariant: hashes[:lo] filed, hashes[hi:] not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if hashes[mid - 1] in filed:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def chain_hashes(

@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cache.hashing import BlockHash
+from cache.hashing import BlockHash, filed_prefix_length
 from cache.sessions import SessionId
 
 
@@ -58,15 +58,7 @@ class RankIndex:
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """Number of leading blocks of ``hashes`` filed here (binary search: prefix-closed)."""
-        nodes = self.nodes
-        lo, hi = 0, len(hashes)  # invariant: hashes[:lo] present, hashes[hi:] absent
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in nodes:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return filed_prefix_length(hashes, self.nodes)
 
     def block_ids(self, hashes: Sequence[BlockHash]) -> list[int]:
         nodes = self.nodes

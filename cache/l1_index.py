@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cache.extents import ExtentAllocator
-from cache.hashing import BlockHash
+from cache.hashing import BlockHash, filed_prefix_length
 from cache.sessions import SessionId
 
 
@@ -106,17 +106,10 @@ class L1Index:
 
     def match(self, hashes: Sequence[BlockHash]) -> tuple[L1Entry | None, int]:
         """The entry holding the longest prefix of ``hashes`` and that prefix's length."""
-        by_hash = self._by_hash
-        lo, hi = 0, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in by_hash:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = filed_prefix_length(hashes, self._by_hash)
         if lo == 0:
             return None, 0
-        holders = by_hash[hashes[lo - 1]]
+        holders = self._by_hash[hashes[lo - 1]]
         return max(holders.values(), key=lambda e: (e.last_used_s, e.start_slot)), lo
 
     def backed_blocks(self, session_id: SessionId) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from cache.hashing import BlockHash
+from cache.hashing import BlockHash, filed_prefix_length
 
 
 @dataclass(slots=True, eq=False)
@@ -75,15 +75,7 @@ class L2Index:
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the chain ``hashes`` are on disk."""
-        where = self._where
-        lo, hi = 0, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in where:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return filed_prefix_length(hashes, self._where)
 
     def runs(self, hashes: Sequence[BlockHash], first: int, count: int) -> list[L2Run]:
         """Where blocks ``first .. first+count-1`` of the chain are (all must be filed), grouped

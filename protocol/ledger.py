@@ -189,7 +189,12 @@ class OutputLedger:
     # --- record / lookup ---------------------------------------------------------------------------
     def record(self, entry: LedgerEntry) -> None:
         if self._insert(entry) and self._persist is not None:
-            self._persist.put(entry.entry_id, encode_entry(entry))
+            try:
+                raw = encode_entry(entry)
+            except TypeError as exc:  # e.g. an integer argument wider than 64 bits: memory only
+                logger.debug("ledger entry %s not persisted: %s", entry.entry_id.hex(), exc)
+                return
+            self._persist.put(entry.entry_id, raw)
 
     def _insert(self, entry: LedgerEntry, restored: bool = False) -> bool:
         size = entry.nbytes

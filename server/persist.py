@@ -92,7 +92,10 @@ class SegmentLog:
             segments = list(self._sizes)
             recent = seg in self._sizes and segments.index(seg) >= len(segments) // 2
         if not recent:
-            self.put(key, value())
+            try:
+                self.put(key, value())
+            except (TypeError, ValueError) as exc:  # the caller could not encode it: keep the old record
+                log.debug("persisted log %s: refresh skipped (%s)", self.directory, exc)
 
     def close(self) -> None:
         with self._lock:

@@ -170,3 +170,14 @@ def test_unusable_l2_dir_gives_an_in_memory_ledger(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         ledger, logs = open_protocol_state(str(blocker), MODEL, tok)
     assert logs == [] and isinstance(ledger, OutputLedger) and "in memory only" in caplog.text
+
+
+def test_an_entry_that_cannot_be_encoded_stays_in_memory(tmp_path) -> None:
+    log = SegmentLog(str(tmp_path / "ledger"), 1 << 20, "s")
+    ledger = OutputLedger(key=b"k" * 32, log=log)
+    entry = LedgerEntry(b"z" * 16, np.asarray([5], dtype=np.int32), False, -1, "", ("x",),
+                        (("Calc", {"n": 2**70}),))  # wider than JSON numbers orjson writes
+    ledger.record(entry)  # no exception reaches the request
+    assert ledger.match(None, None, ["x"], [("Calc", {"n": 2**70})], strict_parts=False) is entry
+    log.close()
+    assert list(SegmentLog(str(tmp_path / "ledger"), 1 << 20, "s").replay()) == []

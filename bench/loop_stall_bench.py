@@ -84,13 +84,17 @@ def rss_kib(pid: int) -> dict[str, int]:
     return out
 
 
-def start_server(tmp: Path, extra: dict[str, object]) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(tmp: Path, extra: dict[str, object], args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m deepinfer_backend serve`` (reference engine, 'null' model, one rank) with
+    ``extra`` config keys and ``args`` flags; returns the process and its URL once ready."""
     config = {"engine": "reference", "reference_model": "null", "ep": 1, "port": 0, "l1_cache": False,
               "reference_num_blocks": 256, **extra}
     (tmp / "config.json").write_text(json.dumps(config))
-    log = open(tmp / "serve.log", "wb")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen([sys.executable, "-m", "deepinfer_backend", "serve", "--config", str(tmp / "config.json")],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    with open(tmp / "serve.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "deepinfer_backend", "serve", "--config",
+                                 str(tmp / "config.json"), *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         text = (tmp / "serve.log").read_text(errors="replace")
@@ -100,8 +104,17 @@ def start_server(tmp: Path, extra: dict[str, object]) -> tuple[subprocess.Popen[
         if proc.poll() is not None:
             break
         time.sleep(0.2)
-    proc.kill()
+    stop_server(proc)
     raise RuntimeError("server did not start:\n" + (tmp / "serve.log").read_text(errors="replace")[-3000:])
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 async def probe(url: str, stop: asyncio.Event, interval_s: float = 0.02) -> list[float]:
@@ -184,11 +197,7 @@ def main() -> None:
                   f"load {os.getloadavg()[0]:.1f}")
             asyncio.run(run(args, url, proc.pid))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from protocol import sampling as S
 
@@ -134,18 +134,11 @@ class ChatCompletionRequest(_Wire):
         S.check_stop_sequences([v] if isinstance(v, str) else (v or []), S.MAX_STOP_SEQUENCES_OPENAI)
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
+    def _no_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
         if v:
-            raise ValueError("logprobs are not supported by this endpoint")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("top_logprobs are not supported by this endpoint")
+            raise ValueError(f"{info.field_name} are not supported by this endpoint (no engine returns them)")
         return v
 
 

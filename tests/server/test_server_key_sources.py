@@ -7,24 +7,19 @@ Red before: there was no ``api_key_file`` key, no ``--api-key-file`` flag, no
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.loop_stall_bench import start_server, stop_server
 from server.app import AppState, HealthReport, create_app
 from server.config import API_KEY_ENV, ConfigError, load_config
 from server.metrics import ServerMetrics
 from server_test_helpers import serve_asgi
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-file-key-5e1f0a7d2c"
 
 
@@ -81,34 +76,14 @@ def test_bad_key_sources_fail_naming_the_key(tmp_path: Path) -> None:
 
 
 def test_serve_with_a_key_file_keeps_the_key_out_of_ps(tmp_path: Path, key_file: Path) -> None:
-    config = {"engine": "reference", "reference_model": "null", "ep": 1, "port": 0, "l1_cache": False,
-              "reference_num_blocks": 64, "block_size": 16, "max_model_len": 4096}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "deepinfer_backend", "serve", "--config",
-                                 str(tmp_path / "config.json"), "--api-key-file", str(key_file)],
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc, url = start_server(tmp_path, {"reference_num_blocks": 64, "block_size": 16, "max_model_len": 4096},
+                             ("--api-key-file", str(key_file)), env)
     try:
-        url = None
-        for _ in range(600):
-            text = log.read_text(errors="replace")
-            found = re.search(r"listening on (http://\S+)", text)
-            if found and "ready:" in text:
-                url = found.group(1)
-                break
-            assert proc.poll() is None, text[-2000:]
-            time.sleep(0.2)
-        assert url, log.read_text(errors="replace")[-2000:]
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert KEY.encode() not in cmdline and b"--api-key-file" in cmdline
         assert httpx.get(url + "/v1/models").status_code == 401
         assert httpx.get(url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
-        assert KEY not in log.read_text(errors="replace")
+        assert KEY not in (tmp_path / "serve.log").read_text(errors="replace")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)

@@ -1,8 +1,9 @@
 """Simulated agents in virtual time, and one simulated load-test step end to end.
 
 Each agent runs the same session life as the load generator (``bench/loadgen/distributions.py``:
-initial context 0.4-0.6 of the target, per-turn output and tool-result sizes from the public trace
-statistics, ``pacing_s`` between turns, a new conversation when the target would be passed). Token
+per-turn output and tool-result sizes from the public trace statistics, ``pacing_s`` between
+turns), starting and restarting conversations as ``SimConfig.arrivals`` says (``model.ARRIVALS``:
+the seed's test, the steady state, or the load generator's fresh 0.4-0.6 conversations). Token
 ids are synthetic: a conversation is an int32 array that the agent extends with the output ids
 the engine returned (so the next prompt hits the cache exactly like the protocol layer's output
 ledger makes it) plus fresh ids for the tool result. Per turn the agent does what the server's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,12 +57,34 @@ def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
     return CacheManager(group, cfg, clock=clock)
 
 
+# Where a turn goes: (session id, agent's rng) -> (group, manager). One deployment: always the same.
+Placement = Callable[[str, np.random.Generator], tuple[SimGroup, Any]]
+
+
+def conversation_size(config: SimConfig, params: WorkloadParams, rng: np.random.Generator, first: bool) -> int:
+    """Tokens a new conversation starts with under ``config.arrivals`` (``first``: the agent's first)."""
+    arrivals = config.arrivals
+    size = initial_context_tokens(params, rng)
+    if arrivals.start_fraction is not None:
+        lo, hi = arrivals.start_fraction
+        size = max(size, int(rng.uniform(lo, hi) * params.context_target_tokens))
+    if first and arrivals.steady:  # join at a uniform point of the conversation's life
+        size += int(rng.uniform(0.0, 1.0) * max(0, int(0.97 * params.context_target_tokens) - size))
+    return min(size, int(0.97 * config.max_model_len))
+
+
+def restart_limit(config: SimConfig, params: WorkloadParams) -> int:
+    """A conversation whose next request would pass this starts over (a new session, one cold turn)."""
+    if config.arrivals.compact_at_target:
+        return min(params.context_target_tokens, config.max_model_len)
+    return config.max_model_len
+
+
 async def _agent(
     agent_id: int,
     params: WorkloadParams,
     config: SimConfig,
-    group: SimGroup,
-    manager: Any,
+    place: Placement,
     records: list[RequestRecord],
     totals: SimTotals,
     stop_at: float,
@@ -70,19 +94,19 @@ async def _agent(
     rng = np.random.default_rng(config.seed * 1_000_003 + agent_id)
     source = ParametricTurnSource(params)
     request_ids = itertools.count()
+    limit = restart_limit(config, params)
     await asyncio.sleep(start_delay_s)
 
-    def new_conversation(steady: bool = False) -> tuple[np.ndarray, str]:
-        size = initial_context_tokens(params, rng)
-        if steady:  # join at a uniform point of the conversation's life (see SimConfig.steady_start)
-            size += int(rng.uniform(0.0, 1.0) * max(0, int(0.97 * params.context_target_tokens) - size))
+    def new_conversation(first: bool = False) -> tuple[np.ndarray, str]:
+        size = conversation_size(config, params, rng, first)
         return rng.integers(1000, 120_000, size, dtype=np.int32), f"a{agent_id}-c{next(request_ids)}"
 
-    tokens, session = new_conversation(config.steady_start)
+    tokens, session = new_conversation(first=True)
     totals_first_turn = True
     new_tokens = len(tokens)
     turn = source.next_turn(rng)
     while loop.time() < stop_at:
+        group, manager = place(session, rng)
         record = RequestRecord(agent_id, session, loop.time(), cold=new_tokens == len(tokens))
         retokenized = len(tokens) if config.seed_policy.full_retokenize and config.policy == "seed" else new_tokens
         await asyncio.sleep(retokenized / config.deployment.tokenize_tokens_per_s)
@@ -97,7 +121,7 @@ async def _agent(
             continue
         request = adm.engine_request(f"{session}-{next(request_ids)}", tokens,
                                      SamplingParams(max_tokens=turn.output_tokens, ignore_eos=True))
-        if config.steady_start and totals_first_turn:
+        if config.arrivals.prewarm and totals_first_turn:
             group.prewarmed_ids.add(request.request_id)
         totals_first_turn = False
         totals.num_submitted += 1
@@ -154,7 +178,7 @@ async def _agent(
         # The next prompt: this one + the output the engine produced + the tool result.
         next_turn = source.next_turn(rng)
         addition = rng.integers(1000, 120_000, turn.new_input_tokens, dtype=np.int32)
-        if len(tokens) + len(out_ids) + len(addition) + next_turn.output_tokens > params.context_target_tokens:
+        if len(tokens) + len(out_ids) + len(addition) + next_turn.output_tokens > limit:
             tokens, session = new_conversation()
             new_tokens = len(tokens)
         else:
@@ -163,6 +187,15 @@ async def _agent(
         gap = turn.gap_s
         turn = next_turn
         await asyncio.sleep(gap)
+
+
+async def run_agents(config: SimConfig, params: WorkloadParams, num_agents: int, place: Placement,
+                     records: list[RequestRecord], totals: SimTotals, stop_at: float) -> None:
+    """``num_agents`` agents (started over ``config.ramp_s``) until ``stop_at``."""
+    await asyncio.gather(*(
+        _agent(i, params, config, place, records, totals, stop_at, config.ramp_s * i / max(1, num_agents))
+        for i in range(num_agents)
+    ))
 
 
 @dataclass(slots=True)
@@ -187,12 +220,8 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
     totals = SimTotals()
     t0 = loop.time()
     stop_at = t0 + config.duration_s
-    tasks = [
-        asyncio.create_task(_agent(i, params, config, group, manager, records, totals, stop_at,
-                                   config.ramp_s * i / max(1, num_agents)))
-        for i in range(num_agents)
-    ]
-    await asyncio.gather(*tasks)
+    loop.call_at(t0 + config.warmup_s, group.reset_counters)
+    await run_agents(config, params, num_agents, lambda _sid, _rng: (group, manager), records, totals, stop_at)
     if hasattr(manager, "drain"):
         await manager.drain()
     if check:

@@ -51,6 +51,7 @@ class _Seq:
     output_ids: np.ndarray | None = None
     aborted: bool = False
     num_preemptions: int = 0
+    tokens_per_step: float = 1.0  # this request's speculative acceptance (see EngineModel.accepted_tokens)
 
 
 class _Rank:
@@ -88,6 +89,31 @@ class _Rank:
         return sum(s.prompt_len + int(s.generated) for s in self.running)
 
 
+@dataclass(slots=True)
+class EngineCounters:
+    """Where the group's time went (``reset`` at the end of a warm-up): seconds in decode and
+    prompt steps, and the decode-time integrals of the mean running sequences and KV tokens per
+    rank (divide by ``decode_s`` for the time-weighted mean batch a decode step saw)."""
+
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    seq_s: float = 0.0
+    kv_token_s: float = 0.0
+
+    def mean_running(self) -> float:
+        return self.seq_s / self.decode_s if self.decode_s else 0.0
+
+    def mean_kv_tokens(self) -> float:
+        return self.kv_token_s / self.decode_s if self.decode_s else 0.0
+
+    def summary(self) -> dict[str, float]:
+        busy = self.decode_s + self.prefill_s
+        return {"decode_s": round(self.decode_s, 1), "prefill_s": round(self.prefill_s, 1),
+                "prefill_share": round(self.prefill_s / busy, 3) if busy else 0.0,
+                "mean_running_per_rank": round(self.mean_running(), 2),
+                "mean_kv_tokens_per_rank": round(self.mean_kv_tokens())}
+
+
 class SimGroup:
     """See the module docstring. ``num_blocks`` etc. are the RankClient attributes."""
 
@@ -109,6 +135,7 @@ class SimGroup:
         self.rng = np.random.default_rng(seed)
         self.num_steps = 0
         self.num_prefill_steps = 0
+        self.counters = EngineCounters()
         self._listeners: list[Callable[[int], None]] = []
         self._wake = asyncio.Event()
         self._copy_locks = [asyncio.Lock() for _ in range(self.num_ranks)]
@@ -127,6 +154,9 @@ class SimGroup:
                 await self._task
             except asyncio.CancelledError:
                 pass
+
+    def reset_counters(self) -> None:
+        self.counters = EngineCounters()
 
     # ----------------------------------------------------------------- RankClient
     def submit(self, rank: int, request: EngineRequest) -> RequestStream:
@@ -155,6 +185,7 @@ class SimGroup:
             blocks=prefix,
             computed=request.num_cached_tokens,
             target=prompt_len,
+            tokens_per_step=self.model.accepted_tokens(self.rng),
         )
         r.waiting.append(seq)
         r.num_prompt_tokens_total += prompt_len
@@ -264,13 +295,14 @@ class SimGroup:
         return -(-seq.target // self.block_size) - len(seq.blocks)
 
     def _wants_prefill(self, r: _Rank) -> bool:
-        """DeepInfer's vote: KV usage <= the watermark and a schedulable waiting head. The
-        ``pressure_hook`` (the seed's L0) may evict idle cache blocks first to get there."""
+        """DeepInfer's vote (scheduler.hpp ``_schedule``): KV usage <= the watermark and a waiting
+        head (``_has_prefill_waiting``); whether the head's blocks can be allocated is not part of
+        the vote (``_schedule_prefill`` finds out, and a second vote turns a prompt step in which
+        no rank scheduled anything into a decode step). The ``pressure_hook`` (the seed's L0) may
+        evict idle cache blocks first to get under the watermark and make room for the head."""
         if not r.waiting:
             return False
         head = r.waiting[0]
-        if not head.admitted and len(r.running) >= self.model.max_num_seqs:
-            return False
         need = 0 if head.admitted else self._head_need(r, head)
         if self.pressure_hook is not None:
             floor = math.ceil((1.0 - self.model.kv_watermark) * (self.num_blocks - 1))
@@ -281,7 +313,7 @@ class SimGroup:
             # A chunked prompt that already holds all its blocks goes on above the watermark
             # (read strictly, the vote would stall it for good once waiting prefixes fill the pool).
             return True
-        return self._usage(r) <= self.model.kv_watermark + 1e-12 and need <= len(r.free)
+        return self._usage(r) <= self.model.kv_watermark + 1e-12
 
     def _try_admit(self, r: _Rank, seq: _Seq) -> bool:
         if len(r.running) + sum(1 for s in r.waiting if s.admitted) >= self.model.max_num_seqs:
@@ -315,6 +347,10 @@ class SimGroup:
         duration = 0.0
         done: list[_Seq] = []
         for seq in list(r.waiting):
+            if not seq.admitted and -(-seq.target // self.block_size) > self.num_blocks - 1:
+                r.waiting.remove(seq)  # can_allocate NEVER: DeepInfer ignores the prompt
+                self._end(r, seq, FinishReason.ERROR, keep=False, error="prompt exceeds the KV pool")
+                continue
             if not seq.admitted and not self._try_admit(r, seq):
                 break  # FIFO head-of-line blocking
             if seq.request.request_id in self.prewarmed_ids:  # see ``prewarmed_ids``
@@ -367,8 +403,7 @@ class SimGroup:
             if any(r.running for r in self.ranks):
                 if self._is_vote_point():
                     wants = [self._wants_prefill(r) for r in self.ranks]
-                    if self._vote_passes(wants):
-                        await self._prefill_step(wants)
+                    if self._vote_passes(wants) and await self._prefill_step(wants):
                         continue
                 await self._decode_segment()
                 continue
@@ -384,13 +419,21 @@ class SimGroup:
                 self._decode_step += k
                 self.num_steps += k
                 continue
-            await self._prefill_step(wants)
+            if not await self._prefill_step(wants):
+                self._wake.clear()  # the vote passed but no head fits: wait for blocks to come free
+                await self._wake.wait()
 
-    async def _prefill_step(self, wants: list[bool]) -> None:
+    async def _prefill_step(self, wants: list[bool]) -> bool:
+        """One prompt step of the group; False (and nothing done) when no rank scheduled a
+        prompt: DeepInfer's second vote then makes the step a decode step."""
         results = [self._prefill_rank(r, w) for r, w in zip(self.ranks, wants)]
+        if not any(d > 0 or done for d, done in results):
+            return False
         for r, (_d, done) in zip(self.ranks, results):
             r.in_step = done  # neither waiting nor running while the step runs
-        await asyncio.sleep(max(self.model.placeholder_step_s, max(d for d, _ in results)))
+        step_s = max(self.model.placeholder_step_s, max(d for d, _ in results))
+        await asyncio.sleep(step_s)
+        self.counters.prefill_s += step_s
         for r in self.ranks:
             r.in_step = []
         self.num_steps += 1
@@ -412,10 +455,10 @@ class SimGroup:
                 if seq.generated >= seq.max_tokens:
                     r.running.remove(seq)
                     self._end(r, seq, FinishReason.LENGTH, keep=seq.request.keep_blocks)
+        return True
 
     async def _decode_segment(self) -> None:
         """Decode steps up to the next vote point or the first sequence to finish."""
-        alpha = self.model.decode_tokens_per_step
         m = self.model
         d = self._decode_step
         next_vote = min((d // m.prefill_all_interval_steps + 1) * m.prefill_all_interval_steps,
@@ -423,10 +466,14 @@ class SimGroup:
         steps: float = next_vote - d
         for r in self.ranks:
             for seq in r.running:
-                steps = min(steps, math.ceil((seq.max_tokens - seq.generated) / alpha))
+                steps = min(steps, math.ceil((seq.max_tokens - seq.generated) / seq.tokens_per_step))
         steps = max(1, int(steps))
         step_s = max(self.model.decode_step_s(len(r.running), r.kv_tokens()) for r in self.ranks)
-        await asyncio.sleep(steps * step_s)
+        c, dt = self.counters, steps * step_s
+        c.decode_s += dt
+        c.seq_s += dt * sum(len(r.running) for r in self.ranks) / self.num_ranks
+        c.kv_token_s += dt * sum(r.kv_tokens() for r in self.ranks) / self.num_ranks
+        await asyncio.sleep(dt)
         self.num_steps += steps
         self._decode_step += steps
         for r in self.ranks:
@@ -434,7 +481,7 @@ class SimGroup:
             for seq in sorted(r.running, key=lambda s: -s.generated):
                 if seq not in r.running:
                     continue  # failed by a preemption in this loop
-                seq.generated = min(seq.max_tokens, seq.generated + steps * alpha)
+                seq.generated = min(seq.max_tokens, seq.generated + steps * seq.tokens_per_step)
                 if not self._grow(r, seq):
                     continue
                 n = int(seq.generated)
@@ -489,7 +536,8 @@ class SimGroup:
         r.num_recomputed_tokens += seq.target
         r.waiting.appendleft(seq)
 
-    def _end(self, r: _Rank, seq: _Seq, reason: FinishReason, keep: bool) -> None:
+    def _end(self, r: _Rank, seq: _Seq, reason: FinishReason, keep: bool,
+             error: str = "insufficient_system_resource") -> None:
         failed = reason in (FinishReason.ABORT, FinishReason.ERROR)
         num_out = seq.emitted if failed else seq.max_tokens
         kept: list[int] = []
@@ -509,6 +557,6 @@ class SimGroup:
         seq.stream.push(
             RequestOutput(seq.request.request_id, rest, finished=True, finish_reason=reason,
                           num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached, kept_blocks=kept,
-                          error="insufficient_system_resource" if reason == FinishReason.ERROR else None)
+                          error=error if reason == FinishReason.ERROR else None)
         )
         self._wake.set()

@@ -1,53 +1,71 @@
-"""The modelled deployment: pool sizes, engine cost model, and the knobs the calibration fitted.
+"""The modelled deployment: pool sizes, engine cost model, the load test's arrivals, and the fit.
 
 Published figures of the seed deployment (``/work/shared/seeds/000_44346cd874f649af.txt``, 4x B200,
 DeepSeek-V4.1-Flash on DeepInfer, ep 4): 14.3M tokens of GPU KV pool and 154M tokens of L1 per rank,
-``max_num_seqs`` 128 and ``max_num_batched_tokens`` 16384 per rank; a 1M-token session restores from
-L1 in about 60 ms; cold start 397 x ~440K tokens in 14.6 min (~50K prefill tokens/s per GPU
-including attention over the growing context; the issue quotes ~88K/s for the GEMM-bound part).
+``max_num_seqs`` 128, ``max_num_batched_tokens`` 16384 per rank and ``max_model_len`` 1,064,960; a
+1M-token session restores from L1 in about 60 ms; cold start of 397 conversations of ~440K tokens in
+14.6 min (176M tokens: 50.2K prefill tokens/s per GPU). The prebuilt package's notes
+(``/work/shared/seeds/004_d3bc655c15dde4d7.txt``) measured about 88K prefill tokens/s per GPU with
+138K-token prompts.
 
 Cost model of one rank (lockstep: every step of the group lasts as long as its slowest rank):
 
-* prefill chunk of ``n`` new tokens on a context that starts at ``c``:
-  ``n / prefill_tokens_per_s + prefill_attn_s_per_token2 * n * (c + n / 2)``. The attention term is
-  set so that a cold 440K prefill averages ~50K tokens/s (the cold-start figure).
+* prefill of ``n`` new tokens on a context that starts at ``c``:
+  ``n / prefill_tokens_per_s + prefill_attn_s_per_token2 * n * (c + n / 2)``. A cold prompt of
+  ``L`` tokens then averages ``1 / (1 / prefill_tokens_per_s + prefill_attn_s_per_token2 * L / 2)``
+  tokens/s; the two published figures (88K/s at L = 138K, 50.2K/s at L = 440K) fix both terms:
+  7.45 us per token (134K tokens/s) plus 5.67e-11 s per token per context token.
 * decode step with ``B`` running sequences holding ``K`` context tokens:
-  ``decode_base_s + decode_per_seq_s * B + decode_per_kv_token_s * K``; each step emits
-  ``decode_tokens_per_step`` tokens per sequence (DSpark speculative decoding accepts several).
-* DeepInfer's step-type vote (``reference/deepinfer-engine.md`` section 1): a prompt step happens at
-  ``decode_step % 70 == 0`` (0 included, so right after a prompt step) if every rank wants one,
-  or at ``decode_step % 100 == 0`` (not 0) if any rank does; a rank wants one when its KV usage
-  (every non-free block, cached ones included) is <= 0.9 and its waiting head can be allocated.
-  One chunked sequence per step ends the batch; its next chunk needs the next passing vote. With
+  ``decode_base_s + decode_per_seq_s * B + decode_per_kv_token_s * K``. Each request emits its own
+  tokens per step: DeepInfer decodes 1 + ``nextn`` (5) query tokens per sequence
+  (``DEEPINFER_USE_NEXTN_DECODE``; variable-length MTP is off by default) and keeps the accepted
+  drafts, so a request's speed depends on its content. ``decode_tokens_per_step`` is the mean,
+  ``decode_accept_sigma`` the spread between requests (fitted, see below).
+* DeepInfer's step-type vote (``reference/deepinfer-engine.md`` section 1; scheduler.hpp
+  ``_schedule`` in the 0.1.0 sdist): a prompt step happens at ``decode_step % 70 == 0`` (0
+  included, so right after a prompt step) if every rank wants one, or at ``decode_step % 100 == 0``
+  (not 0) if any rank does; a rank wants one when its KV usage (every non-free block, cached ones
+  included) is <= 0.9 and its waiting queue is not empty. A prompt step in which no rank could
+  schedule anything becomes a decode step (the second vote). One chunked sequence per step ends
+  the batch and goes back to the queue's head; its next chunk needs the next passing vote. With
   nothing decoding the group runs placeholder steps (``placeholder_step_s``) up to that point.
 * decode growth with no free block preempts the longest output; DeepInfer's default
   ``stop_preempted_request`` fails that request ("insufficient_system_resource").
 * tokenization before admission: the seed re-tokenizes the whole conversation per turn
-  (``tokenize_tokens_per_s``, measured 0.25M tokens/s on one core, ``reference/measurements.md``);
-  our protocol layer tokenizes only what is new.
+  (``tokenize_tokens_per_s``); our protocol layer tokenizes only what is new.
 
-The free parameters (decode costs and the tokenize rate) were fitted to the seed's four published
-rows; ``python -m bench.simulator seed-table`` shows the fit.
+Fitted (one set for every row, ``python -m bench.simulator seed-table``): the decode step
+(``decode_base_s``, ``decode_per_seq_s``, ``decode_per_kv_token_s``), the acceptance
+(``decode_tokens_per_step``, ``decode_accept_sigma``) and the seed's tokenize rate. Everything
+else is a published or measured figure or a DeepInfer default.
+
 Sessions are simulated at ``block_tokens`` per block (default: context / 256, e.g. 512 at 128K and
 2048 at 500K-1M), which adds up to one block of replayed tokens per turn (<= 1% of the prompt).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class EngineModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prefill_tokens_per_s: float = Field(88_000.0, gt=0)
-    prefill_attn_s_per_token2: float = Field(3.9e-11, ge=0)
-    decode_base_s: float = Field(0.010, ge=0)
-    decode_per_seq_s: float = Field(0.0009, ge=0)
-    decode_per_kv_token_s: float = Field(2.0e-9, ge=0)
-    decode_tokens_per_step: float = Field(2.5, gt=0)
+    prefill_tokens_per_s: float = Field(134_000.0, gt=0, description="GEMM-bound rate (zero context)")
+    prefill_attn_s_per_token2: float = Field(5.67e-11, ge=0, description="per new token per context token")
+    decode_base_s: float = Field(0.0035, ge=0)
+    decode_per_seq_s: float = Field(0.00146, ge=0)
+    decode_per_kv_token_s: float = Field(1.17e-9, ge=0)
+    decode_tokens_per_step: float = Field(3.5, ge=1, description="mean tokens a sequence emits per decode step")
+    decode_accept_sigma: float = Field(
+        0.4, ge=0, description="per-request spread of the speculative acceptance: a request's tokens per step "
+        "is the mean x exp(sigma z - sigma^2 / 2), z ~ N(0, 1), clipped to 1..1 + nextn",
+    )
+    nextn: int = Field(5, ge=0, description="DEEPINFER_USE_NEXTN_DECODE: draft tokens per step (default 5)")
     prefill_all_interval_steps: int = Field(
         70, ge=1, description="DeepInfer DEEPINFER_PREFILL_ATTEMPT_INTERVAL: 'ALL' vote points (incl. step 0)"
     )
@@ -67,6 +85,12 @@ class EngineModel(BaseModel):
             context_start + num_tokens / 2
         )
 
+    def accepted_tokens(self, rng: np.random.Generator) -> float:
+        """One request's tokens per decode step (see ``decode_accept_sigma``)."""
+        mean, sigma = self.decode_tokens_per_step, self.decode_accept_sigma
+        value = mean * math.exp(sigma * rng.standard_normal() - sigma * sigma / 2) if sigma > 0 else mean
+        return min(1.0 + self.nextn, max(1.0, value))
+
     def decode_step_s(self, num_seqs: int, kv_tokens: int) -> float:
         if num_seqs == 0:
             return 0.0
@@ -84,8 +108,8 @@ class Deployment(BaseModel):
     restore_tokens_per_s: float = Field(16.7e6, gt=0, description="seed: ~60 ms per 1M-token session")
     tokenize_tokens_per_s: float = Field(
         500_000.0, gt=0,
-        description="fitted (the one free TTFT parameter): 2x the 0.25M tokens/s measured on one core of "
-        "the loaded 2-core build VM (reference/measurements.md); the seed's host is an idle server CPU",
+        description="fitted: 2x the 0.25M tokens/s measured on one core of the loaded 2-core build VM "
+        "(reference/measurements.md); the seed's host is an idle server CPU",
     )
 
     def for_context(self, context_tokens: int) -> Deployment:
@@ -112,6 +136,46 @@ class SeedPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     full_retokenize: bool = True
+    strip_queued: Literal["always", "idle_rank"] = Field(
+        "always",
+        description="when L0 cannot free enough idle blocks, the prefixes of turns queued in the engine "
+        "are dropped (the turn recomputes): 'always', or only when nothing runs on that rank "
+        "('idle_rank'; running turns free blocks as they end). The guide is silent; the two bracket it",
+    )
+
+
+class Arrivals(BaseModel):
+    """How a simulated load-test step's agents start and when their conversations restart."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start_fraction: tuple[float, float] | None = Field(
+        None, description="first conversation's size as a fraction of the target (uniform); "
+        "None = the workload's start_fraction_min/max (0.4-0.6)",
+    )
+    steady: bool = Field(
+        False, description="the first conversation joins at a uniform point of its life, between its start "
+        "and the target (aiperf AgentX starts sessions at a uniform point of a trace, agent-workload.md [A1])",
+    )
+    prewarm: bool = Field(False, description="each agent's first turn is prefilled at no cost (a cold start before)")
+    compact_at_target: bool = Field(
+        True, description="a conversation that would pass the target starts over as a new session (one cold "
+        "turn); otherwise only one that would pass max_model_len does",
+    )
+
+
+ARRIVALS: dict[str, Arrivals] = {
+    # The calibration's arrivals, from what the seed states about its test: its cold start ran 397
+    # conversations of about 440K tokens (0.88 of 500K) and its Limits section counts the 500K
+    # sessions as "about 120 sessions of 450K tokens" filling the 57M-token pool; its 98% hit at 128K
+    # is what the per-turn new tokens alone leave (no compaction in the window); and its 4.4 s TTFT p95
+    # at 500K x 50 rules out cold 250-475K-token turns in the window (docs/loadtest.md, section 2).
+    "seed": Arrivals(start_fraction=(0.8, 0.95), prewarm=True, compact_at_target=False),
+    # Steady state of endless agents (the earlier default): sizes spread over a conversation's life.
+    "steady": Arrivals(steady=True, prewarm=True),
+    # The project's load generator (bench/loadgen): fresh 0.4-0.6 conversations, cold first turns.
+    "fresh": Arrivals(),
+}
 
 
 class SimConfig(BaseModel):
@@ -120,15 +184,10 @@ class SimConfig(BaseModel):
     deployment: Deployment = Deployment()
     engine: EngineModel = EngineModel()
     seed_policy: SeedPolicy = SeedPolicy()
+    arrivals: Arrivals = ARRIVALS["seed"]
     policy: Literal["seed", "ours"] = "seed"
-    duration_s: float = Field(900.0, gt=0)
+    duration_s: float = Field(600.0, gt=0)
     warmup_s: float = Field(300.0, ge=0)
     ramp_s: float = Field(60.0, ge=0)
+    max_model_len: int = Field(1_064_960, ge=1, description="the seed's max_model_len: no prompt may pass it")
     seed: int = 0
-    steady_start: bool = Field(
-        True,
-        description="each agent's first conversation starts at a uniform point of a conversation's "
-        "life (between its initial context and the target), so the measured window sees the "
-        "steady-state mix of context sizes, as a load test that has run for a while does (aiperf "
-        "AgentX starts each session at a uniform point of its trace, agent-workload.md [A1])",
-    )

@@ -148,10 +148,15 @@ class SeedCacheManager:
         """LRU: free at least ``num_blocks`` blocks. Sessions with no turn in flight go first,
         least recently used first, whether or not they are about to return. When that is not
         enough, sessions whose turn still waits in the engine's queue go next (that turn then
-        prefills its whole prompt); blocks of an admitted or running turn cannot be freed."""
+        prefills its whole prompt; with ``strip_queued='idle_rank'`` only while nothing runs on
+        the rank); blocks of an admitted or running turn cannot be freed."""
         freed = 0
         l0 = self.l0[rank]
         for queued in (False, True):
+            if queued and self.policy.strip_queued == "idle_rank" and (
+                self.group.ranks[rank].running or self.group.ranks[rank].in_step
+            ):
+                break  # running turns will end and release their blocks: wait for them
             for sid in list(l0):
                 if freed >= num_blocks:
                     return freed

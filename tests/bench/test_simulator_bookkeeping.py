@@ -9,14 +9,15 @@ import pytest
 
 from bench.simulator.agents import simulate_step
 from bench.simulator.engine import SimGroup
-from bench.simulator.model import Deployment, EngineModel, SimConfig
+from bench.simulator.model import ARRIVALS, Deployment, EngineModel, SimConfig
 from bench.simulator.vclock import SimulationDeadlock, run_virtual
 from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, SamplingParams
 
 
-def _small(policy: str, gpu_tokens: int = 120_000) -> SimConfig:
+def _small(policy: str, gpu_tokens: int = 120_000, arrivals: str = "steady") -> SimConfig:
     return SimConfig(
         policy=policy,
+        arrivals=ARRIVALS[arrivals],
         deployment=Deployment(num_ranks=2, gpu_kv_tokens_per_rank=gpu_tokens, l1_tokens_per_rank=2_000_000,
                               block_tokens=256),
         engine=EngineModel(max_num_seqs=8, max_num_batched_tokens=4096),
@@ -41,11 +42,12 @@ def test_virtual_time_jumps_and_detects_deadlock() -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "gpu_tokens"),  # roomy, and tight (evictions, L1 restores, queueing)
-    [("seed", 400_000), ("ours", 400_000), ("seed", 60_000), ("ours", 60_000)],
+    ("policy", "gpu_tokens", "arrivals"),  # roomy, and tight (evictions, L1 restores, queueing)
+    [("seed", 400_000, "steady"), ("ours", 400_000, "steady"), ("seed", 60_000, "steady"),
+     ("ours", 60_000, "steady"), ("seed", 400_000, "fresh"), ("seed", 400_000, "seed")],
 )
-def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens: int) -> None:
-    config = _small(policy, gpu_tokens)
+def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens: int, arrivals: str) -> None:
+    config = _small(policy, gpu_tokens, arrivals)
     peaks: list[int] = []
 
     async def run() -> object:

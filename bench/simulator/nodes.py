@@ -1,0 +1,77 @@
+"""More than one node: N deployments (each 4 ranks with its own cache) behind a request router.
+
+The platform in front of the workers picks a worker per request. ``sticky`` routes by a hash of
+the session id (what a router keyed on ``X-Claude-Code-Session-Id`` does: every turn of a
+conversation lands on the worker that holds its prefix); ``random`` picks a worker per request
+(round-robin or least-connections behave the same for the cache: consecutive turns of a session
+land on different workers). Each worker runs the real ``cache/`` code (policy ``ours``) or the
+seed model, exactly as ``agents.simulate_step`` does for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from bench.loadgen.client import RequestRecord
+from bench.loadgen.distributions import WorkloadParams
+from bench.loadgen.report import Criteria, StepStats, step_stats
+from bench.simulator.agents import SimTotals, make_manager, run_agents
+from bench.simulator.engine import SimGroup
+from bench.simulator.model import SimConfig
+
+Routing = Literal["sticky", "random"]
+
+
+def sticky_node(session_id: str, num_nodes: int) -> int:
+    """The worker a session-id-keyed router sends ``session_id`` to (stable across processes)."""
+    return zlib.crc32(session_id.encode()) % num_nodes
+
+
+@dataclass(slots=True)
+class NodesResult:
+    stats: StepStats
+    totals: SimTotals
+    requests_per_node: list[int]
+    nodes_per_session: float  # mean number of workers a conversation's turns reached
+    records: list[RequestRecord]
+
+
+async def simulate_nodes(config: SimConfig, context_tokens: int, agents_per_node: int, num_nodes: int,
+                         routing: Routing, params: WorkloadParams | None = None) -> NodesResult:
+    """``num_nodes`` x ``agents_per_node`` agents at ``context_tokens`` behind ``routing``."""
+    loop = asyncio.get_running_loop()
+    params = params or WorkloadParams(context_target_tokens=context_tokens)
+    config = config.model_copy(update={"deployment": config.deployment.for_context(context_tokens)})
+    nodes: list[tuple[SimGroup, Any]] = []
+    for i in range(num_nodes):
+        group = SimGroup(config.deployment, config.engine, seed=config.seed * 7919 + i)
+        group.start()
+        nodes.append((group, make_manager(config, group, loop.time)))
+    served: list[int] = [0] * num_nodes
+    visited: dict[str, set[int]] = {}
+
+    def place(session_id: str, rng: np.random.Generator) -> tuple[SimGroup, Any]:
+        node = sticky_node(session_id, num_nodes) if routing == "sticky" else int(rng.integers(num_nodes))
+        served[node] += 1
+        visited.setdefault(session_id, set()).add(node)
+        return nodes[node]
+
+    records: list[RequestRecord] = []
+    totals = SimTotals()
+    t0 = loop.time()
+    stop_at = t0 + config.duration_s
+    await run_agents(config, params, agents_per_node * num_nodes, place, records, totals, stop_at)
+    for group, manager in nodes:
+        if hasattr(manager, "drain"):
+            await manager.drain()
+        await group.close()
+    label = f"{config.policy} {num_nodes} nodes {routing} {context_tokens // 1000}K x {agents_per_node * num_nodes}"
+    stats = step_stats(label, context_tokens, agents_per_node * num_nodes, records, t0 + config.warmup_s, stop_at,
+                       Criteria(), max_timeline=0)
+    spread = float(np.mean([len(v) for v in visited.values()])) if visited else 0.0
+    return NodesResult(stats, totals, served, spread, records)

@@ -1,0 +1,148 @@
+"""The calibration table's arithmetic, the arrival presets, DeepInfer's second vote, per-request
+acceptance, and multi-node routing, on tiny fixtures (no timings asserted)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.loadgen.distributions import WorkloadParams
+from bench.simulator import calibration
+from bench.simulator.agents import conversation_size, restart_limit
+from bench.simulator.engine import SimGroup
+from bench.simulator.model import ARRIVALS, Deployment, EngineModel, SimConfig
+from bench.simulator.nodes import simulate_nodes, sticky_node
+from bench.simulator.vclock import run_virtual
+from rank.engine import EngineRequest, FinishReason, SamplingParams
+
+
+def test_cells_residuals_and_tolerance_on_a_fixture() -> None:
+    sim = {"ttft_p50_s": 3.0, "ttft_p95_s": 20.0, "tok_s_p50": 75.0, "tok_s_p10": float("nan"), "cache_hit": 0.99}
+    cells = calibration.row_cells(sim, (2.4, 10.0, 100.0, 20.0, 0.99))
+    assert [c.column for c in cells] == list(calibration.COLUMNS)
+    assert cells[0].residual == pytest.approx(0.25) and cells[0].within  # exactly 25% counts as within
+    assert cells[1].residual == pytest.approx(1.0) and not cells[1].within
+    assert cells[2].residual == pytest.approx(-0.25) and cells[2].within
+    assert math.isnan(cells[3].residual) and not cells[3].within  # no simulated figure is not a match
+    assert cells[4].residual == pytest.approx(0.0) and cells[4].within
+    text = calibration.format_table([(500_000, 50, cells)])
+    assert "500K x 50" in text and "3 of 5" in text
+    line = text.splitlines()[2]
+    assert line.count("*") == 2  # the two cells outside tolerance are marked
+    assert "+100%" in line and "+25%" in line and "-25%" in line
+
+
+def test_published_rows_are_the_seed_table() -> None:
+    assert calibration.PUBLISHED[(500_000, 100)] == (2.6, 37.0, 135.0, 39.0, 0.99)
+    assert set(calibration.PUBLISHED) == {(128_000, 300), (500_000, 50), (500_000, 100), (1_000_000, 48)}
+
+
+def test_collapse_verdict_direction_and_order_of_magnitude() -> None:
+    ref = {"ttft_p50_s": 2.6, "cache_hit": 0.99}
+    v = calibration.collapse_verdict({"ttft_p50_s": 300.0, "cache_hit": 0.03}, ref)
+    assert v["direction"] and v["order_ttft_p50"] and v["order_cache_hit"] is False  # 0.03 / 0.41 < 0.1
+    assert calibration.collapse_verdict({"ttft_p50_s": 300.0, "cache_hit": 0.05}, ref)["order_cache_hit"]
+    v = calibration.collapse_verdict({"ttft_p50_s": 2.0, "cache_hit": 0.95}, ref)
+    assert not v["direction"] and not v["order_ttft_p50"] and v["order_cache_hit"]
+    v = calibration.collapse_verdict({"ttft_p50_s": 151.0, "cache_hit": 0.0}, ref)
+    assert v["direction"] and not v["order_cache_hit"]
+
+
+def test_arrival_presets_sizes_and_restarts() -> None:
+    params = WorkloadParams(context_target_tokens=500_000)
+    rng = np.random.default_rng(1)
+    seed_cfg = SimConfig(arrivals=ARRIVALS["seed"])
+    sizes = [conversation_size(seed_cfg, params, rng, first=True) for _ in range(200)]
+    assert 0.8 * 500_000 <= min(sizes) and max(sizes) <= 0.95 * 500_000
+    assert restart_limit(seed_cfg, params) == seed_cfg.max_model_len  # no compaction at the target
+    fresh = SimConfig(arrivals=ARRIVALS["fresh"])
+    sizes = [conversation_size(fresh, params, rng, first=True) for _ in range(200)]
+    assert 0.4 * 500_000 <= min(sizes) and max(sizes) <= 0.6 * 500_000
+    assert restart_limit(fresh, params) == 500_000
+    steady = SimConfig(arrivals=ARRIVALS["steady"])
+    firsts = [conversation_size(steady, params, rng, first=True) for _ in range(200)]
+    later = [conversation_size(steady, params, rng, first=False) for _ in range(200)]
+    assert max(firsts) > 0.6 * 500_000 >= max(later)  # only the first joins mid-life
+    big = SimConfig(arrivals=ARRIVALS["seed"], max_model_len=400_000)
+    assert conversation_size(big, params, rng, first=True) <= 0.97 * 400_000
+
+
+def test_accepted_tokens_spread_and_bounds() -> None:
+    rng = np.random.default_rng(0)
+    assert EngineModel(decode_tokens_per_step=3.0, decode_accept_sigma=0.0).accepted_tokens(rng) == 3.0
+    model = EngineModel(decode_tokens_per_step=3.0, decode_accept_sigma=0.4, nextn=5)
+    draws = np.array([model.accepted_tokens(rng) for _ in range(4000)])
+    assert draws.min() >= 1.0 and draws.max() <= 6.0
+    assert draws.mean() == pytest.approx(3.0, rel=0.05)
+    assert np.quantile(draws, 0.1) < 2.5 < 3.5 < np.quantile(draws, 0.9)
+
+
+def _request(rid: str, n: int, max_tokens: int = 4) -> EngineRequest:
+    return EngineRequest(rid, np.arange(n, dtype=np.int32) % 1000 + 5, SamplingParams(max_tokens=max_tokens))
+
+
+def test_second_vote_turns_an_empty_prompt_step_into_nothing_and_a_fitting_head_runs() -> None:
+    """DeepInfer's want is 'usage <= 0.9 and a waiting head'; whether the head fits is found out by
+    the prompt schedule, and a prompt step where no rank scheduled anything does not happen."""
+
+    async def run() -> None:
+        group = SimGroup(Deployment(num_ranks=1, gpu_kv_tokens_per_rank=100 * 128, block_tokens=128),
+                         EngineModel(max_num_batched_tokens=16_384))  # not started: we drive the steps
+        held = await group.import_blocks(0, 0, 50)  # cached blocks: usage 0.5
+        group.submit(0, _request("big", 80 * 128))  # needs 80 blocks, 49 are free
+        assert group._wants_prefill(group.ranks[0])  # below the watermark with a waiting head
+        before = (group._decode_step, group.num_prefill_steps, len(group.ranks[0].free))
+        group._decode_step = 70
+        assert not await group._prefill_step([True])
+        assert (group.num_prefill_steps, len(group.ranks[0].free)) == before[1:]
+        assert group._decode_step == 70 and len(group.ranks[0].waiting) == 1
+        await group.release(0, held)
+        assert await group._prefill_step([True])  # now it fits: a prompt step, decode_step reset
+        assert group._decode_step == 0 and group.num_prefill_steps == 1
+        group.check_accounting()
+
+    run_virtual(run())
+
+
+def test_prompt_larger_than_the_pool_is_ignored_and_leaks_nothing() -> None:
+    async def run() -> None:
+        group = SimGroup(Deployment(num_ranks=1, gpu_kv_tokens_per_rank=20 * 128, block_tokens=128), EngineModel())
+        group.start()
+        outs = [o async for o in group.submit(0, _request("huge", 30 * 128))]
+        assert outs[-1].finished and outs[-1].finish_reason == FinishReason.ERROR
+        assert outs[-1].error == "prompt exceeds the KV pool"
+        ok = [o async for o in group.submit(0, _request("small", 3 * 128))]
+        assert ok[-1].finish_reason == FinishReason.LENGTH
+        await group.release(0, ok[-1].kept_blocks)
+        group.check_accounting()
+        assert group.stats(0).num_free_blocks == group.num_blocks - 1
+        await group.close()
+
+    run_virtual(run())
+
+
+def test_sticky_node_is_stable_and_spreads() -> None:
+    assert sticky_node("a1-c0", 4) == sticky_node("a1-c0", 4)
+    assert len({sticky_node(f"a{i}-c0", 4) for i in range(64)}) == 4
+
+
+@pytest.mark.parametrize("policy", ["ours", "seed"])
+def test_sticky_routing_keeps_each_session_on_one_worker_and_caches_better(policy: str) -> None:
+    config = SimConfig(
+        policy=policy,
+        arrivals=ARRIVALS["steady"],
+        deployment=Deployment(num_ranks=2, gpu_kv_tokens_per_rank=200_000, l1_tokens_per_rank=1_000_000,
+                              block_tokens=256),
+        engine=EngineModel(max_num_seqs=8, max_num_batched_tokens=4096),
+        duration_s=120.0, warmup_s=20.0, ramp_s=5.0,
+    )
+    sticky = run_virtual(simulate_nodes(config, 20_000, 3, 2, "sticky"))
+    rand = run_virtual(simulate_nodes(config, 20_000, 3, 2, "random"))
+    for r in (sticky, rand):
+        t = r.totals
+        assert t.num_submitted > 20 and t.num_finished + t.num_failed_in_engine == t.num_submitted
+        assert sum(r.requests_per_node) == len(r.records)
+    assert sticky.nodes_per_session == 1.0 < rand.nodes_per_session
+    assert sticky.stats.cache_hit > rand.stats.cache_hit

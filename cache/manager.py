@@ -226,9 +226,12 @@ class CacheManager:
         if ledger.free_blocks(len(idx)) - self._keep_out_blocks(ledger) < num_restore:
             return  # no room without evicting: the turn's own admission decides
         ledger.reserved_blocks += num_restore
-        hashes = entry.hashes[m0 : m0 + num_restore]
-        anchor = entry.hashes[m0 - 1] if m0 else None
-        task = self._spawn(self._prefetch(session, rank, entry, m0, hashes, anchor, self.epoch))
+        # Hold the entry now, not when the task starts: a write-through in between could cut it
+        # back and overwrite the very slots this import reads.
+        self.l1.begin_read(entry)
+        chain = entry.hashes[: m0 + num_restore]
+        anchor = chain[m0 - 1] if m0 else None
+        task = self._spawn(self._prefetch(session, rank, entry, chain, m0, anchor, self.epoch))
         self._prefetches[session.session_id] = task
 
     async def admit(
@@ -788,15 +791,13 @@ class CacheManager:
         return True
 
     async def _prefetch(
-        self, session: Session, rank: int, entry: Any, first: int, hashes: list[BlockHash],
+        self, session: Session, rank: int, entry: Any, chain: list[BlockHash], first: int,
         anchor: BlockHash | None, epoch: int,
     ) -> None:
+        """Import ``chain[first:]`` from ``entry`` (held by ``prefetch``; released here)."""
         ledger = self._ledgers[rank]
-        count = len(hashes)
+        count = len(chain) - first
         try:
-            if not entry.is_linked:
-                return
-            self.l1.begin_read(entry)
             started = self._clock()
             try:
                 ids = await self.client.import_blocks(rank, entry.start_slot + first, count)
@@ -810,12 +811,11 @@ class CacheManager:
                 self._release_later(rank, ids)  # its parent was evicted meanwhile
                 return
             # File them under their filed prefix (an anchored slice is not a chain of its own).
-            known = idx.block_ids(entry.hashes[:first])
-            duplicates = idx.insert(entry.hashes[: first + count], known + list(ids),
-                                    session.session_id, self._clock())[first:]
+            known = idx.block_ids(chain[:first])
+            duplicates = idx.insert(chain, known + list(ids), session.session_id, self._clock())[first:]
             self._release_later(rank, duplicates)
             dup = set(duplicates)
-            filed = [h for h, block_id in zip(hashes, ids) if block_id not in dup]
+            filed = [h for h, block_id in zip(chain[first:], ids) if block_id not in dup]
             self._prefetched.setdefault(session.session_id, set()).update(filed)
             if self.metrics is not None:
                 self.metrics.restored_tokens.inc(len(filed) * self.block_size)

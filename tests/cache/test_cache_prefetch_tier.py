@@ -50,3 +50,37 @@ def test_prefetched_blocks_count_as_l1_in_the_admission_and_the_metrics() -> Non
             await group.close()
 
     asyncio.run(main())
+
+
+def test_prefetch_holds_its_l1_blocks_from_the_moment_it_is_started() -> None:
+    """A write-through of the same session that cut the L1 entry back between ``prefetch()`` and
+    the start of its task changed the slots the task was about to import (the full suite's
+    disconnect storm: '14 hashes for 18 blocks' in the prefetch, then a cache balance error).
+    The prefetch takes its read hold and its chain when it is started, so a later cut must go to a
+    new extent and the imported bytes stay the ones its hashes name."""
+
+    async def main() -> None:
+        rng = np.random.default_rng(22)
+        group = await make_group("null", num_blocks=64, num_ranks=1, host_slots=64)
+        mgr, _ = make_manager(group, l1_write_watermark=0.0)
+        try:
+            first = await run_turn(mgr, group, tokens(rng, 100), "a", stop=StopKind.END_TURN)
+            await mgr.drain()
+            sid = first.admission.session_id
+            entry = mgr.l1.entries[sid]
+            chain = list(entry.hashes)
+            victims = mgr.l0[0].evict(1000, mgr.policy.scorer(0, 0.0), mgr.policy.chooser(0, 0.0, True))
+            await group.release(0, [v.block_id for v in victims])
+            mgr.prefetch("a")  # the task is spawned, not yet run
+            # The session's history diverged after block 2: its write-through plans a cut-back.
+            plan = mgr.l1.plan_write(sid, chain[:2] + [h ^ 1 for h in chain[2:]], 0.0)
+            assert plan is not None
+            assert entry.hashes == chain, "the prefetch's hold must keep the entry from being cut"
+            mgr.l1.abort(plan)
+            await mgr.drain()
+            assert mgr.l0[0].match(chain) == len(chain) - 1  # restored under the right hashes
+            await settle(mgr, group)
+        finally:
+            await group.close()
+
+    asyncio.run(main())

@@ -381,6 +381,7 @@ class RankGroup:
                 "--config", config_path, "--cmd-addr", cmd_addr, "--out-addr", out_addr,
                 "--master-port", str(master_port), "--threads", str(self._threads_per_rank()),
                 "--host-pool-path", self.host_pool_path, "--host-pool-bytes", str(self.host_pool_bytes),
+                "--parent-pid", str(os.getpid()),
             ]
             if self.config.engine == "deepinfer":
                 args += ["--min-python", "3.12"]

@@ -67,6 +67,16 @@ class _Status:
         self.num_steps = 0
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit as soon as the backend that started this rank is gone (SIGKILL, crash, a shutdown
+    that never reached us): an orphaned rank would keep its GPU memory and its port. Its own
+    thread, independent of the heartbeat socket, so nothing that fails there can stop it."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(HEARTBEAT_S)
+
+
 def _heartbeat_loop(ctx: Any, out_addr: str, rank: int, status: _Status, stop: threading.Event) -> None:
     import orjson
     import zmq
@@ -74,17 +84,17 @@ def _heartbeat_loop(ctx: Any, out_addr: str, rank: int, status: _Status, stop: t
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(out_addr)
-    parent = os.getppid()
     try:
         while not stop.wait(HEARTBEAT_S):
-            if os.getppid() != parent:  # the backend died: do not linger as an orphan
-                os._exit(3)
             started = status.step_started
             busy_s = time.monotonic() - started if started else 0.0
             msg = {"t": "hb", "rank": rank, "pid": os.getpid(), "phase": status.phase,
                    "progress": status.progress, "busy_s": busy_s, "steps": status.num_steps}
-            sock.send(orjson.dumps(msg), zmq.NOBLOCK)
-    except Exception:  # noqa: BLE001 - the socket closes under us at exit
+            try:
+                sock.send(orjson.dumps(msg), zmq.NOBLOCK)
+            except zmq.Again:  # no peer right now (the backend is reconnecting or going away)
+                continue
+    except zmq.ZMQError:  # the context is terminated under us at exit
         pass
     finally:
         sock.close(0)
@@ -333,11 +343,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-pool-bytes", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--min-python", default="")
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="the supervisor's pid: the rank exits when it is no longer its parent (default: the parent at start)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    parent_pid = args.parent_pid or os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="exit-with-parent", daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"rank{args.rank} %(levelname)s %(name)s: %(message)s")
     import zmq
 

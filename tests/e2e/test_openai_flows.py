@@ -41,7 +41,10 @@ def backend():
 
 @pytest.fixture()
 def client(backend):
-    return openai.OpenAI(base_url=f"{backend.base_url}/v1", api_key=API_KEY, max_retries=0)
+    # closed after the test: an unclosed client's keep-alive socket was collected later, in some
+    # other test or at exit, and failed the run with an unraisable ResourceWarning
+    with openai.OpenAI(base_url=f"{backend.base_url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
 
 
 def run_tool(project: Path, name: str, arguments: dict[str, Any]) -> str:

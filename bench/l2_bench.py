@@ -139,7 +139,7 @@ def bench_prefill(directory: str, args: argparse.Namespace) -> dict[str, Any]:
     HostPool.unlink(path)
     host = HostPool(path, 2 * num_blocks * bpb, pin=device.type == "cuda")
     engine = ReferenceEngine(ReferenceEngineConfig(
-        model=args.model, block_size=BLOCK_SIZE, num_blocks=num_blocks + 64, device=str(device),
+        model=args.model, block_size=BLOCK_SIZE, num_blocks=2 * num_blocks + 64, device=str(device),
         max_num_batched_tokens=args.batched_tokens, max_model_len=args.prefill_tokens + 1024), host_pool=host)
 
     def sync() -> None:

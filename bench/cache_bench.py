@@ -188,7 +188,7 @@ async def replay(
         ep=num_ranks, max_num_seqs=64, max_num_batched_tokens=65536, max_model_len=1_064_960,
     )
     host_bytes = (expected_final_tokens // BLOCK_SIZE) * 2 * BLOCK_SIZE * 4 if l1 else 0
-    group = LocalRankGroup.from_config(cfg, num_ranks=num_ranks, host_pool_bytes=host_bytes,
+    group = LocalRankGroup.from_config(cfg.rank_config(), num_ranks=num_ranks, host_pool_bytes=host_bytes,
                                        name=f"cache-bench-{os.getpid()}")
     await group.start()
     registry = CollectorRegistry()

@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from cache.l1_pool import HostPool, host_pool_path
+from rank.host_budget import host_pool_path, unlink_host_pool
+from rank.host_pool import HostPool
 from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
 V41_FLASH_BYTES_PER_BLOCK = 114_048
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.pool = torch.zeros(pool_rows, bpb, dtype=torch.uint8, device=device)
     engine.bytes_per_block = bpb
     path = host_pool_path(f"bench-restore-{os.getpid()}")
-    HostPool.unlink(path)
+    unlink_host_pool(path)
     host = HostPool(path, nbytes, pin=device.type == "cuda")
     host.open(bpb)
     engine.host_pool = host
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         engine.host_pool = None
         host.close()
-        HostPool.unlink(path)
+        unlink_host_pool(path)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ def bench_prefill(directory: str, args: argparse.Namespace) -> dict[str, Any]:
     """Cold prefill vs L2 restore of the same tokens' KV (reference engine, CUDA)."""
     import torch
 
-    from cache.l1_pool import HostPool, host_pool_path
+    from rank.host_budget import host_pool_path, unlink_host_pool
+    from rank.host_pool import HostPool
     from rank.engine import EngineRequest, SamplingParams
     from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
     from rank.reference_model import MODEL_SPECS, kv_bytes_per_block
@@ -136,7 +137,7 @@ def bench_prefill(directory: str, args: argparse.Namespace) -> dict[str, Any]:
     bpb = kv_bytes_per_block(spec, BLOCK_SIZE, dtype)
     num_blocks = args.prefill_tokens // BLOCK_SIZE
     path = host_pool_path(f"l2-bench-{os.getpid()}")
-    HostPool.unlink(path)
+    unlink_host_pool(path)
     host = HostPool(path, 2 * num_blocks * bpb, pin=device.type == "cuda")
     engine = ReferenceEngine(ReferenceEngineConfig(
         model=args.model, block_size=BLOCK_SIZE, num_blocks=2 * num_blocks + 64, device=str(device),
@@ -205,7 +206,7 @@ def bench_prefill(directory: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.host_pool = None
         host.close()
-        HostPool.unlink(path)
+        unlink_host_pool(path)
 
 
 def _print_prefill(pf: dict[str, Any]) -> None:

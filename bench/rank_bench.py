@@ -74,10 +74,11 @@ def bench_engine(model: str, threads: int, prompt_len: int, num_prompts: int, de
 
 def bench_host_pool(model: str, device: str, num_blocks: int) -> None:
     """Export/import of ``num_blocks`` blocks through the shared pinned L1 pool vs one contiguous copy."""
-    from cache.l1_pool import HostPool, host_pool_path
+    from rank.host_budget import host_pool_path, unlink_host_pool
+    from rank.host_pool import HostPool
 
     path = host_pool_path(f"bench-{os.getpid()}")
-    HostPool.unlink(path)
+    unlink_host_pool(path)
     engine = ReferenceEngine(ReferenceEngineConfig(model=model, block_size=128, num_blocks=num_blocks + 8, device=device))
     pool = HostPool(path, (num_blocks + 1) * engine.bytes_per_block)
     pool.open(engine.bytes_per_block)
@@ -112,7 +113,7 @@ def bench_host_pool(model: str, device: str, num_blocks: int) -> None:
         engine.blocks.decref(ids, cache_ref=True)
     finally:
         pool.close()
-        HostPool.unlink(path)
+        unlink_host_pool(path)
         engine.close()
 
 
@@ -137,7 +138,7 @@ async def bench_ipc(num_ranks: int, num_seqs: int, steps: int) -> None:
     per_rank = num_seqs // num_ranks
     cfg = WorkloadConfig(reference_model="null", ep=num_ranks, block_size=128, reference_num_blocks=4096,
                          max_num_seqs=max(per_rank, 1), max_num_batched_tokens=65536, l1_host_gb=0.01)
-    group = RankGroup(cfg)
+    group = RankGroup(cfg.rank_config())
     await group.start()
     try:
         received = [0]

@@ -1,4 +1,5 @@
-"""The cache tiers' own settings (``CacheConfig``), built from the workload config.
+"""The cache tiers' own settings (``CacheConfig``), built from the workload config by the server
+(``WorkloadConfig.cache_config``).
 
 Only ``prefix_cache``, ``l1_cache`` and ``l1_host_gb`` come from the seed guide's keys; the
 rest are tuning knobs with defaults taken from the workload research
@@ -6,8 +7,6 @@ rest are tuning knobs with defaults taken from the workload research
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,7 +21,7 @@ class CacheConfig(BaseModel):
 
     prefix_cache: bool = Field(True, description="L0 prefix cache + session routing; off = every turn cold.")
     l1_cache: bool = Field(True, description="L1 host tier (needs an engine with export/import and a pool).")
-    l1_host_gb: float = Field(128, ge=0, description="L1 budget per rank, GiB (see cache/l1_budget.py).")
+    l1_host_gb: float = Field(128, ge=0, description="L1 budget per rank, GiB (see rank/host_budget.py).")
     hash_salt: str = Field("", description="Mixed into the root block hash (model / KV format name).")
     protect_s: float = Field(
         30.0, ge=0, description="A session expected back within this many seconds is not evicted "
@@ -46,7 +45,7 @@ class CacheConfig(BaseModel):
     usable_fraction: float = Field(
         1.0, gt=0, le=1, description="Share of each rank's pool the cache may fill with cached + "
         "reserved blocks. DeepInfer counts cached blocks in the KV usage that gates prefill (a rank "
-        "stops prefilling above 0.9), so from_workload sets 0.9 for engine 'deepinfer'."
+        "stops prefilling above 0.9), so WorkloadConfig.cache_config sets 0.9 for engine 'deepinfer'."
     )
     l1_write_watermark: float = Field(
         0.5, ge=0, le=1, description="Write a finished turn's session through to L1 once the rank's "
@@ -65,20 +64,6 @@ class CacheConfig(BaseModel):
     overload_ratio: float = Field(1.5, ge=1, description="Move sessions off a rank this much above the lightest.")
     move_min_tokens: int = Field(65_536, ge=0, description="...and at least this many tokens above it.")
     move_cooldown_s: float = Field(60.0, ge=0, description="A session moves at most once per this period.")
-
-    @classmethod
-    def from_workload(cls, workload: Any, **overrides: Any) -> CacheConfig:
-        """From a ``server.config.WorkloadConfig`` (duck-typed: cache does not import server)."""
-        values: dict[str, Any] = {
-            "prefix_cache": workload.prefix_cache,
-            "l1_cache": workload.l1_cache,
-            "l1_host_gb": workload.l1_host_gb,
-            "hash_salt": f"{workload.engine}:{workload.model_name}",
-            # DeepInfer's scheduler wants prefill only at KV usage <= 0.9, cached blocks included.
-            "usable_fraction": DEEPINFER_KV_WATERMARK if workload.engine == "deepinfer" else 1.0,
-        }
-        values.update(overrides)
-        return cls(**values)
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(

@@ -1,6 +1,6 @@
 """The shared L1 host pool as the backend process sees it: plain bytes, no torch.
 
-The rank processes own the pool (``cache/l1_pool.py``: a ``/dev/shm`` file they map and pin) and
+The rank processes own the pool (``rank/host_pool.py``: a ``/dev/shm`` file they map and pin) and
 move blocks between it and the GPUs. The backend maps the same file ``MAP_SHARED`` so the L2
 tier can move slots to and from disk without a trip through a rank: disk -> host here, then
 host -> GPU in the rank (``import_blocks``), and the reverse for a spill.

@@ -1,6 +1,6 @@
 """L1: which session's blocks live where in the shared host pool (backend-side bookkeeping).
 
-The pool (``cache/l1_pool.py``, mapped by every rank process) is ``[num_slots, bytes_per_block]``.
+The pool (``rank/host_pool.py``, mapped by every rank process) is ``[num_slots, bytes_per_block]``.
 Each session has at most one *entry*: one contiguous extent of slots holding the KV of its chain
 blocks ``0 .. n-1`` in order, so a restore of blocks ``a .. b`` is one import of the consecutive
 slots ``start+a .. start+b`` (one DMA + one scatter on the GPU). Extents are allocated with

@@ -1,28 +1,26 @@
-"""Build a rank's engine from the workload config (engine modules are imported lazily, so a
-rank process only imports what it runs: DeepInfer's stack is heavy and B200-only)."""
+"""Build a rank's engine from its ``RankConfig`` (engine modules are imported lazily, so a rank
+process only imports what it runs: DeepInfer's stack is heavy and B200-only)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from rank.config import RankConfig
 from rank.engine import Engine
 
 if TYPE_CHECKING:
-    from cache.l1_pool import HostPool
+    from rank.host_pool import HostPool
 
 
-def make_engine(config: Any, rank: int, host_pool: HostPool | None, *, deepinfer_module: str | None = None) -> Engine:
-    """``config`` is a ``server.config.WorkloadConfig`` (or an object with the same fields).
-
-    ``deepinfer_module`` (tests only): a stand-in for DeepInfer's Python API, see
-    ``rank.deepinfer_adapter.make_deepinfer_engine``.
-    """
+def make_engine(config: RankConfig, rank: int, host_pool: HostPool | None, *,
+                deepinfer_module: str | None = None) -> Engine:
+    """``deepinfer_module`` (tests only): a stand-in for DeepInfer's Python API, see
+    ``rank.deepinfer_adapter.make_deepinfer_engine``."""
     if config.engine == "reference":
         from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
-        engine_config = ReferenceEngineConfig.from_workload(config)
         # Same seed on every rank: one model, so any rank gives the same answer for a prompt.
-        return ReferenceEngine(engine_config, host_pool)
+        return ReferenceEngine(ReferenceEngineConfig.from_rank_config(config), host_pool)
     if config.engine == "scripted":
         from rank.scripted_engine import ScriptedEngine  # issue 8
 

@@ -14,20 +14,7 @@ consecutive failed starts the group gives up (``FAILED``).
 Client: one PUSH socket per rank for commands (sent without blocking from the event loop) and one
 PULL socket per rank read by one task per rank. A step message carries all of that rank's
 outputs for the step; they are pushed into the requests' ``RequestStream``s (see
-``rank/wire.py`` for the format).
-
-Receive path (the backend's hottest loop: one message per rank per engine step, one output per
-running request in it). The task sleeps until the socket's file descriptor is readable (one
-``loop.add_reader`` wakeup), then takes every queued message with non-blocking ``recv`` calls
-until ``zmq.Again``: no future, no await and no poller bookkeeping per message (an awaited
-``zmq.asyncio`` ``recv_multipart`` per message cost 4-5x as much). After ``_DRAIN_BATCH``
-messages in a row it yields to the event loop once, so streams and the watchdog run even while
-a rank floods it. The fd is zmq's notification fd (readable when the socket's state may have
-changed, not per message), hence the ``zmq.EVENTS`` check before sleeping again. Dispatch: the
-finished outputs of a step are taken out first (their requests popped), then one loop over the
-step's handles and ids hands each running request its ids (``RequestStream.push_tokens``: no
-object per request per step while the consumer is behind); a decode step, one id per request,
-takes a loop without offsets.
+``rank/wire.py`` for the format, ``rank/link.py`` for the receive path).
 """
 
 from __future__ import annotations
@@ -38,111 +25,35 @@ import itertools
 import logging
 import os
 import shutil
-import signal
-import socket
-import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import zmq
 
 from rank import wire
 from rank.client import GroupState, RequestStream
-from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, EngineStats, FinishReason, RequestOutput
+from rank.config import RankConfig
+from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, EngineStats
 from rank.errors import RankFailed, RankUnavailable
+from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
+from rank.launch import BACKEND_ROOT, master_port_for, rank_env, rank_python, worker_argv
+from rank.link import RankLink, Tracked, describe_exit
 
 log = logging.getLogger(__name__)
 
-BACKEND_ROOT = str(Path(__file__).resolve().parents[1])
-ENV_PASSTHROUGH = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_HOME")
-KERNEL_CACHE_VARS = ("DG_JIT_CACHE_DIR", "EP_JIT_CACHE_DIR", "TILELANG_CACHE_DIR", "TRITON_CACHE_DIR")
-ENV_PREFIXES = ("NCCL_", "DEEPINFER_")  # engine knobs an operator may set; never credentials
-# TEST ONLY knobs of the rank worker (DIB_DEEPINFER_MODULE, DIB_FAKE_DEEPINFER: rank/worker.py), passed
-# on when the backend's own environment sets them (the worker stand-in does; a rank logs a warning).
-TEST_ENV_PREFIX = "DIB_"
 WATCHDOG_EVERY_S = 0.25
 SHUTDOWN_GRACE_S = 5.0
-_DRAIN_BATCH = 32  # messages taken per wakeup before yielding to the event loop once
 # A rank's fatal report is often a peer's death seen through a collective ("connection reset by
 # peer"); for this long a process exit seen meanwhile is named as the cause instead.
 FATAL_GRACE_S = 0.5
-DEEPINFER_PORT_OFFSET = 50  # DeepInfer's rendezvous: tcp://MASTER_ADDR:(MASTER_PORT-50+engine_group_rank)
-
-
-@dataclass(slots=True)
-class _Req:
-    stream: RequestStream
-    request_id: str
-    push_tokens: Callable[[list[int]], None]  # stream.push_tokens, bound once
-
-
-@dataclass(slots=True, eq=False)
-class _Rank:
-    """One rank process of the current epoch and its sockets (all closed at teardown)."""
-
-    rank: int
-    cmd: zmq.Socket
-    out: zmq.Socket  # PULL, read without blocking by _receive (readiness via loop.add_reader)
-    proc: asyncio.subprocess.Process | None = None
-    last_seen: float = 0.0
-    phase: str = "starting"
-    progress: str = ""
-    busy_s: float = 0.0
-    ready: dict[str, Any] | None = None
-    stats: list[int] | None = None
-    requests: dict[int, _Req] = field(default_factory=dict)
-    next_handle: int = 0
-    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
-    exit_code: int | None = None
-    fatal: str | None = None  # the rank's own fatal report, if it sent one
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _settle(failure: asyncio.Future[str], reason: str) -> None:
     if not failure.done():
         failure.set_result(reason)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rank_python(config: Any) -> str:
-    """The ranks' interpreter: the DeepInfer venv's whenever one is configured (whatever the engine:
-    on the worker the backend's own venv has no torch or pyzmq), else this process's."""
-    return os.path.join(config.deepinfer_venv, "bin", "python") if config.deepinfer_venv else sys.executable
-
-
-def _master_port(config: Any) -> int:
-    """MASTER_PORT for a new epoch: the configured one (``deepinfer_env``, then ``env``), else a
-    free one. DeepInfer rendezvouses at MASTER_PORT-50 (+engine_group_rank, 0 here), so for it the
-    port that must be free is the one 50 below."""
-    if config.master_port:
-        return int(config.master_port)
-    if config.engine != "deepinfer":
-        return _free_port()
-    for _ in range(100):
-        port = _free_port() + DEEPINFER_PORT_OFFSET
-        if port <= 65535:
-            return port
-    raise RuntimeError("no free TCP port for DeepInfer's rendezvous")
 
 
 class RankGroup:
@@ -155,7 +66,7 @@ class RankGroup:
 
     def __init__(
         self,
-        config: Any,
+        config: RankConfig,
         *,
         num_ranks: int | None = None,
         python: str | None = None,
@@ -197,7 +108,7 @@ class RankGroup:
         # blocks (DeepInfer without the prefix-cache patch); the cache then runs without L0/L1.
         self.prefix_cache_supported = True
         self.prefix_cache_reason: str | None = None
-        self._ranks: list[_Rank] = []
+        self._ranks: list[RankLink] = []
         self._listeners: list[Callable[[int], None]] = []
         self._pending: dict[int, tuple[int, asyncio.Future[Any]]] = {}
         self._cids = itertools.count(1)
@@ -208,8 +119,6 @@ class RankGroup:
         self._closing = False
         self._tmpdir: str | None = None
         self._sync_ctx: zmq.Context | None = None
-        from cache.l1_pool import host_pool_path, plan_host_pool_bytes
-
         self.host_pool_path = host_pool_path(self.name)
         if config.l1_cache and config.l1_host_gb > 0:
             self.host_pool_bytes, reason = plan_host_pool_bytes(config.l1_host_gb, self.num_ranks)
@@ -348,46 +257,27 @@ class RankGroup:
         return await failure, True
 
     async def _launch(self) -> None:
-        from cache.l1_pool import HostPool
-
-        HostPool.unlink(self.host_pool_path)  # a new epoch starts with an empty L1
+        unlink_host_pool(self.host_pool_path)  # a new epoch starts with an empty L1
         assert self._tmpdir is not None and self._sync_ctx is not None
         config_path = os.path.join(self._tmpdir, f"config-{self.epoch}.json")
-        raw = self.config.model_dump(mode="json")
-        raw["api_key"] = None  # ranks never need the HTTP credential
-        model_dir = self.config.resolved_model_dir()  # so a rank without pydantic needs no rules
-        raw["model_dir"] = str(model_dir) if model_dir is not None else None
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(orjson.dumps(raw))
-        master_port = _master_port(self.config)
+            f.write(orjson.dumps(self.config.to_json()))
+        master_port = master_port_for(self.config)
         self._ranks = []
         now = time.monotonic()
         for rank in range(self.num_ranks):
-            cmd_addr = f"ipc://{self._tmpdir}/e{self.epoch}-r{rank}-cmd"
-            out_addr = f"ipc://{self._tmpdir}/e{self.epoch}-r{rank}-out"
-            cmd = self._sync_ctx.socket(zmq.PUSH)
-            cmd.setsockopt(zmq.SNDHWM, 0)
-            cmd.setsockopt(zmq.LINGER, 0)
-            cmd.bind(cmd_addr)
-            out = self._sync_ctx.socket(zmq.PULL)
-            out.setsockopt(zmq.RCVHWM, 0)
-            out.setsockopt(zmq.LINGER, 0)
-            out.bind(out_addr)
-            r = _Rank(rank, cmd, out, last_seen=now)
+            prefix = f"ipc://{self._tmpdir}/e{self.epoch}-r{rank}"
+            r = RankLink.bind(self._sync_ctx, rank, f"{prefix}-cmd", f"{prefix}-out", now)
             self._ranks.append(r)
-            args = [
-                self.python, "-m", "rank.worker", "--rank", str(rank), "--world-size", str(self.num_ranks),
-                "--config", config_path, "--cmd-addr", cmd_addr, "--out-addr", out_addr,
-                "--master-port", str(master_port), "--threads", str(self._threads_per_rank()),
-                "--host-pool-path", self.host_pool_path, "--host-pool-bytes", str(self.host_pool_bytes),
-                "--parent-pid", str(os.getpid()),
-            ]
-            if self.config.engine == "deepinfer":
-                args += ["--min-python", "3.12"]
+            args = worker_argv(self.python, self.config, rank, self.num_ranks, config_path=config_path,
+                               cmd_addr=f"{prefix}-cmd", out_addr=f"{prefix}-out", master_port=master_port,
+                               host_pool_path=self.host_pool_path, host_pool_bytes=self.host_pool_bytes,
+                               parent_pid=os.getpid())
+            env = rank_env(self.config, self.num_ranks, rank, master_port, self._base_env)
             r.proc = await asyncio.create_subprocess_exec(
-                *args, env=self.rank_env(rank, master_port), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, cwd=BACKEND_ROOT,
+                *args, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE, cwd=BACKEND_ROOT,
             )
             log.info("rank group %s epoch %d: started rank %d (pid %d)", self.name, self.epoch, rank, r.proc.pid)
             self._tasks += [
@@ -396,47 +286,6 @@ class RankGroup:
                 asyncio.create_task(self._forward_stderr(r)),
             ]
         self._tasks.append(asyncio.create_task(self._watchdog()))
-
-    def _threads_per_rank(self) -> int:
-        if self.config.engine == "reference" and not str(self.config.reference_device).startswith("cuda"):
-            return max(1, (os.cpu_count() or 1) // self.num_ranks)
-        return 0
-
-    def rank_env(self, rank: int, master_port: int) -> dict[str, str]:
-        """Only what a rank needs: no API keys, tokens or the backend's other settings.
-
-        Layers, later wins: a few of the backend's variables (``ENV_PASSTHROUGH``, ``NCCL_*``,
-        ``DEEPINFER_*``, ``KERNEL_CACHE_VARS``), the workload's ``env``, its ``deepinfer_env``, then
-        what the group manages (PYTHONPATH, MASTER_*, CUDA_VISIBLE_DEVICES order). PYTHONPATH is
-        the backend's code only: a rank imports nothing but our code, the standard library and
-        the interpreter's own packages (torch, numpy, orjson, pyzmq: the DeepInfer venv's, see
-        ``rank_python``), never the backend venv's (``tests/rank/test_rank_imports.py``).
-        """
-        base = self._base_env
-        env = {k: base[k] for k in ENV_PASSTHROUGH if k in base}
-        env.update({k: v for k, v in base.items() if k.startswith((*ENV_PREFIXES, TEST_ENV_PREFIX))})
-        for key in KERNEL_CACHE_VARS:
-            value = self.config.env.get(key) or base.get(key)
-            if value:
-                env[key] = value
-        env.update(self.config.env)
-        env.update(self.config.deepinfer_env)
-        env["PYTHONPATH"] = BACKEND_ROOT
-        env["PYTHONUNBUFFERED"] = "1"
-        env["MASTER_ADDR"] = "127.0.0.1"
-        env["MASTER_PORT"] = str(master_port)
-        uses_gpu = self.config.engine == "deepinfer" or str(self.config.reference_device).startswith("cuda")
-        if uses_gpu:
-            listed = self.config.env.get("CUDA_VISIBLE_DEVICES") or base.get("CUDA_VISIBLE_DEVICES") or ""
-            gpus = [g.strip() for g in listed.split(",") if g.strip()] or [str(i) for i in range(self.num_ranks)]
-            own = gpus[rank % len(gpus)]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join([own] + [g for g in gpus if g != own])
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-            threads = self._threads_per_rank()
-            if threads:
-                env["OMP_NUM_THREADS"] = str(threads)
-        return env
 
     async def _teardown(self, reason: str) -> None:
         detected = time.monotonic()
@@ -471,13 +320,11 @@ class RankGroup:
         for r in self._ranks:
             r.cmd.close(0)
             r.out.close(0)
-        from cache.l1_pool import HostPool
-
-        HostPool.unlink(self.host_pool_path)
+        unlink_host_pool(self.host_pool_path)
 
     # ------------------------------------------------------------------ monitors
 
-    async def _wait_exit(self, r: _Rank) -> None:
+    async def _wait_exit(self, r: RankLink) -> None:
         assert r.proc is not None
         code = await r.proc.wait()
         r.exit_code = code
@@ -486,9 +333,9 @@ class RankGroup:
                 self._fail_epoch(r.fatal)
                 return
             tail = f"; last output: {r.stderr_tail[-1]}" if r.stderr_tail else ""
-            self._fail_epoch(f"rank {r.rank} (pid {r.proc.pid}) {_describe_exit(code)}{tail}")
+            self._fail_epoch(f"rank {r.rank} (pid {r.proc.pid}) {describe_exit(code)}{tail}")
 
-    async def _forward_stderr(self, r: _Rank) -> None:
+    async def _forward_stderr(self, r: RankLink) -> None:
         assert r.proc is not None and r.proc.stderr is not None
         while True:
             line = await r.proc.stderr.readline()
@@ -514,40 +361,10 @@ class RankGroup:
                 elif r.busy_s > self.step_timeout_s:
                     self._fail_epoch(f"rank {r.rank} stuck in one step for {r.busy_s:.0f}s (step_timeout_s)")
 
-    async def _receive(self, r: _Rank) -> None:
-        """Wake on readiness, then drain every queued message (module docstring)."""
-        loop = asyncio.get_running_loop()
-        sock = r.out
-        fd = sock.getsockopt(zmq.FD)
-        ready = asyncio.Event()
-        loop.add_reader(fd, ready.set)
-        recv = sock.recv_multipart
-        on_message = self._on_message
-        try:
-            while True:
-                ready.clear()
-                num_taken = 0
-                while num_taken < _DRAIN_BATCH:
-                    try:
-                        frames = recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    num_taken += 1
-                    on_message(r, frames)
-                if num_taken:
-                    r.last_seen = time.monotonic()
-                    if num_taken == _DRAIN_BATCH:
-                        await asyncio.sleep(0)  # let the streams run; then take the rest
-                        continue
-                # The fd is edge-like (zmq resets it when it processes its commands, which recv
-                # and this check do): sleep only when zmq itself says nothing is queued.
-                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    continue
-                await ready.wait()
-        finally:
-            loop.remove_reader(fd)
+    async def _receive(self, r: RankLink) -> None:
+        await r.receive(self._on_message)
 
-    def _on_message(self, r: _Rank, frames: list[bytes]) -> None:
+    def _on_message(self, r: RankLink, frames: list[bytes]) -> None:
         header = orjson.loads(frames[0])
         kind = header["t"]
         if kind == "step":
@@ -574,36 +391,10 @@ class RankGroup:
             if failure is not None and not failure.done():
                 asyncio.get_running_loop().call_later(FATAL_GRACE_S, _settle, failure, r.fatal)
 
-    def _dispatch(self, r: _Rank, header: dict[str, Any], frames: list[bytes]) -> None:
-        handles = np.frombuffer(frames[1], dtype="<i4")
-        counts = np.frombuffer(frames[2], dtype="<i4")
-        tokens = np.frombuffer(frames[3], dtype="<i4").tolist()
-        one_each = len(tokens) == len(handles) and bool((counts == 1).all())  # a decode step
-        ends = None if one_each else np.cumsum(counts).tolist()
-        requests = r.requests
-        finished = []
-        for entry in header["fin"]:  # out of r.requests first: the loop below skips them
-            req = requests.pop(int(handles[entry[0]]), None)
-            if req is not None:
-                finished.append((req, entry))
-        get = requests.get
-        if ends is None:
-            for handle, token in zip(handles.tolist(), tokens):
-                req = get(handle)
-                if req is not None:
-                    req.push_tokens([token])
-        else:
-            start = 0
-            for handle, end in zip(handles.tolist(), ends):
-                req = get(handle)
-                if req is not None:
-                    req.push_tokens(tokens[start:end])
-                start = end
-        for req, (i, reason, n_prompt, n_cached, kept, error) in finished:
-            ids = tokens[i : i + 1] if ends is None else tokens[(ends[i - 1] if i else 0) : ends[i]]
-            req.stream.push(RequestOutput(req.request_id, ids, True, FinishReason(reason), n_prompt, n_cached, kept, error))
+    def _dispatch(self, r: RankLink, header: dict[str, Any], frames: list[bytes]) -> None:
+        r.dispatch(header, frames)
 
-    def _on_reply(self, r: _Rank, header: dict[str, Any]) -> None:
+    def _on_reply(self, r: RankLink, header: dict[str, Any]) -> None:
         if "stats" in header:
             r.stats = header["stats"]
         entry = self._pending.pop(header["cid"], None)
@@ -618,14 +409,14 @@ class RankGroup:
 
     # ------------------------------------------------------------------ RankClient
 
-    def _ready_rank(self, rank: int) -> _Rank:
+    def _ready_rank(self, rank: int) -> RankLink:
         if self.state != GroupState.READY:
             raise RankUnavailable(f"rank group is {self.state.value}" + (f" ({self.last_failure})" if self.last_failure else ""))
         if not 0 <= rank < self.num_ranks:
             raise EngineMisuse(f"rank {rank} outside 0..{self.num_ranks - 1}")
         return self._ranks[rank]
 
-    def _send(self, r: _Rank, frames: list[bytes]) -> None:
+    def _send(self, r: RankLink, frames: list[bytes]) -> None:
         try:
             r.cmd.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -638,7 +429,7 @@ class RankGroup:
         self._send(r, wire.encode_add(request, handle))
         stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id),
                                num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached_tokens)
-        r.requests[handle] = _Req(stream, request.request_id, stream.push_tokens)
+        r.requests[handle] = Tracked(stream, request.request_id, stream.push_tokens)
         return stream
 
     def abort(self, rank: int, request_id: str) -> None:

@@ -14,11 +14,13 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
-
 from rank.client import GroupState, RequestStream
+from rank.config import RankConfig
 from rank.engine import Engine, EngineMisuse, EngineRequest, EngineStats, RequestOutput
+from rank.engines import make_engine
 from rank.errors import RankFailed, RankUnavailable
+from rank.host_budget import host_pool_path, unlink_host_pool
+from rank.host_pool import HostPool
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ class LocalRankGroup:
     to that rank in this epoch whose terminal output has not been delivered yet."""
 
     def __init__(
-        self, engine_factory: Callable[[int], Engine], num_ranks: int, *, host_pool: Any = None,
+        self, engine_factory: Callable[[int], Engine], num_ranks: int, *, host_pool: HostPool | None = None,
         host_pool_path: str | None = None, step_s: float = 0.0,
     ) -> None:
         if num_ranks < 1:
@@ -54,19 +56,15 @@ class LocalRankGroup:
 
     @classmethod
     def from_config(
-        cls, config: Any, *, num_ranks: int | None = None, host_pool_bytes: int = 0, name: str | None = None,
+        cls, config: RankConfig, *, num_ranks: int | None = None, host_pool_bytes: int = 0, name: str | None = None,
         step_s: float = 0.0,
     ) -> LocalRankGroup:
         """Engines from ``make_engine``; a shared host pool of ``host_pool_bytes`` if > 0."""
-        from rank.engines import make_engine
-
         host_pool = None
         path = None
         if host_pool_bytes > 0:
-            from cache.l1_pool import HostPool, host_pool_path
-
             path = host_pool_path(name or f"local-{os.getpid()}-{id(config):x}")
-            HostPool.unlink(path)
+            unlink_host_pool(path)
             host_pool = HostPool(path, host_pool_bytes)
         n = num_ranks if num_ranks is not None else config.ep
         return cls(lambda rank: make_engine(config, rank, host_pool), n, host_pool=host_pool, host_pool_path=path,
@@ -122,9 +120,7 @@ class LocalRankGroup:
         if self.host_pool is not None:
             self.host_pool.close()
         if self._host_pool_path is not None:
-            from cache.l1_pool import HostPool
-
-            HostPool.unlink(self._host_pool_path)
+            unlink_host_pool(self._host_pool_path)
 
     def _fail_all(self, reason: str) -> None:
         for streams in self._streams:

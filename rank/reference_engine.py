@@ -29,6 +29,7 @@ import torch
 
 from protocol.sampling import SEED_MODULUS, sampling_error
 from rank.block_manager import BlockManager
+from rank.config import RankConfig
 from rank.engine import (
     CapacityExhausted,
     Engine,
@@ -38,11 +39,19 @@ from rank.engine import (
     FinishReason,
     RequestOutput,
 )
-from rank.reference_model import MODEL_SPECS, ReferenceModel, SeqBatchItem, kv_bytes_per_block, load_weights, random_weights
+from rank.reference_model import (
+    MODEL_SPECS,
+    ReferenceModel,
+    SeqBatchItem,
+    kv_bytes_per_block,
+    load_weights,
+    null_forward,
+    random_weights,
+)
 from rank.sampler import make_generator, sample
 
 if TYPE_CHECKING:
-    from cache.l1_pool import HostPool
+    from rank.host_pool import HostPool
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +73,7 @@ class ReferenceEngineConfig:
     eos_every: int = 0  # random weights: a sampled reply ends about once every N tokens (0: never)
 
     @classmethod
-    def from_workload(cls, config: Any) -> ReferenceEngineConfig:
+    def from_rank_config(cls, config: RankConfig) -> ReferenceEngineConfig:
         return cls(
             model=config.reference_model,
             block_size=config.block_size,
@@ -74,7 +83,7 @@ class ReferenceEngineConfig:
             max_model_len=config.max_model_len,
             device=config.reference_device,
             weights=config.reference_weights,
-            eos_every=getattr(config, "reference_eos_every", 0),
+            eos_every=config.reference_eos_every,
         )
 
 
@@ -350,7 +359,9 @@ class ReferenceEngine(Engine):
     ) -> tuple[list[int], dict[int, str]]:
         """The sampled rows' tokens, and why a row got none (sampling is per request)."""
         if self.model is None:
-            return self._null_forward(token_ids, positions, items, sample_rows, sampled), {}
+            seeds = np.fromiter((s.null_seed for s in sampled), dtype=np.uint64, count=len(sampled))
+            return null_forward(self.pool, self.block_size, self.spec.vocab_size, token_ids, positions, items,
+                                sample_rows, seeds), {}
         dev = self.device
         logits = self.model.forward(
             torch.from_numpy(token_ids).to(dev),
@@ -376,34 +387,6 @@ class ReferenceEngine(Engine):
             idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             logits[idx, EOS_ID] = float("-inf")
             logits[idx, EOS_ID] = torch.logsumexp(logits[idx], dim=-1) - math.log(self.config.eos_every - 1)
-
-    def _null_forward(
-        self, token_ids: np.ndarray, positions: np.ndarray, items: list[SeqBatchItem],
-        sample_rows: list[int], sampled: list[_Seq],
-    ) -> list[int]:
-        bs = self.block_size
-        # "KV" = the token ids, written at block_table[pos // bs] * bs + pos % bs of the flat view.
-        slots = np.empty(len(positions), dtype=np.int64)
-        for it in items:
-            table = it.block_table  # a plain list for the null model
-            if it.num_rows == 1:
-                p = it.start_pos
-                slots[it.row_start] = table[p // bs] * bs + p % bs
-            else:
-                pos = positions[it.row_start : it.row_start + it.num_rows]
-                slots[it.row_start : it.row_start + it.num_rows] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
-        flat = self.pool.view(torch.int32).view(-1)
-        flat[torch.from_numpy(slots).to(self.device)] = torch.from_numpy(token_ids.astype(np.int32)).to(self.device)
-        if not sampled:
-            return []
-        idx = np.asarray(sample_rows, dtype=np.int64)
-        seeds = np.fromiter((s.null_seed for s in sampled), dtype=np.uint64, count=len(sampled))
-        x = (token_ids[idx].astype(np.uint64) * np.uint64(0x9E3779B1) + positions[idx].astype(np.uint64) * np.uint64(0x85EBCA77)
-             + seeds * np.uint64(0xC2B2AE3D)) & np.uint64(0xFFFFFFFF)
-        x ^= x >> np.uint64(15)
-        x = (x * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
-        x ^= x >> np.uint64(12)
-        return (x % np.uint64(self.spec.vocab_size - 3) + np.uint64(3)).tolist()
 
     def _append(self, seq: _Seq, token: int) -> RequestOutput:
         seq.output_ids.append(token)

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -304,3 +305,34 @@ class ReferenceModel:
         allowed = (torch.arange(num_keys, device=self.device)[None, :] <= qpos[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed)
         out[rows] = o[:, :, 0].reshape(len(decode), -1)
+
+
+def null_forward(
+    pool: torch.Tensor, block_size: int, vocab_size: int, token_ids: np.ndarray, positions: np.ndarray,
+    items: list[SeqBatchItem], sample_rows: list[int], seeds: np.ndarray,
+) -> list[int]:
+    """The 'null' model: no compute. It writes each token id as the "KV" of its position (so block
+    export/import carry real data) and samples a hash of (last id, position, the request's seed),
+    never EOS or another id below 3. ``seeds`` holds one u64 per sampled row."""
+    bs = block_size
+    # "KV" = the token ids, written at block_table[pos // bs] * bs + pos % bs of the flat view.
+    slots = np.empty(len(positions), dtype=np.int64)
+    for it in items:
+        table = it.block_table  # a plain list for the null model
+        if it.num_rows == 1:
+            p = it.start_pos
+            slots[it.row_start] = table[p // bs] * bs + p % bs
+        else:
+            pos = positions[it.row_start : it.row_start + it.num_rows]
+            slots[it.row_start : it.row_start + it.num_rows] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+    flat = pool.view(torch.int32).view(-1)
+    flat[torch.from_numpy(slots).to(pool.device)] = torch.from_numpy(token_ids.astype(np.int32)).to(pool.device)
+    if not sample_rows:
+        return []
+    idx = np.asarray(sample_rows, dtype=np.int64)
+    x = (token_ids[idx].astype(np.uint64) * np.uint64(0x9E3779B1) + positions[idx].astype(np.uint64) * np.uint64(0x85EBCA77)
+         + seeds * np.uint64(0xC2B2AE3D)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(12)
+    return (x % np.uint64(vocab_size - 3) + np.uint64(3)).tolist()

@@ -4,7 +4,7 @@ The scripted engine has no KV tensors; instead each block records the token ids 
 hold. That keeps the block contract of ``rank/engine.py`` exact (same ids, same counts, same
 kept-block lists as a real engine) and lets the engine check that a prefix handed over by the
 cache layer really holds the prompt's tokens, including after a round trip through the L1 host
-pool (``cache.l1_pool.HostPool``: a slot holds one block's int32 ids as ``block_size * 4`` bytes;
+pool (``rank.host_pool.HostPool``: a slot holds one block's int32 ids as ``block_size * 4`` bytes;
 ``export_blocks`` writes them, ``import_blocks`` reads them back, on any rank of the group).
 
 Ids and reference counts are the reference engine's ``rank.block_manager.BlockManager`` (same

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from protocol.sampling import sampling_error
+from rank.config import RankConfig
 from rank.engine import (
     CapacityExhausted,
     Engine,
@@ -131,8 +132,8 @@ class ScriptedEngine(Engine):
         self._filler_ids: list[int] = filler or [EOS_ID]
 
     @classmethod
-    def from_config(cls, config: Any, rank: int = 0, host_pool: Any = None) -> ScriptedEngine:
-        """Build from a ``WorkloadConfig`` (``engine='scripted'``, ``script_file``)."""
+    def from_config(cls, config: RankConfig, rank: int = 0, host_pool: Any = None) -> ScriptedEngine:
+        """Build from a ``RankConfig`` (``engine='scripted'``, ``script_file``)."""
         if not config.script_file:
             raise ValueError("engine 'scripted' needs script_file (the replies file)")
         script = load_script(config.script_file)
@@ -142,7 +143,7 @@ class ScriptedEngine(Engine):
         )
         return cls(
             script,
-            load_tokenizer(config.resolved_model_dir()),
+            load_tokenizer(Path(config.model_dir) if config.model_dir else None),
             block_size=config.block_size,
             num_blocks=config.reference_num_blocks,
             max_model_len=config.max_model_len,

@@ -42,8 +42,9 @@ import sys
 import threading
 import time
 import traceback
-from types import SimpleNamespace
 from typing import Any
+
+from rank.config import RankConfig
 
 MIN_PYTHON = (3, 10)
 TEST_DEEPINFER_MODULE_ENV = "DIB_DEEPINFER_MODULE"  # tests only: a stand-in for DeepInfer's Python API
@@ -100,26 +101,12 @@ def _heartbeat_loop(ctx: Any, out_addr: str, rank: int, status: _Status, stop: t
         sock.close(0)
 
 
-class _ValidatedConfig(SimpleNamespace):
-    """The supervisor's config as plain attributes, for a DeepInfer venv without pydantic (the
-    backend validated it; ``RankGroup`` writes ``model_dir`` already resolved)."""
-
-    def resolved_model_dir(self) -> Any:
-        from pathlib import Path
-
-        return Path(self.model_dir) if self.model_dir else None
-
-
-def _load_config(path: str) -> Any:
+def _load_config(path: str) -> RankConfig:
+    """The ``RankConfig`` the supervisor wrote (validated by the backend, resolved there)."""
     import orjson
 
     with open(path, "rb") as f:
-        raw = orjson.loads(f.read())
-    try:
-        from server.config import WorkloadConfig
-    except ImportError:  # the DeepInfer venv may lack pydantic; the backend validated it already
-        return _ValidatedConfig(**raw)
-    return WorkloadConfig.model_validate(raw)
+        return RankConfig.from_json(orjson.loads(f.read()))
 
 
 class RankLoop:
@@ -146,7 +133,7 @@ class RankLoop:
             torch.set_num_threads(args.threads)
         host_pool = None
         if args.host_pool_path and args.host_pool_bytes > 0:
-            from cache.l1_pool import HostPool
+            from rank.host_pool import HostPool
 
             host_pool = HostPool(args.host_pool_path, args.host_pool_bytes)
         status.phase, status.progress = "loading", f"building {config.engine} engine"
@@ -170,7 +157,7 @@ class RankLoop:
                 raise RuntimeError(f"engine's group has {dist.get_world_size()} ranks, the supervisor started {args.world_size}")
             self.control_group = dist.new_group(backend="gloo")  # collective: every rank, same point
         else:
-            use_nccl = str(getattr(config, "reference_device", "cpu")).startswith("cuda") and config.engine == "reference"
+            use_nccl = config.engine == "reference" and config.uses_gpu
             dist.init_process_group(
                 "nccl" if use_nccl else "gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}",
                 rank=self.rank, world_size=args.world_size,

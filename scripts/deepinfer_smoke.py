@@ -17,7 +17,7 @@ def main() -> int:
     import deepinfer
     from deepinfer._C import engine
 
-    from rank.deepinfer_adapter import patch_missing_reason
+    from rank.deepinfer_settings import patch_missing_reason
 
     print(f"deepinfer {deepinfer.__version__} from {deepinfer.__file__}; _C from {engine.__name__}")
     reason = patch_missing_reason(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,6 +30,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from rank.config import RankConfig
+
+if TYPE_CHECKING:  # cache/ imports orjson: not before setup() has put the DeepInfer venv on sys.path
+    from cache.config import CacheConfig
 
 API_KEY_ENV = "DEEPINFER_API_KEY"  # the API key when neither api_key nor api_key_file is set
 DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
@@ -218,6 +223,40 @@ class WorkloadConfig(BaseModel):
     def master_port(self) -> str | None:
         """MASTER_PORT as configured (``deepinfer_env`` wins over ``env``), None when unset."""
         return self.deepinfer_env.get("MASTER_PORT") or self.env.get("MASTER_PORT") or None
+
+    def rank_config(self) -> RankConfig:
+        """What the rank layer reads (``rank/config.py``), derived values resolved here. Never the
+        API key or the HTTP settings: ranks do not need them."""
+        model_dir = self.resolved_model_dir()
+        return RankConfig(
+            engine=self.engine, ep=self.ep, block_size=self.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            gpu_memory_utilization=self.gpu_memory_utilization, eplb=self.eplb,
+            extra_experts=self.extra_experts, prefill_attempt_interval=self.prefill_attempt_interval,
+            prefill_any_attempt_interval=self.prefill_any_attempt_interval, prefix_cache=self.prefix_cache,
+            l1_cache=self.l1_cache, l1_host_gb=self.l1_host_gb, load_timeout_seconds=self.load_timeout_seconds,
+            model_dir=str(model_dir) if model_dir is not None else None, deepinfer_venv=self.deepinfer_venv,
+            master_port=self.master_port, env=self.env, deepinfer_env=self.deepinfer_env,
+            reference_model=self.reference_model, reference_device=self.reference_device,
+            reference_num_blocks=self.reference_num_blocks, reference_weights=self.reference_weights,
+            reference_eos_every=self.reference_eos_every, script_file=self.script_file,
+        )
+
+    def cache_config(self, **overrides: Any) -> CacheConfig:
+        """The cache tiers' settings (``cache/config.py``): the seed guide's keys, a hash salt
+        naming the engine and model, and the share of the pool the engine lets the cache fill."""
+        from cache.config import DEEPINFER_KV_WATERMARK, CacheConfig
+
+        values: dict[str, Any] = {
+            "prefix_cache": self.prefix_cache,
+            "l1_cache": self.l1_cache,
+            "l1_host_gb": self.l1_host_gb,
+            "hash_salt": f"{self.engine}:{self.model_name}",
+            # DeepInfer's scheduler wants prefill only at KV usage <= 0.9, cached blocks included.
+            "usable_fraction": DEEPINFER_KV_WATERMARK if self.engine == "deepinfer" else 1.0,
+        }
+        values.update(overrides)
+        return CacheConfig(**values)
 
 
 def load_config(raw: dict[str, Any] | None) -> WorkloadConfig:

@@ -180,17 +180,16 @@ class Runtime:
             cfg = self.config
             # Tests size the pool with l1_host_gb directly (per rank, as in the seed guide).
             pool_bytes = int(cfg.l1_host_gb * (1 << 30)) * cfg.ep if cfg.l1_cache else 0
-            return LocalRankGroup.from_config(cfg, host_pool_bytes=pool_bytes, name=f"rt-{id(self):x}")
+            return LocalRankGroup.from_config(cfg.rank_config(), host_pool_bytes=pool_bytes, name=f"rt-{id(self):x}")
         from rank.group import RankGroup
 
-        return RankGroup(self.config)
+        return RankGroup(self.config.rank_config())
 
     def _build_cache(self) -> Any:
-        from cache.config import CacheConfig
         from cache.manager import CacheManager
         from cache.metrics import CacheMetrics
 
-        return CacheManager(self.group, CacheConfig.from_workload(self.config),
+        return CacheManager(self.group, self.config.cache_config(),
                             CacheMetrics(self.metrics.registry))
 
     async def _start_http(self) -> None:

@@ -29,7 +29,8 @@ from typing import Any
 import orjson
 import torch
 
-from cache.l1_pool import HostPool, host_pool_path
+from rank.host_budget import host_pool_path, unlink_host_pool
+from rank.host_pool import HostPool
 
 
 def _timed(fn: Any, device: torch.device) -> float:
@@ -48,7 +49,7 @@ def measure(bytes_per_block: int, sizes_blocks: list[int], repeats: int, device_
     spare = max(16, max_blocks // 4)
     pool_rows = max_blocks + spare + 1
     path = host_pool_path(f"mgpu-copy-{os.getpid()}")
-    HostPool.unlink(path)
+    unlink_host_pool(path)
     host = HostPool(path, max_blocks * bytes_per_block, pin=device.type == "cuda")
     host.open(bytes_per_block)
     rows: list[dict[str, Any]] = []
@@ -88,7 +89,7 @@ def measure(bytes_per_block: int, sizes_blocks: list[int], repeats: int, device_
                 "repeats": repeats, "sizes": rows}
     finally:
         host.close()
-        HostPool.unlink(path)
+        unlink_host_pool(path)
 
 
 def main(argv: list[str] | None = None) -> int:

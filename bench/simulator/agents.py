@@ -52,7 +52,7 @@ def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
 
     # DeepInfer stops prefilling above its KV-usage watermark and counts cached blocks as used,
     # so on DeepInfer our admission must keep (1 - watermark) of the pool out of its reach.
-    # (CacheConfig.usable_fraction: what CacheConfig.from_workload sets for engine 'deepinfer'.)
+    # (CacheConfig.usable_fraction: what WorkloadConfig.cache_config sets for engine 'deepinfer'.)
     cfg = CacheConfig(hash_salt="sim", usable_fraction=config.engine.kv_watermark)
     return CacheManager(group, cfg, clock=clock)
 

@@ -1,6 +1,6 @@
 """Host RAM (and the L1 budget it allows) and free disk.
 
-The L1 rule itself lives in ``cache/l1_budget.py`` (the cache applies it when it allocates the
+The L1 rule itself lives in ``rank/host_budget.py`` (the cache applies it when it allocates the
 shared host pool, after the ranks are up): ``pool = min(l1_host_gb x ranks, available - margin)``
 with ``margin = max(8 GiB, 10 % of total RAM)``. Preflight runs *before* the ranks start, so it
 predicts the RAM available at allocation time by taking off what the ranks will use on the
@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Protocol
 
-from cache.l1_budget import plan_l1_budget as cache_plan_l1_budget
+from rank.host_budget import plan_l1_budget as cache_plan_l1_budget
 from server.preflight_checks.context import GIB, MIB, env_flag_off, gib
 from server.preflight_checks.probe import MemoryInfo
 from server.preflight_checks.report import CheckResult, ok, warn

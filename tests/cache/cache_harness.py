@@ -45,7 +45,7 @@ async def make_group(
     cfg = workload(model, num_blocks, num_ranks)
     probe_bytes = kv_bytes_per_block(MODEL_SPECS[model], BLOCK_SIZE, torch.float32)
     group = LocalRankGroup.from_config(
-        cfg, num_ranks=num_ranks, host_pool_bytes=host_slots * probe_bytes,
+        cfg.rank_config(), num_ranks=num_ranks, host_pool_bytes=host_slots * probe_bytes,
         name=f"cachetest-{os.getpid()}-{next(_ids)}", step_s=step_s,
     )
     await group.start()

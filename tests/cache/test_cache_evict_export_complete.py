@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from cache.config import CacheConfig
 from cache.sessions import StopKind
 from rank.engine import usable_prefix_blocks
+from server.config import WorkloadConfig
 from tests.cache.cache_harness import (
     BLOCK_SIZE,
     make_group,
@@ -113,9 +112,10 @@ def test_lost_prefix_is_counted_when_l1_is_off() -> None:
 
 
 def test_usable_fraction_from_workload() -> None:
-    base = dict(prefix_cache=True, l1_cache=True, l1_host_gb=8.0, model_name="m")
-    assert CacheConfig.from_workload(SimpleNamespace(engine="deepinfer", **base)).usable_fraction == 0.9
-    assert CacheConfig.from_workload(SimpleNamespace(engine="reference", **base)).usable_fraction == 1.0
+    base = dict(l1_host_gb=8.0, model_name="m")
+    deepinfer = WorkloadConfig(engine="deepinfer", deepinfer_venv="/venv", **base)
+    assert deepinfer.cache_config().usable_fraction == 0.9
+    assert WorkloadConfig(engine="reference", **base).cache_config().usable_fraction == 1.0
 
 
 def test_cached_plus_reserved_blocks_stay_under_usable_fraction() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from cache.eviction import EvictionPolicy
 from cache.hashing import ChainHasher
-from cache.l1_budget import GIB, plan_l1_budget
+from rank.host_budget import GIB, plan_l1_budget
 from cache.sessions import SessionTable, StopKind
 
 
@@ -59,7 +59,7 @@ def test_l1_budget_lowered_and_logged_when_ram_is_short(caplog: object) -> None:
     def small_box() -> SimpleNamespace:
         return SimpleNamespace(total=64 * GIB, available=40 * GIB)
 
-    with caplog.at_level(logging.INFO, logger="cache.l1_budget"):  # type: ignore[attr-defined]
+    with caplog.at_level(logging.INFO, logger="rank.host_budget"):  # type: ignore[attr-defined]
         b = plan_l1_budget(l1_cache=True, l1_host_gb=128, num_ranks=4, bytes_per_block=114_048,
                            virtual_memory=small_box)
     assert b.requested_bytes == 512 * GIB

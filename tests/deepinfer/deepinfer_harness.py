@@ -10,14 +10,15 @@ import numpy as np
 import torch
 
 from rank import fake_deepinfer
-from rank.deepinfer_adapter import DeepInferEngine, DeepInferSettings
+from rank.deepinfer_adapter import DeepInferEngine
+from rank.deepinfer_settings import DeepInferSettings
 from rank.engine import EngineRequest, RequestOutput, SamplingParams
 
 BS = 128
 
 
 class HostPoolStub:
-    """The slice of ``cache.l1_pool.HostPool`` the engines use: ``[num_slots, bytes_per_block]``."""
+    """The slice of ``rank.host_pool.HostPool`` the engines use: ``[num_slots, bytes_per_block]``."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots

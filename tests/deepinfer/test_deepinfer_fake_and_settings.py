@@ -7,7 +7,7 @@ import pytest
 from deepinfer_harness import drive, make_engine, prompt, request
 
 from rank import fake_deepinfer as fake
-from rank.deepinfer_adapter import DeepInferSettings, patch_missing_reason
+from rank.deepinfer_settings import DeepInferSettings, patch_missing_reason
 
 
 def _engine_with_kept(n_prompt: int = 600):
@@ -107,7 +107,7 @@ def test_settings_from_workload_config_and_environment() -> None:
         "extra_experts": 8, "prefill_attempt_interval": 5, "prefill_any_attempt_interval": 9,
         "deepinfer_env": {"DEEPINFER_USE_NEXTN_DECODE": "0", "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": "11"},
     })
-    s = DeepInferSettings.from_workload(cfg, engine_rank=2)
+    s = DeepInferSettings.from_rank_config(cfg.rank_config(), engine_rank=2)
     env = s.environment(current={})
     assert env["CUDA_VISIBLE_DEVICES"] == "2,0,1,3"
     assert env["DEEPINFER_PREFILL_ATTEMPT_INTERVAL"] == "5"
@@ -121,7 +121,7 @@ def test_settings_from_workload_config_and_environment() -> None:
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.gpu_memory_utilization) == (64, 8192, 0.8)
     assert args.chunked_prefill and args.model == "/models/v41"
     with pytest.raises(ValueError):
-        DeepInferSettings.from_workload(cfg, engine_rank=4)
+        DeepInferSettings.from_rank_config(cfg.rank_config(), engine_rank=4)
 
 
 def test_fake_engine_zos_outputs_arrive_one_step_late() -> None:
@@ -155,7 +155,7 @@ def test_make_deepinfer_engine_sets_the_environment_before_importing(monkeypatch
     cfg = load_config({"engine": "deepinfer", "deepinfer_venv": "/venv", "model_dir": "/m", "ep": 2,
                        "max_model_len": 4096, "max_num_seqs": 8, "max_num_batched_tokens": 512,
                        "prefill_attempt_interval": 3})
-    engine = deepinfer_adapter.make_deepinfer_engine(cfg, 1)
+    engine = deepinfer_adapter.make_deepinfer_engine(cfg.rank_config(), 1)
     assert seen_at_import["CUDA_VISIBLE_DEVICES"] == "1,0"
     assert seen_at_import["DEEPINFER_PREFILL_ATTEMPT_INTERVAL"] == "3"
     assert engine.owns_lockstep and engine.prefix_cache_supported

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from deepinfer_harness import BS, cold_tokens, drive, make_engine, prompt, random_scenario, request
 
-from rank.deepinfer_adapter import patch_missing_reason
+from rank.deepinfer_settings import patch_missing_reason
 from rank.engine import EngineMisuse, FinishReason, usable_prefix_blocks
 
 pytestmark = pytest.mark.deepinfer_build

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.l1_pool import HostPool
+from rank.host_pool import HostPool
 from rank.engine import EngineMisuse, EngineRequest, FinishReason, RequestOutput, SamplingParams
 from rank.scripted_engine import (
     ASSISTANT_ID,

@@ -48,7 +48,7 @@ def test_short_ram_lowers_l1_and_says_by_how_much(tmp_path: Path) -> None:
 def test_prediction_equals_the_cache_rule_once_the_engine_runs(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from cache.l1_budget import plan_l1_budget as cache_rule
+    from rank.host_budget import plan_l1_budget as cache_rule
 
     for avail_gib, total_gib in [(100, 128), (480, 512), (1900, 2048), (10, 16)]:
         mine = l1_budget_bytes(seed(tmp_path), avail_gib * GIB, total_bytes=total_gib * GIB, engine_running=True)

@@ -72,7 +72,7 @@ def _exit_codes(group: RankGroup) -> list[int | None]:
 @pytest.mark.timeout(240)
 def test_patched_two_ranks_serve_prefixes_and_shut_down_cleanly() -> None:
     async def scenario() -> None:
-        group = RankGroup(_config(patched=True), python=sys.executable)
+        group = RankGroup(_config(patched=True).rank_config(), python=sys.executable)
         await group.start()
         try:
             assert group.state == GroupState.READY and len(group.pids()) == 2
@@ -124,7 +124,7 @@ def test_patched_two_ranks_serve_prefixes_and_shut_down_cleanly() -> None:
 @pytest.mark.timeout(240)
 def test_shutdown_under_load_drains_every_rank_and_fails_streams() -> None:
     async def scenario() -> None:
-        group = RankGroup(_config(patched=True), python=sys.executable)
+        group = RankGroup(_config(patched=True).rank_config(), python=sys.executable)
         await group.start()
         streams = [group.submit(i % 2, _request(f"long-{i}", _ids(200 + 50 * i, seed=i), 3000)) for i in range(4)]
         first = [await s.__anext__() for s in streams]  # every request is running
@@ -141,7 +141,7 @@ def test_shutdown_under_load_drains_every_rank_and_fails_streams() -> None:
 @pytest.mark.timeout(240)
 def test_unpatched_two_ranks_serve_with_the_prefix_cache_off() -> None:
     async def scenario() -> None:
-        group = RankGroup(_config(patched=False), python=sys.executable)
+        group = RankGroup(_config(patched=False).rank_config(), python=sys.executable)
         await group.start()
         try:
             health = group.health()
@@ -213,7 +213,7 @@ def test_sigkill_of_a_rank_fails_requests_and_the_group_restarts() -> None:
     import signal
 
     async def scenario() -> None:
-        group = RankGroup(_config(patched=True), python=sys.executable)
+        group = RankGroup(_config(patched=True).rank_config(), python=sys.executable)
         epochs: list[int] = []
         group.add_restart_listener(epochs.append)
         await group.start()

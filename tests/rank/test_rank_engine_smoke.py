@@ -15,7 +15,7 @@ from server.config import WorkloadConfig
 def test_local_group_serves_and_moves_blocks_between_ranks() -> None:
     async def scenario() -> None:
         cfg = WorkloadConfig(reference_model="null", ep=2, block_size=16, reference_num_blocks=64)
-        group = LocalRankGroup.from_config(cfg, host_pool_bytes=1 << 20)
+        group = LocalRankGroup.from_config(cfg.rank_config(), host_pool_bytes=1 << 20)
         await group.start()
         try:
             stream = group.submit(0, EngineRequest("x", np.arange(40, dtype=np.int32), SamplingParams(max_tokens=5)))

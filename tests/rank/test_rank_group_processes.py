@@ -19,6 +19,7 @@ from rank.client import GroupState
 from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, FinishReason, RequestOutput, SamplingParams
 from rank.errors import RankFailed, RankUnavailable
 from rank.group import RankGroup
+from rank.launch import rank_env
 from server.config import WorkloadConfig
 from rank_stream_helpers import collect
 
@@ -54,7 +55,7 @@ async def _wait_idle(group: RankGroup) -> None:
 @pytest.mark.timeout(240)
 def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> None:
     async def scenario() -> None:
-        group = RankGroup(_config())
+        group = RankGroup(_config().rank_config())
         epochs: list[int] = []
         group.add_restart_listener(epochs.append)
         await group.start()
@@ -129,7 +130,7 @@ def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> Non
 @pytest.mark.timeout(180)
 def test_sigstop_stall_is_detected_by_heartbeats() -> None:
     async def scenario() -> None:
-        group = RankGroup(_config(ep=2, reference_model="null"))
+        group = RankGroup(_config(ep=2, reference_model="null").rank_config())
         await group.start()
         stopped = None
         try:
@@ -160,9 +161,9 @@ def test_sigstop_stall_is_detected_by_heartbeats() -> None:
 def test_rank_env_is_minimal_and_rotates_gpus() -> None:
     cfg = _config(reference_device="cuda", env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
                   deepinfer_env={"DEEPINFER_USE_MULTIMODAL_POOL": "0"})
-    group = RankGroup(cfg, base_env={"PATH": "/usr/bin", "OPENAI_API_KEY": "sk-x", "IK_TOKEN": "t",
-                                     "TRITON_CACHE_DIR": "/cache/triton", "NCCL_DEBUG": "WARN"})
-    env = group.rank_env(2, 29500)
+    base_env = {"PATH": "/usr/bin", "OPENAI_API_KEY": "sk-x", "IK_TOKEN": "t", "TRITON_CACHE_DIR": "/cache/triton",
+                "NCCL_DEBUG": "WARN"}
+    env = rank_env(cfg.rank_config(), 4, 2, 29500, base_env)
     assert env["CUDA_VISIBLE_DEVICES"] == "6,4,5,7"
     assert env["MASTER_PORT"] == "29500" and env["TRITON_CACHE_DIR"] == "/cache/triton"
     assert env["DEEPINFER_USE_MULTIMODAL_POOL"] == "0" and env["NCCL_DEBUG"] == "WARN"
@@ -172,7 +173,7 @@ def test_rank_env_is_minimal_and_rotates_gpus() -> None:
 
 def test_missing_interpreter_fails_clearly() -> None:
     async def scenario() -> None:
-        group = RankGroup(_config(), python="/nonexistent/bin/python")
+        group = RankGroup(_config().rank_config(), python="/nonexistent/bin/python")
         with pytest.raises(RankFailed, match="does not exist"):
             await group.start()
         assert group.state == GroupState.FAILED

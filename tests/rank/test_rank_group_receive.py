@@ -15,7 +15,8 @@ import zmq
 from rank import wire
 from rank.client import RequestStream
 from rank.engine import EngineMisuse, EngineStats, FinishReason, RequestOutput
-from rank.group import _DRAIN_BATCH, FATAL_GRACE_S, RankGroup, _Rank, _Req
+from rank.group import FATAL_GRACE_S, RankGroup
+from rank.link import DRAIN_BATCH, RankLink, Tracked
 from server.config import WorkloadConfig
 
 STATS = EngineStats(10, 9, 0, 0, 0, 0, 0, 0, 0)
@@ -24,12 +25,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _group() -> RankGroup:
-    return RankGroup(WorkloadConfig(reference_model="null", ep=1, l1_cache=False), num_ranks=1, name="t-recv")
+    return RankGroup(WorkloadConfig(reference_model="null", ep=1, l1_cache=False).rank_config(), num_ranks=1, name="t-recv")
 
 
-def _track(r: _Rank, handle: int, rid: str, num_prompt: int = 5) -> RequestStream:
+def _track(r: RankLink, handle: int, rid: str, num_prompt: int = 5) -> RequestStream:
     stream = RequestStream(rid, r.rank, 1, num_prompt_tokens=num_prompt, num_cached_tokens=0)
-    r.requests[handle] = _Req(stream, rid, stream.push_tokens)
+    r.requests[handle] = Tracked(stream, rid, stream.push_tokens)
     return stream
 
 
@@ -61,7 +62,7 @@ def test_dispatch_hands_each_request_its_ids() -> None:
 
     async def main() -> None:
         group = _group()
-        r = _Rank(0, None, None)  # type: ignore[arg-type]
+        r = RankLink(0, None, None)  # type: ignore[arg-type]
         streams = {h: _track(r, h, f"r{h}") for h in range(5)}
         outs = [
             RequestOutput("r0", [], False), RequestOutput("r1", [11, 12, 13], False),
@@ -105,12 +106,12 @@ def test_receive_drains_floods_and_wakes_after_idle() -> None:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(f"ipc://{tmp}/out")
-        r = _Rank(0, None, pull, last_seen=0.0)  # type: ignore[arg-type]
+        r = RankLink(0, None, pull, last_seen=0.0)  # type: ignore[arg-type]
         stream = _track(r, 3, "r3")
         handles = {"r3": 3}
         task = asyncio.create_task(group._receive(r))
         try:
-            num_steps = 3 * _DRAIN_BATCH + 5
+            num_steps = 3 * DRAIN_BATCH + 5
             for i in range(num_steps):  # queued before the task first runs
                 push.send_multipart(wire.encode_step([RequestOutput("r3", [i], False)], handles, STATS))
             push.send_multipart([orjson.dumps({"t": "hb", "busy_s": 0.5, "phase": "ready", "progress": ""})])
@@ -151,7 +152,7 @@ def test_a_fatal_report_names_a_peer_exit_seen_within_the_grace() -> None:
         group = _group()
         loop = asyncio.get_running_loop()
         group._failure = loop.create_future()
-        r0, r1 = _Rank(0, None, None), _Rank(1, None, None)  # type: ignore[arg-type]
+        r0, r1 = RankLink(0, None, None), RankLink(1, None, None)  # type: ignore[arg-type]
         group._on_message(r0, [orjson.dumps({"t": "fatal", "msg": "rank 0: connection reset by peer"})])
         assert not group._failure.done()
         group._fail_epoch("rank 1 (pid 1) was killed by SIGKILL")

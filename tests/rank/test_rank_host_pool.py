@@ -7,12 +7,13 @@ import os
 import pytest
 import torch
 
-from cache.l1_pool import HostPool, host_pool_path, plan_host_pool_bytes
+from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
+from rank.host_pool import HostPool
 
 
 def test_two_mappings_share_bytes_and_unlink_removes_the_file() -> None:
     path = host_pool_path(f"test-{os.getpid()}")
-    HostPool.unlink(path)
+    unlink_host_pool(path)
     a, b = HostPool(path, 10_000, pin=False), HostPool(path, 10_000, pin=False)
     try:
         a.open(1024)
@@ -30,7 +31,7 @@ def test_two_mappings_share_bytes_and_unlink_removes_the_file() -> None:
     finally:
         a.close()
         b.close()
-        HostPool.unlink(path)
+        unlink_host_pool(path)
     assert not os.path.exists(path)
 
 

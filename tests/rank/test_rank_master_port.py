@@ -16,7 +16,8 @@ import pytest
 
 from rank.client import GroupState
 from rank.engine import EngineRequest, SamplingParams
-from rank.group import RankGroup, rank_python
+from rank.group import RankGroup
+from rank.launch import rank_python
 from server.config import WorkloadConfig
 from rank_stream_helpers import collect
 
@@ -44,9 +45,9 @@ def _master_ports(group: RankGroup) -> set[str]:
 
 
 def test_rank_python_is_the_deepinfer_venvs_whatever_the_engine() -> None:
-    assert rank_python(_config(deepinfer_venv="/workspace/di-venv")) == "/workspace/di-venv/bin/python"
-    assert rank_python(_config()) == sys.executable
-    assert RankGroup(_config(deepinfer_venv="/workspace/di-venv")).python == "/workspace/di-venv/bin/python"
+    assert rank_python(_config(deepinfer_venv="/workspace/di-venv").rank_config()) == "/workspace/di-venv/bin/python"
+    assert rank_python(_config().rank_config()) == sys.executable
+    assert RankGroup(_config(deepinfer_venv="/workspace/di-venv").rank_config()).python == "/workspace/di-venv/bin/python"
 
 
 @pytest.mark.timeout(240)
@@ -54,7 +55,7 @@ def test_configured_master_port_is_used_in_every_epoch() -> None:
     port = _free_port()
 
     async def scenario() -> None:
-        group = RankGroup(_config(deepinfer_env={"MASTER_PORT": str(port)}), python=sys.executable,
+        group = RankGroup(_config(deepinfer_env={"MASTER_PORT": str(port)}).rank_config(), python=sys.executable,
                           restart_backoff_s=0.2)
         await group.start()
         try:
@@ -82,7 +83,7 @@ def test_env_master_port_counts_and_unset_picks_a_free_one() -> None:
     assert _config().master_port is None
 
     async def scenario() -> None:
-        group = RankGroup(_config(ep=1), python=sys.executable)
+        group = RankGroup(_config(ep=1).rank_config(), python=sys.executable)
         await group.start()
         try:
             (picked,) = _master_ports(group)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cache.l1_pool import HostPool
+from rank.host_pool import HostPool
 from rank.engine import (
     CapacityExhausted,
     EngineMisuse,

@@ -63,7 +63,7 @@ class _Harness:
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.loop = asyncio.new_event_loop()
-        self.group = RankGroup(_config(kind))
+        self.group = RankGroup(_config(kind).rank_config())
         self.loop.run_until_complete(self.group.start())
         self.epoch = self.group.epoch
         self.seen: Counter[str] = Counter()

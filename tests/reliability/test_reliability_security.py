@@ -155,7 +155,7 @@ def test_rank_processes_get_only_what_they_need(monkeypatch: pytest.MonkeyPatch)
                           "max_model_len": 1024})
 
     async def run() -> tuple[list[dict[str, str]], list[str], list[str]]:
-        group = RankGroup(config)
+        group = RankGroup(config.rank_config())
         await group.start()
         try:
             envs, cmdlines, files = [], [], []

@@ -29,7 +29,7 @@ def test_blocked_backend_loop_is_not_a_rank_stall() -> None:
                           "reference_num_blocks": 64, "l1_cache": False, "max_model_len": 1024})
 
     async def run() -> tuple[int, int, str, str | None]:
-        group = RankGroup(config, heartbeat_timeout_s=3.0)
+        group = RankGroup(config.rank_config(), heartbeat_timeout_s=3.0)
         await group.start()
         try:
             epoch = group.epoch

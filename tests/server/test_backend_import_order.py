@@ -105,7 +105,7 @@ def test_rank_processes_need_only_the_deepinfer_venv(tmp_path: Path, engine: str
                                 "DIB_FAKE_DEEPINFER": json.dumps({"num_gpu_blocks": 64, "vocab_size": 1000})})
 
     async def scenario() -> tuple[list[int], FinishReason | None]:
-        group = RankGroup(config, python=str(python))
+        group = RankGroup(config.rank_config(), python=str(python))
         try:
             await group.start()
             ids = np.arange(3, 203, dtype=np.int32)

@@ -14,49 +14,26 @@ every process, an imported block is in place before any later step reads it, and
 be reused as soon as the call returns.
 
 Lifecycle: the supervisor picks the path (``host_pool_path``) and the byte budget
-(``plan_host_pool_bytes``), passes both to every rank, and unlinks the file when the group stops
-or restarts (a new epoch starts empty). Each rank constructs ``HostPool(path, budget_bytes)`` and
-the engine calls ``open(bytes_per_block)`` once it knows its row size; every rank computes the
-same ``num_slots = budget_bytes // bytes_per_block``, so ranks can create/size the file
-concurrently without a handshake (O_CREAT + ftruncate to the same size are idempotent).
+(``plan_host_pool_bytes``; both in ``rank/host_budget.py``, which imports no torch), passes both
+to every rank, and unlinks the file when the group stops or restarts (``unlink_host_pool``: a new
+epoch starts empty). Each rank constructs ``HostPool(path, budget_bytes)`` and the engine calls
+``open(bytes_per_block)`` once it knows its row size; every rank computes the same ``num_slots =
+budget_bytes // bytes_per_block``, so ranks can create/size the file concurrently without a
+handshake (O_CREAT + ftruncate to the same size are idempotent).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Sequence
 
 import torch
 
+from rank.host_budget import GIB
+
 log = logging.getLogger(__name__)
 
-GIB = 1 << 30
-SHM_DIR = "/dev/shm"
-
-
-def host_pool_path(group_name: str, shm_dir: str = SHM_DIR) -> str:
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group_name)
-    return os.path.join(shm_dir, f"dib-l1-{safe}")
-
-
-def plan_host_pool_bytes(l1_host_gb: float, num_ranks: int, shm_dir: str = SHM_DIR) -> tuple[int, str]:
-    """The shared pool's size: ``l1_host_gb`` per rank, lowered to what the machine can spare.
-
-    Returns (bytes, reason). The RAM rule is the cache's own (``cache.l1_budget.plan_l1_budget``:
-    available RAM minus a safety margin), so the pool the ranks map, the L1 index and the
-    preflight report agree. On top of it the pool must fit in 90% of ``shm_dir``'s free space:
-    the pool is a tmpfs file, and writing past the filesystem kills the writer with SIGBUS.
-    """
-    from cache.l1_budget import plan_l1_budget
-
-    budget = plan_l1_budget(l1_cache=True, l1_host_gb=l1_host_gb, num_ranks=num_ranks, bytes_per_block=1)
-    stat = os.statvfs(shm_dir)
-    shm_free = int(stat.f_bavail * stat.f_frsize * 0.9)
-    pool_bytes = min(budget.pool_bytes, shm_free)
-    reason = f"L1 host pool {pool_bytes / GIB:.2f} GiB ({budget.reason}; {shm_dir} allows {shm_free / GIB:.2f} GiB)"
-    return pool_bytes, reason
 
 
 class HostPool:
@@ -156,10 +133,3 @@ class HostPool:
             torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
             self._registered_ptr = None
         self.tensor = None  # the storage unmaps when the last reference goes
-
-    @staticmethod
-    def unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

@@ -1,4 +1,7 @@
-"""How big the shared L1 host pool may be: the configured size, lowered to what RAM can spare.
+"""How big the shared L1 host pool may be, and where it lives (no torch: the backend process
+and the preflight import this; the ranks map the pool with ``rank/host_pool.py``).
+
+The size is the configured one, lowered to what RAM can spare.
 
 ``l1_host_gb`` is per rank (the seed guide's meaning); the pool is shared by all ranks, so the
 request is ``l1_host_gb * num_ranks``. The machine must keep room for everything else: the
@@ -14,6 +17,8 @@ The result is logged once with the reason, e.g. ``L1 host pool: 96.0 GiB (reques
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +28,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+SHM_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +89,31 @@ def plan_l1_budget(
         budget.reason,
     )
     return budget
+
+
+def host_pool_path(group_name: str, shm_dir: str = SHM_DIR) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", group_name)
+    return os.path.join(shm_dir, f"dib-l1-{safe}")
+
+
+def plan_host_pool_bytes(l1_host_gb: float, num_ranks: int, shm_dir: str = SHM_DIR) -> tuple[int, str]:
+    """The shared pool's size: ``l1_host_gb`` per rank, lowered to what the machine can spare.
+
+    Returns (bytes, reason). The RAM rule is ``plan_l1_budget``'s (available RAM minus a safety
+    margin), so the pool the ranks map, the L1 index and the preflight report agree. On top of it the pool must fit in 90% of ``shm_dir``'s free space:
+    the pool is a tmpfs file, and writing past the filesystem kills the writer with SIGBUS.
+    """
+    budget = plan_l1_budget(l1_cache=True, l1_host_gb=l1_host_gb, num_ranks=num_ranks, bytes_per_block=1)
+    stat = os.statvfs(shm_dir)
+    shm_free = int(stat.f_bavail * stat.f_frsize * 0.9)
+    pool_bytes = min(budget.pool_bytes, shm_free)
+    reason = f"L1 host pool {pool_bytes / GIB:.2f} GiB ({budget.reason}; {shm_dir} allows {shm_free / GIB:.2f} GiB)"
+    return pool_bytes, reason
+
+
+def unlink_host_pool(path: str) -> None:
+    """Remove the pool file (the group stops or restarts; a missing file is fine)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,113 @@
+"""How a rank process is started: its interpreter, its environment and its rendezvous port.
+
+``RankGroup`` (``rank/group.py``) starts one ``python -m rank.worker`` per rank with these. A rank
+gets only what it needs: no API keys, tokens or the backend's other settings, and only the
+backend's code on ``PYTHONPATH`` (``tests/server/test_backend_import_order.py`` checks what a rank
+may import).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from rank.config import RankConfig
+
+BACKEND_ROOT = str(Path(__file__).resolve().parents[1])
+ENV_PASSTHROUGH = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_HOME")
+KERNEL_CACHE_VARS = ("DG_JIT_CACHE_DIR", "EP_JIT_CACHE_DIR", "TILELANG_CACHE_DIR", "TRITON_CACHE_DIR")
+ENV_PREFIXES = ("NCCL_", "DEEPINFER_")  # engine knobs an operator may set; never credentials
+# TEST ONLY knobs of the rank worker (DIB_DEEPINFER_MODULE, DIB_FAKE_DEEPINFER: rank/worker.py), passed
+# on when the backend's own environment sets them (the worker stand-in does; a rank logs a warning).
+TEST_ENV_PREFIX = "DIB_"
+DEEPINFER_PORT_OFFSET = 50  # DeepInfer's rendezvous: tcp://MASTER_ADDR:(MASTER_PORT-50+engine_group_rank)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_python(config: RankConfig) -> str:
+    """The ranks' interpreter: the DeepInfer venv's whenever one is configured (whatever the engine:
+    on the worker the backend's own venv has no torch or pyzmq), else this process's."""
+    return os.path.join(config.deepinfer_venv, "bin", "python") if config.deepinfer_venv else sys.executable
+
+
+def master_port_for(config: RankConfig) -> int:
+    """MASTER_PORT for a new epoch: the configured one (``deepinfer_env``, then ``env``), else a
+    free one. DeepInfer rendezvouses at MASTER_PORT-50 (+engine_group_rank, 0 here), so for it the
+    port that must be free is the one 50 below."""
+    if config.master_port:
+        return int(config.master_port)
+    if config.engine != "deepinfer":
+        return free_port()
+    for _ in range(100):
+        port = free_port() + DEEPINFER_PORT_OFFSET
+        if port <= 65535:
+            return port
+    raise RuntimeError("no free TCP port for DeepInfer's rendezvous")
+
+
+def threads_per_rank(config: RankConfig, num_ranks: int) -> int:
+    """CPU threads per rank for the reference engine on the CPU (0: leave torch's default)."""
+    if config.engine == "reference" and not config.uses_gpu:
+        return max(1, (os.cpu_count() or 1) // num_ranks)
+    return 0
+
+
+def rank_env(config: RankConfig, num_ranks: int, rank: int, master_port: int,
+             base: Mapping[str, str]) -> dict[str, str]:
+    """Only what a rank needs: no API keys, tokens or the backend's other settings.
+
+    Layers, later wins: a few of the backend's variables (``base``: ``ENV_PASSTHROUGH``, ``NCCL_*``,
+    ``DEEPINFER_*``, ``KERNEL_CACHE_VARS``), the workload's ``env``, its ``deepinfer_env``, then
+    what the group manages (PYTHONPATH, MASTER_*, CUDA_VISIBLE_DEVICES order). PYTHONPATH is
+    the backend's code only: a rank imports nothing but our code, the standard library and
+    the interpreter's own packages (torch, numpy, orjson, pyzmq: the DeepInfer venv's, see
+    ``rank_python``), never the backend venv's.
+    """
+    env = {k: base[k] for k in ENV_PASSTHROUGH if k in base}
+    env.update({k: v for k, v in base.items() if k.startswith((*ENV_PREFIXES, TEST_ENV_PREFIX))})
+    for key in KERNEL_CACHE_VARS:
+        value = config.env.get(key) or base.get(key)
+        if value:
+            env[key] = value
+    env.update(config.env)
+    env.update(config.deepinfer_env)
+    env["PYTHONPATH"] = BACKEND_ROOT
+    env["PYTHONUNBUFFERED"] = "1"
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_PORT"] = str(master_port)
+    if config.uses_gpu:
+        listed = config.env.get("CUDA_VISIBLE_DEVICES") or base.get("CUDA_VISIBLE_DEVICES") or ""
+        gpus = [g.strip() for g in listed.split(",") if g.strip()] or [str(i) for i in range(num_ranks)]
+        own = gpus[rank % len(gpus)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join([own] + [g for g in gpus if g != own])
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        threads = threads_per_rank(config, num_ranks)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def worker_argv(python: str, config: RankConfig, rank: int, num_ranks: int, *, config_path: str, cmd_addr: str,
+                out_addr: str, master_port: int, host_pool_path: str, host_pool_bytes: int,
+                parent_pid: int) -> list[str]:
+    """The command line of rank process ``rank`` (``python -m rank.worker``, see its ``parse_args``);
+    the rank exits as soon as ``parent_pid`` (the supervisor) is no longer its parent."""
+    args = [
+        python, "-m", "rank.worker", "--rank", str(rank), "--world-size", str(num_ranks),
+        "--config", config_path, "--cmd-addr", cmd_addr, "--out-addr", out_addr,
+        "--master-port", str(master_port), "--threads", str(threads_per_rank(config, num_ranks)),
+        "--host-pool-path", host_pool_path, "--host-pool-bytes", str(host_pool_bytes),
+        "--parent-pid", str(parent_pid),
+    ]
+    if config.engine == "deepinfer":
+        args += ["--min-python", "3.12"]
+    return args

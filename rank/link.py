@@ -1,0 +1,152 @@
+"""One rank process as the backend sees it (``RankLink``), and the receive path from it.
+
+``RankGroup`` (``rank/group.py``) keeps one ``RankLink`` per rank of the current epoch: its two
+sockets (all closed at teardown), its process, what it last reported, and the requests in flight
+on it (``Tracked``, by the handle the backend gave the request).
+
+Receive path (the backend's hottest loop: one message per rank per engine step, one output per
+running request in it). The task sleeps until the socket's file descriptor is readable (one
+``loop.add_reader`` wakeup), then takes every queued message with non-blocking ``recv`` calls
+until ``zmq.Again``: no future, no await and no poller bookkeeping per message (an awaited
+``zmq.asyncio`` ``recv_multipart`` per message cost 4-5x as much). After ``DRAIN_BATCH``
+messages in a row it yields to the event loop once, so streams and the watchdog run even while
+a rank floods it. The fd is zmq's notification fd (readable when the socket's state may have
+changed, not per message), hence the ``zmq.EVENTS`` check before sleeping again. Dispatch: the
+finished outputs of a step are taken out first (their requests popped), then one loop over the
+step's handles and ids hands each running request its ids (``RequestStream.push_tokens``: no
+object per request per step while the consumer is behind); a decode step, one id per request,
+takes a loop without offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from rank.client import RequestStream
+from rank.engine import FinishReason, RequestOutput
+
+DRAIN_BATCH = 32  # messages taken per wakeup before yielding to the event loop once
+
+
+@dataclass(slots=True)
+class Tracked:
+    """A request in flight on a rank."""
+
+    stream: RequestStream
+    request_id: str
+    push_tokens: Callable[[list[int]], None]  # stream.push_tokens, bound once
+
+
+@dataclass(slots=True, eq=False)
+class RankLink:
+    """One rank process of the current epoch and its sockets (all closed at teardown)."""
+
+    rank: int
+    cmd: zmq.Socket
+    out: zmq.Socket  # PULL, read without blocking by ``receive`` (readiness via loop.add_reader)
+    proc: asyncio.subprocess.Process | None = None
+    last_seen: float = 0.0
+    phase: str = "starting"
+    progress: str = ""
+    busy_s: float = 0.0
+    ready: dict[str, Any] | None = None
+    stats: list[int] | None = None
+    requests: dict[int, Tracked] = field(default_factory=dict)
+    next_handle: int = 0
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    exit_code: int | None = None
+    fatal: str | None = None  # the rank's own fatal report, if it sent one
+
+    @classmethod
+    def bind(cls, ctx: zmq.Context, rank: int, cmd_addr: str, out_addr: str, now: float) -> RankLink:
+        """The backend's ends of a new rank's sockets: PUSH commands, PULL outputs (no HWM: the
+        backend never blocks on a rank, and the rank's outputs are bounded by its requests)."""
+        cmd = ctx.socket(zmq.PUSH)
+        cmd.setsockopt(zmq.SNDHWM, 0)
+        cmd.setsockopt(zmq.LINGER, 0)
+        cmd.bind(cmd_addr)
+        out = ctx.socket(zmq.PULL)
+        out.setsockopt(zmq.RCVHWM, 0)
+        out.setsockopt(zmq.LINGER, 0)
+        out.bind(out_addr)
+        return cls(rank, cmd, out, last_seen=now)
+
+    async def receive(self, on_message: Callable[[RankLink, list[bytes]], None]) -> None:
+        """Wake on readiness, then drain every queued message (module docstring)."""
+        loop = asyncio.get_running_loop()
+        sock = self.out
+        fd = sock.getsockopt(zmq.FD)
+        ready = asyncio.Event()
+        loop.add_reader(fd, ready.set)
+        recv = sock.recv_multipart
+        try:
+            while True:
+                ready.clear()
+                num_taken = 0
+                while num_taken < DRAIN_BATCH:
+                    try:
+                        frames = recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    num_taken += 1
+                    on_message(self, frames)
+                if num_taken:
+                    self.last_seen = time.monotonic()
+                    if num_taken == DRAIN_BATCH:
+                        await asyncio.sleep(0)  # let the streams run; then take the rest
+                        continue
+                # The fd is edge-like (zmq resets it when it processes its commands, which recv
+                # and this check do): sleep only when zmq itself says nothing is queued.
+                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    continue
+                await ready.wait()
+        finally:
+            loop.remove_reader(fd)
+
+    def dispatch(self, header: dict[str, Any], frames: list[bytes]) -> None:
+        """Hand a step message's ids to the requests' streams (module docstring)."""
+        handles = np.frombuffer(frames[1], dtype="<i4")
+        counts = np.frombuffer(frames[2], dtype="<i4")
+        tokens = np.frombuffer(frames[3], dtype="<i4").tolist()
+        one_each = len(tokens) == len(handles) and bool((counts == 1).all())  # a decode step
+        ends = None if one_each else np.cumsum(counts).tolist()
+        requests = self.requests
+        finished = []
+        for entry in header["fin"]:  # out of requests first: the loop below skips them
+            req = requests.pop(int(handles[entry[0]]), None)
+            if req is not None:
+                finished.append((req, entry))
+        get = requests.get
+        if ends is None:
+            for handle, token in zip(handles.tolist(), tokens):
+                req = get(handle)
+                if req is not None:
+                    req.push_tokens([token])
+        else:
+            start = 0
+            for handle, end in zip(handles.tolist(), ends):
+                req = get(handle)
+                if req is not None:
+                    req.push_tokens(tokens[start:end])
+                start = end
+        for req, (i, reason, n_prompt, n_cached, kept, error) in finished:
+            ids = tokens[i : i + 1] if ends is None else tokens[(ends[i - 1] if i else 0) : ends[i]]
+            req.stream.push(RequestOutput(req.request_id, ids, True, FinishReason(reason), n_prompt, n_cached, kept, error))
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

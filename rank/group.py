@@ -8,8 +8,8 @@ one step/collective for ``step_timeout_s``, or a rank reporting a fatal error, f
 lockstep ranks cannot continue without every peer. Every in-flight request of the group ends
 with ``RankFailed`` naming the cause, every pending command fails the same way, the remaining
 ranks are killed, ``epoch`` goes up by one, restart listeners hear the new epoch (caches drop
-everything of the dead one), and a fresh group is started. After ``max_start_failures``
-consecutive failed starts the group gives up (``FAILED``).
+the dead one's GPU block ids; the L1 host pool file is kept), and a fresh group is started.
+After ``max_start_failures`` consecutive failed starts the group gives up (``FAILED``).
 
 Client: one PUSH socket per rank for commands (sent without blocking from the event loop) and one
 PULL socket per rank read by one task per rank. A step message carries all of that rank's
@@ -139,6 +139,7 @@ class RankGroup:
             self.last_failure = f"rank interpreter {self.python} does not exist or is not executable"
             raise RankFailed(self.last_failure)
         self._closing = False
+        unlink_host_pool(self.host_pool_path)  # a stale file of the same name: L1 starts empty
         self._tmpdir = tempfile.mkdtemp(prefix="dib-ranks-")
         self._sync_ctx = zmq.Context()
         self.epoch = 1
@@ -257,7 +258,6 @@ class RankGroup:
         return await failure, True
 
     async def _launch(self) -> None:
-        unlink_host_pool(self.host_pool_path)  # a new epoch starts with an empty L1
         assert self._tmpdir is not None and self._sync_ctx is not None
         config_path = os.path.join(self._tmpdir, f"config-{self.epoch}.json")
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -320,7 +320,8 @@ class RankGroup:
         for r in self._ranks:
             r.cmd.close(0)
             r.out.close(0)
-        unlink_host_pool(self.host_pool_path)
+        if self._closing:  # a restart keeps it: the next epoch's ranks re-map it, never zeroed
+            unlink_host_pool(self.host_pool_path)
 
     # ------------------------------------------------------------------ monitors
 

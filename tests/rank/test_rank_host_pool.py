@@ -39,3 +39,53 @@ def test_budget_is_lowered_to_what_the_machine_allows() -> None:
     budget, reason = plan_host_pool_bytes(1e6, 4)  # an absurd ask
     assert 0 < budget < int(1e6 * (1 << 30))
     assert "L1 host pool" in reason
+
+
+@pytest.mark.timeout(240)
+def test_pool_bytes_survive_a_rank_sigkill() -> None:
+    """Issue 19 item 1: the pool file outlives a rank-group restart. Blocks exported before a
+    rank is SIGKILLed are byte-identical after it, in the backend's own mapping of the file, and
+    the next epoch's ranks import them (re-exported elsewhere, they still match)."""
+    import asyncio
+    import signal
+
+    import numpy as np
+
+    from rank.engine import EngineRequest, SamplingParams
+    from rank.group import RankGroup
+    from rank_stream_helpers import collect
+    from server.config import WorkloadConfig
+
+    config = WorkloadConfig(reference_model="null", ep=2, block_size=16, reference_num_blocks=64,
+                            max_num_batched_tokens=256, l1_host_gb=0.001).rank_config()
+
+    async def scenario() -> None:
+        group = RankGroup(config)
+        await group.start()
+        path = group.host_pool_path
+        try:
+            prompt = np.random.default_rng(7).integers(3, 129_280, 100).astype(np.int32)
+            _, last = await collect(group.submit(0, EngineRequest("a", prompt, SamplingParams(2, ignore_eos=True))))
+            kept = list(last.kept_blocks)
+            n, bpb = len(kept), group.bytes_per_block
+            await group.export_blocks(0, kept, 3)
+            pool = np.memmap(path, dtype=np.uint8, mode="r", shape=(group.num_host_slots, bpb))
+            before = np.array(pool[3 : 3 + n])
+            assert before.any(), "the export wrote nothing: the test would prove nothing"
+            os.kill(group.pids()[1], signal.SIGKILL)
+            for _ in range(600):
+                if group.epoch == 2:
+                    break
+                await asyncio.sleep(0.05)
+            await group.wait_ready(120)
+            assert group.epoch == 2 and os.path.exists(path)
+            assert np.array_equal(pool[3 : 3 + n], before)
+            ids = await group.import_blocks(1, 3, n)
+            await group.export_blocks(1, ids, 3 + n)
+            assert np.array_equal(pool[3 + n : 3 + 2 * n], before)
+            await group.release(1, ids)
+        finally:
+            await group.close()
+        assert not os.path.exists(path)
+
+    asyncio.run(scenario())

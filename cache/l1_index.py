@@ -26,7 +26,8 @@ Invariants (``check``):
   copy in flight never lands in slots that were handed to another session.
 * Slots in use = sum of the capacities of live and unlinked-but-read entries and of pending new
   extents; ``check`` compares this with the allocator.
-* ``generation`` moves on ``clear`` (a rank restart): plans and reads from before it are void.
+* ``generation`` moves on ``clear`` and ``keep_across_restart`` (a rank restart): plans and
+  reads from before it are void; the latter keeps every entry's readable chain.
 """
 
 from __future__ import annotations
@@ -263,6 +264,32 @@ class L1Index:
         self._unlinked.clear()
         self._cancelled.clear()
         self.alloc = ExtentAllocator(self.alloc.num_slots)
+
+    def keep_across_restart(self) -> int:
+        """A rank-group restart: the pool's bytes survive (the group keeps its file; see
+        ``rank/group.py``), every copy in flight died with the ranks. Keep each entry's readable
+        chain, as a new entry object of a new generation, so the old epoch's ``end_read``,
+        ``commit`` and ``abort`` calls are no-ops; free the slots of writes in flight (an
+        in-place append was cut back to its readable prefix when it was planned, so nothing
+        half-written is readable) and of dropped entries still held. Returns the entries kept."""
+        old = [e for e in self.entries.values() if e.hashes]
+        self.clear()
+        kept = [L1Entry(e.session_id, e.start_slot, e.capacity_blocks, list(e.hashes), e.last_used_s,
+                        self.generation) for e in old]
+        if kept:
+            self.alloc.allocate(self.alloc.num_slots)  # all taken; then give back the gaps
+            end = 0
+            for entry in sorted(kept, key=lambda e: e.start_slot):
+                if entry.start_slot > end:
+                    self.alloc.free(end, entry.start_slot - end)
+                end = entry.start_slot + entry.capacity_blocks
+            if end < self.alloc.num_slots:
+                self.alloc.free(end, self.alloc.num_slots - end)
+        for entry in kept:
+            self.entries[entry.session_id] = entry
+            for h in entry.hashes:
+                self._by_hash.setdefault(h, {})[entry.session_id] = entry
+        return len(kept)
 
     def resize(self, num_slots: int) -> None:
         """Adopt a pool size (the pool is allocated in the background; 0 until it exists)."""

@@ -12,7 +12,10 @@ Failure is never the client's problem: disk full, a vanished directory, an unrea
 or truncated file all end in "not cached" (``save`` stores nothing, ``load`` returns the prefix
 it verified) plus a log line and a counter; the turn recomputes what is missing.
 
-Threading: the public methods run on one event loop; the index is touched only there. A call
+Threading: the public methods run on one event loop; the index is touched only there. With
+``io_threads=0`` every file operation runs inline on the loop's thread (``InlineExecutor``):
+the tests on virtual time use it, as that loop cannot wait for real threads and an outcome
+must not depend on how long a read took. A call
 that is cancelled still waits for its chunks in flight (they hold its file descriptor and write
 into its host slots) before it lets the cancellation through, so the caller may reuse the slots
 as soon as the call has returned or raised.
@@ -26,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -65,6 +68,18 @@ class L2Counters:
     skipped_saves: int = 0  # no room under the bound (or L2 off)
 
 
+class InlineExecutor(Executor):
+    """Runs each call when it is submitted, on the caller's thread (see the module docstring)."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            future.set_exception(exc)
+        return future
+
+
 def statvfs_free_bytes(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
@@ -96,7 +111,8 @@ class L2Store:
         self.min_free_bytes = min_free_bytes
         self._clock = clock
         self._free_bytes = free_bytes
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="l2-io")
+        self._pool: Executor = (ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="l2-io")
+                                if io_threads > 0 else InlineExecutor())
         self._seq = 0
         self._last_warning: dict[str, float] = {}
 

@@ -635,6 +635,9 @@ class FakeOptions:
     zos: bool = True
     prefill_attempt_interval: int = 1
     dp_group: Any = None  # a torch.distributed group; needed by the real Scheduler
+    # No model compute: token ids come from a hash of (step, row) without reading or writing the
+    # KV pool, for benchmarks of everything around the forward (bench/decode_bench.py).
+    null_forward: bool = False
 
 
 class FakeLLMEngine:
@@ -783,6 +786,8 @@ class FakeLLMEngine:
 
     # -- the toy model: KV = token ids in the pool rows, next token = hash of what is read back
     def _forward(self, metas: list[Any], so: Any) -> torch.Tensor:
+        if self.options.null_forward:
+            return self._null_forward(len(metas))
         out = torch.zeros(len(metas), dtype=torch.int32)
         for i, (meta, seq) in enumerate(zip(metas, so.scheduled_seqs)):
             if meta.is_prompt:
@@ -799,6 +804,15 @@ class FakeLLMEngine:
             dev.append(token)
             out[i] = token
         return out
+
+    def _null_forward(self, n: int) -> torch.Tensor:
+        """Ids in ``3..vocab-1`` (never EOS) from a hash of (step, row): no per-sequence work."""
+        x = (np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B1)
+             + np.uint64(self.num_steps * 0x85EBCA77 & 0xFFFFFFFF)) & np.uint64(0xFFFFFFFF)
+        x ^= x >> np.uint64(15)
+        x = (x * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
+        x ^= x >> np.uint64(12)
+        return torch.from_numpy((x % np.uint64(self.options.vocab_size - 3) + np.uint64(3)).astype(np.int32))
 
     def _write_kv(self, seq: Any, dev: list[int], start: int, end: int) -> None:
         if not self.has_block_table:

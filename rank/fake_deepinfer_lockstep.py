@@ -32,6 +32,9 @@ Each collective carries (kind, sequence number) and checks that every rank is in
 ranks out of lockstep fail loudly here ("lockstep broken") instead of silently pairing a vote
 with a step, which gloo would allow for same-shaped tensors.
 
+With ``null_forward`` (benchmarks: ``bench/decode_bench.py``) there is no forward, hence no
+per-step collective: the ranks stay in lockstep through the vote alone.
+
 Not modelled with the stand-in core: the ALL/ANY prefill votes (each rank decides prefill
 locally, every ``DEEPINFER_PREFILL_ATTEMPT_INTERVAL`` decode steps); with either core: timing
 and GPU memory.
@@ -98,7 +101,8 @@ class _GroupMember:
 
     def step(self) -> np.ndarray:
         self._num_group_steps += 1
-        self._collective(_STEP, self._num_group_steps, 0)  # the forward's EP dispatch/combine
+        if not self.options.null_forward:  # the null forward has no model, so no EP collectives
+            self._collective(_STEP, self._num_group_steps, 0)  # the forward's EP dispatch/combine
         return super().step()  # type: ignore[misc]
 
     def close(self) -> None:

@@ -44,6 +44,7 @@ import time
 import traceback
 from typing import Any
 
+from rank import step_profile
 from rank.config import RankConfig
 
 MIN_PYTHON = (3, 10)
@@ -176,6 +177,8 @@ class RankLoop:
         from rank import wire
 
         self.wire = wire
+        self.profile = step_profile.from_environment(self.rank)  # benchmarks only (DIB_RANK_PROFILE)
+        self.profile.wrap_engine_step(self.engine)
 
     def send(self, frames: list[bytes]) -> None:
         self.out.send_multipart(frames)
@@ -231,18 +234,31 @@ class RankLoop:
 
     def _run_engine_lockstep(self) -> None:
         """DeepInfer's loop (module docstring): the engine's vote, its step, our idle-time shutdown vote."""
-        engine = self.engine
+        engine, prof = self.engine, self.profile
         flag = self.torch.zeros(1, dtype=self.torch.int32)
         busy = False
         while True:
-            self._drain(0.0 if busy or engine.has_work() else IDLE_POLL_S)
+            idle = not (busy or engine.has_work())
+            if idle:
+                self._drain(IDLE_POLL_S)
+            prof.begin()  # (an idle wait is not part of a step)
+            if not idle:
+                self._drain(0.0)
+            prof.lap(step_profile.DRAIN)
             self.status.step_started = time.monotonic()
             busy = engine.lockstep_has_work()  # the collective: every rank, every iteration
+            prof.lap(step_profile.VOTE)
             outputs = engine.step()
+            prof.lap(step_profile.ADAPTER)
             if busy:
                 self.status.num_steps += 1
             if outputs and not self.shutdown:  # after shutdown the backend fails its streams itself
-                self.send(self.wire.encode_step(outputs, self.handles, engine.stats()))
+                stats = engine.stats()
+                prof.lap(step_profile.STATS)
+                frames = self.wire.encode_step(outputs, self.handles, stats)
+                prof.lap(step_profile.ENCODE)
+                self.send(frames)
+                prof.lap(step_profile.SEND)
                 self.stats_sent_at = time.monotonic()
             if not engine.group_had_work:  # idle on every rank alike: all of them join this one
                 flag[0] = int(self.shutdown)
@@ -251,6 +267,7 @@ class RankLoop:
                     return
             self.status.step_started = 0.0
             self._maybe_send_stats()
+            prof.end(engine.group_had_work, outputs)
 
     def _drain(self, timeout_s: float) -> None:
         zmq = self.zmq
@@ -306,6 +323,7 @@ class RankLoop:
         self.send(self.wire.pack(reply))
 
     def close(self) -> None:
+        self.profile.write()
         self.engine.close()
         if self.host_pool is not None:
             self.host_pool.close()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import signal
@@ -155,7 +156,7 @@ def rank_profile(profile_dir: Path, seqs: int) -> dict[str, object]:
     table = np.concatenate(rows)
     steady = table[table[:, -2] == seqs]
     n = len(phases)
-    out: dict[str, object] = {"steps": int(len(table)), "steady_steps": int(len(steady)), "ranks": len(rows)}
+    out: dict[str, object] = {"steps": len(table), "steady_steps": len(steady), "ranks": len(rows)}
     if len(steady):
         out["wall_us"] = {p: float(steady[:, 2 * i].mean() / 1e3) for i, p in enumerate(phases)}
         out["cpu_us"] = {p: float(steady[:, 2 * i + 1].mean() / 1e3) for i, p in enumerate(phases)}
@@ -303,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             span_s, own_s, ranks_s = sampler.between(begin_s, end_s)
             rate = figures["steady_tokens_per_s"]
             window = "steady window"
-            if span_s <= 0 or not rate == rate:  # no steady window (or no rate in it): the whole run
+            if span_s <= 0 or math.isnan(rate):  # no steady window (or no rate in it): the whole run
                 span_s, own_s, ranks_s = sampler.between(start_s, max(s.done_s for s in ok))
                 rate, window = figures["output_tokens"] / max(span_s, 1e-9), "whole run"
             tokens = rate * span_s

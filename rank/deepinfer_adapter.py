@@ -150,7 +150,7 @@ class DeepInferEngine(Engine):
 
     Invariants (``check_accounting``): every block with a cache ref is in ``_cache_refs`` with
     the number of pins the adapter holds on it; every sequence DeepInfer may still hold blocks
-    for is in ``_live_seqs``; free blocks = ``num_blocks - 1`` - |cache blocks U live tables|, and
+    for is in ``_live_seqs()`` (an active request's, or one in ``_releasing``); free blocks = ``num_blocks - 1`` - |cache blocks U live tables|, and
     free state slots = slots - 1 - |live sequences holding a slot|. A request is in ``_active``
     from ``add`` until the step that returns its terminal output, never after.
     """
@@ -195,7 +195,7 @@ class DeepInferEngine(Engine):
         self._aborting: list[str] = []
         self._owed: list[RequestOutput] = []  # terminal outputs the adapter emits next step
         self._stash: list[RequestOutput] = []  # outputs of placeholder_step(), returned next step
-        self._live_seqs: list[Any] = []
+        self._releasing: list[Any] = []  # sequences of ended requests that DeepInfer may still hold
         self._cache_refs: dict[int, int] = {}
         self._vote: bool | None = None
         self.group_had_work = False  # the last collective vote (the same on every rank)
@@ -229,7 +229,6 @@ class DeepInferEngine(Engine):
                 self._num_prompt_tokens_total -= int(prompt.size)
                 raise EngineMisuse(f"request {request.request_id!r}: DeepInfer refused the prefix: {exc}") from None
             self._num_cached_tokens_total += request.num_cached_tokens
-        self._live_seqs.append(seq)
 
     def _validate(self, request: EngineRequest) -> np.ndarray:
         rid = request.request_id
@@ -331,28 +330,49 @@ class DeepInferEngine(Engine):
                 prev.finished, prev.finish_reason, prev.error = True, out.finish_reason, out.error
                 prev.token_ids = []
         self._owed = []
-        self._live_seqs = [s for s in self._live_seqs if not self._seq_released(s)]
+        if self._releasing:  # only ended requests' sequences can have been freed since
+            self._releasing = [s for s in self._releasing if not self._seq_released(s)]
         return list(step.by_id.values())
 
     def _read_outputs(self, ptrs: np.ndarray, step: _StepOutputs) -> None:
+        """The hot path (one output per running sequence per step): three native reads per output.
+
+        DeepInfer's ``build_request_outputs`` gives an output with ``finished`` false only for a
+        token of a running request, and then its ``finish_reason`` is "" (an MTP step's earlier
+        tokens included); ignored outputs (aborted, too long, preempted) are all ``finished``. So
+        the reason is read only for finished outputs (``_read_terminal``).
+        """
         ro = self.api.RequestOutput
+        get_rid, get_token, get_finished = ro.get_request_id, ro.get_token_id, ro.get_finished
+        active, by_id = self._active, step.by_id
         aborting = set(self._aborting)
         for ptr in ptrs.tolist():
-            rid = ro.get_request_id(ptr)
-            req = self._active.get(rid)
-            if req is None or rid in aborting:
+            rid = get_rid(ptr)
+            req = active.get(rid)
+            if req is None or (aborting and rid in aborting):
                 continue  # late or "ignored" output of a request already ended (or being aborted)
-            reason = ro.get_finish_reason(ptr)
-            if reason not in _TOKEN_REASONS:  # ignored: too long, preempted, ...; its token is bogus
-                self._owe_terminal(req, FinishReason.ERROR, f"DeepInfer ended the request: {reason}")
+            if get_finished(ptr):
+                self._read_terminal(ro, ptr, req, step)
                 continue
-            out = step.get(req)
-            out.token_ids.append(int(ro.get_token_id(ptr)))
+            out = by_id.get(rid)
+            if out is None:
+                by_id[rid] = RequestOutput(rid, [get_token(ptr)], False, None, req.num_prompt_tokens,
+                                           req.num_cached_tokens)
+            else:  # several tokens of one request in a step (MTP)
+                out.token_ids.append(get_token(ptr))
             req.num_output_tokens += 1
-            if ro.get_finished(ptr):
-                out.finished, out.finish_reason = True, _TOKEN_REASONS[reason] or FinishReason.STOP
-                out.kept_blocks = self._harvest(req)
-                self._end(req)
+
+    def _read_terminal(self, ro: Any, ptr: int, req: _Req, step: _StepOutputs) -> None:
+        reason = ro.get_finish_reason(ptr)
+        if reason not in _TOKEN_REASONS:  # ignored: too long, preempted, ...; its token is bogus
+            self._owe_terminal(req, FinishReason.ERROR, f"DeepInfer ended the request: {reason}")
+            return
+        out = step.get(req)
+        out.token_ids.append(int(ro.get_token_id(ptr)))
+        req.num_output_tokens += 1
+        out.finished, out.finish_reason = True, _TOKEN_REASONS[reason] or FinishReason.STOP
+        out.kept_blocks = self._harvest(req)
+        self._end(req)
 
     def _harvest(self, req: _Req) -> list[int]:
         """Pin a finished sequence's full blocks before DeepInfer frees the sequence."""
@@ -376,6 +396,12 @@ class DeepInferEngine(Engine):
 
     def _end(self, req: _Req) -> None:
         del self._active[req.request_id]
+        if req.seq is not None:
+            self._releasing.append(req.seq)
+
+    def _live_seqs(self) -> list[Any]:
+        """Every sequence DeepInfer may still hold blocks or a state slot for."""
+        return [r.seq for r in self._active.values() if r.seq is not None] + self._releasing
 
     def _seq_released(self, seq: Any) -> bool:
         if int(seq.status) < self._finished_status:
@@ -457,7 +483,7 @@ class DeepInferEngine(Engine):
     def _live_blocks(self) -> set[int]:
         held: set[int] = set()
         if self.patch_present:
-            for seq in self._live_seqs:
+            for seq in self._live_seqs():
                 held.update(int(b) for b in seq.block_table)
         return held
 
@@ -469,7 +495,7 @@ class DeepInferEngine(Engine):
             assert 0 not in held, "block 0 handed out"
             assert free == self.num_blocks - 1 - len(held), (free, self.num_blocks, sorted(held))
             if self._sm is not None:
-                slots = [int(s.state_id) for s in self._live_seqs if s.block_table and int(s.state_id) > 0]
+                slots = [int(s.state_id) for s in self._live_seqs() if s.block_table and int(s.state_id) > 0]
                 assert len(slots) == len(set(slots)), f"state slot shared: {slots}"
                 sm_free = int(self._sm.get_num_free_blocks())
                 assert sm_free == self._num_states - 1 - len(slots), (sm_free, self._num_states, slots)

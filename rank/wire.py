@@ -19,6 +19,7 @@ Other rank messages: ``hb`` (heartbeat, with load progress), ``ready`` (geometry
 from __future__ import annotations
 
 from array import array
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -73,18 +74,19 @@ def stats_from_list(values: list[int]) -> EngineStats:
 
 
 def encode_step(outputs: list[RequestOutput], handles: dict[str, int], stats: EngineStats) -> list[bytes]:
-    """Encode a step's outputs; drops handles of finished requests from ``handles``."""
-    hs, counts, tokens = array("i"), array("i"), array("i")
-    fin = []
-    for i, out in enumerate(outputs):
-        if out.finished:
-            handle = handles.pop(out.request_id, -1)
-            fin.append([i, out.finish_reason.value if out.finish_reason else None, out.num_prompt_tokens,
-                        out.num_cached_tokens, out.kept_blocks, out.error])
-        else:
-            handle = handles.get(out.request_id, -1)
-        hs.append(handle)
-        counts.append(len(out.token_ids))
-        tokens.extend(out.token_ids)
+    """Encode a step's outputs; drops handles of finished requests from ``handles``.
+
+    Called every step with one output per running sequence: whole-list comprehensions, no
+    per-output appends.
+    """
+    get = handles.get
+    hs = array("i", [get(out.request_id, -1) for out in outputs])
+    ids = [out.token_ids for out in outputs]
+    counts = array("i", map(len, ids))
+    tokens = array("i", chain.from_iterable(ids))
+    fin = [[i, out.finish_reason.value if out.finish_reason else None, out.num_prompt_tokens,
+            out.num_cached_tokens, out.kept_blocks, out.error] for i, out in enumerate(outputs) if out.finished]
+    for entry in fin:
+        handles.pop(outputs[entry[0]].request_id, None)
     header = {"t": "step", "stats": stats_list(stats), "fin": fin}
     return pack(header, hs.tobytes(), counts.tobytes(), tokens.tobytes())

@@ -106,7 +106,7 @@ async def run(num_sessions: int, num_ranks: int, rounds: int, prompt_tokens: int
     loads_s = (time.process_time() - t0) / num_calls
     t0 = time.process_time()
     for _ in range(num_calls // 20):
-        mgr._idle.check(time.monotonic())  # the old walk over every session (+ one loads-like query)
+        mgr.idle_load.check(time.monotonic())  # the old walk over every session (+ one loads-like query)
     walk_s = (time.process_time() - t0) / (num_calls // 20)
     print(f"loads(): {loads_s * 1e6:.1f} us CPU; the walk over all {len(mgr.sessions)} sessions it replaced: "
           f"{walk_s * 1e6:.1f} us CPU")

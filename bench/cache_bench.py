@@ -38,6 +38,7 @@ from cache.l0_index import L0Index
 from cache.manager import CacheManager
 from cache.metrics import CacheMetrics
 from cache.sessions import SessionId, SessionTable, StopKind
+from cache.turns import Tier
 from rank.engine import SamplingParams
 
 BLOCK_SIZE = 128
@@ -139,27 +140,19 @@ async def _session(
     await asyncio.sleep(0.002 * sid)  # staggered arrivals
     for turn in range(turns):
         max_tokens = _lognormal(rng, 220, 900, 3600)
-        adm = await mgr.admit(prompt, f"agent-{sid}", max_tokens)
-        out_ids: list[int] = []
-        last = None
-        stream = group.submit(  # type: ignore[attr-defined]
-            adm.rank,
-            adm.engine_request(f"s{sid}t{turn}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
-        )
-        try:
-            async for out in stream:
-                out_ids.extend(out.token_ids)
-                last = out
-        except BaseException:
-            mgr.abort(adm)
-            raise
-        assert last is not None
-        stop = StopKind.TOOL_USE if rng.random() < 0.94 else StopKind.END_TURN
-        mgr.finish(adm, prompt, out_ids, last, stop)
+        async with mgr.turn(prompt, f"agent-{sid}", max_tokens) as t:
+            request = t.engine_request(f"s{sid}t{turn}", SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            async for out in group.submit(t.rank, request):  # type: ignore[attr-defined]
+                t.feed(out)
+            assert t.last_output is not None
+            stop = StopKind.TOOL_USE if rng.random() < 0.94 else StopKind.END_TURN
+            t.stop_kind = stop
+        adm = t.admission
+        out_ids = t.output_ids
         stats.turns += 1
         stats.prompt_tokens += len(prompt)
         stats.cached_tokens += adm.num_cached_tokens
-        stats.l1_tokens += adm.cached_tokens_by_tier["l1"]
+        stats.l1_tokens += adm.cached_tokens_by_tier[Tier.L1]
         stats.queue_s.append(adm.queue_time_s)
         if turn > 0:
             stats.steady_prompt += len(prompt)

@@ -215,7 +215,7 @@ class Recorder:
             self.admissions.append({
                 "t": time.monotonic(), "hint": session_hint if (session_hint or "").startswith(PROBE_PREFIX) else None,
                 "rank": adm.rank, "epoch": adm.epoch, "prompt": adm.num_prompt_tokens,
-                "l0": adm.cached_tokens_by_tier.get("l0", 0), "l1": adm.cached_tokens_by_tier.get("l1", 0),
+                "l0": adm.cached_tokens_by_tier.l0, "l1": adm.cached_tokens_by_tier.l1,
                 "queue_s": adm.queue_time_s, "restore_s": adm.restore_s,
             })
             return adm

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -294,6 +296,7 @@ async def service_only(num_streams: int, num_steps: int) -> float:
     push one single-token output per step into); the protocol is the real one. Every step is
     consumed before the next, so each token is its own delivery: the worst case for batching.
     """
+    from cache.turns import TierTokens, Turn
     from protocol.api import Protocol
     from protocol.ledger import OutputLedger
     from protocol.tokenize import PromptTokenizer
@@ -305,15 +308,20 @@ async def service_only(num_streams: int, num_steps: int) -> float:
 
     class _Admission:
         rank, prefix_blocks, num_cached_tokens, queue_time_s = 0, (), 0, 0.0
-        cached_tokens_by_tier = {"l0": 0, "l1": 0}
+        cached_tokens_by_tier = TierTokens()
         max_output_tokens = 8192
 
         def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: object) -> str:
             return request_id
 
     class _Cache:
-        async def admit(self, *_: object, **__: object) -> _Admission:
-            return _Admission()
+        @contextlib.asynccontextmanager
+        async def turn(self, prompt_ids: np.ndarray, *_: object, **__: object) -> AsyncIterator[Turn]:
+            turn = Turn(self, _Admission(), prompt_ids)  # type: ignore[arg-type]
+            try:
+                yield turn
+            finally:
+                turn.exit(True)
 
         def make_room(self, *_: object) -> None:
             pass

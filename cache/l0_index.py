@@ -41,6 +41,16 @@ class Node:
     num_children: int = 0  # children filed in the index
     use_count: int = 0  # admitted requests (and exports) using it; > 0 pins it
 
+    def chain(self) -> list[Node]:
+        """The nodes of this block's chain, block 0 first, ending with this one."""
+        out: list[Node] = []
+        walk: Node | None = self
+        while walk is not None:
+            out.append(walk)
+            walk = walk.parent
+        out.reverse()
+        return out
+
 
 class RankIndex:
     """The blocks one rank holds for the cache (see the module docstring for invariants)."""

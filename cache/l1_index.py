@@ -120,6 +120,16 @@ class L1Index:
     def is_writing(self, session_id: SessionId) -> bool:
         return session_id in self._pending
 
+    @property
+    def num_pending_writes(self) -> int:
+        """Writes planned and neither committed nor aborted yet."""
+        return len(self._pending)
+
+    def holds_block(self, session_id: SessionId, depth: int, block_hash: BlockHash) -> bool:
+        """True when the session's entry holds ``block_hash`` (readable) at ``depth`` of its chain."""
+        entry = self.entries.get(session_id)
+        return entry is not None and depth < len(entry.hashes) and entry.hashes[depth] == block_hash
+
     def holds_chain(self, session_id: SessionId, hashes: Sequence[BlockHash]) -> bool:
         """True when the session's entry holds ``hashes`` (readable) as a prefix of its chain."""
         entry = self.entries.get(session_id)

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 from protocol.errors import ContextLimitExceeded
 
 if TYPE_CHECKING:
-    from cache.manager import Admission, CacheManager
+    from cache.l1_transfers import L1Transfers
+    from cache.state import CacheState
+    from cache.turns import Admission
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +55,13 @@ def output_limit(num_prompt_tokens: int, max_tokens: int, room_tokens: int, is_d
 
 class OutputRoom:
     """Grows running turns' reservations on their rank (see the module docstring). Part of the
-    ``CacheManager`` (it plans on the manager's ledgers and index); one event loop."""
+    ``CacheManager``: it plans on the shared ledgers and index (``cache/state.py``); one event loop."""
 
-    def __init__(self, manager: CacheManager) -> None:
-        self._mgr = manager
-        self.lead_tokens = manager.config.output_lead_tokens
-        self.grow_tokens = manager.config.output_grow_tokens
+    def __init__(self, state: CacheState, transfers: L1Transfers) -> None:
+        self._s = state
+        self._transfers = transfers
+        self.lead_tokens = state.config.output_lead_tokens
+        self.grow_tokens = state.config.output_grow_tokens
         self.num_grows = 0
         self.num_grown_blocks = 0
         self.num_evicted_blocks = 0
@@ -66,24 +69,24 @@ class OutputRoom:
 
     def needs_room(self, adm: Admission, num_output_tokens: int) -> bool:
         """Cheap: is the turn within ``lead_tokens`` of the end of its reservation?"""
-        room_tokens = adm.room_blocks * self._mgr.block_size
+        room_tokens = adm.room_blocks * self._s.block_size
         return (adm.num_prompt_tokens + num_output_tokens + self.lead_tokens > room_tokens
                 and room_tokens < adm.num_prompt_tokens + adm.max_output_tokens)
 
     def grow(self, adm: Admission, num_output_tokens: int) -> None:
         """Extend ``adm``'s reservation ahead of its decode, evicting idle blocks if needed."""
-        mgr = self._mgr
-        if adm.is_closed or adm.epoch != mgr.epoch or not self.needs_room(adm, num_output_tokens):
+        s = self._s
+        if adm.is_closed or adm.epoch != s.epoch or not self.needs_room(adm, num_output_tokens):
             return
-        bs = mgr.block_size
+        bs = s.block_size
         end_tokens = adm.num_prompt_tokens + adm.max_output_tokens
         target_tokens = min(end_tokens, adm.num_prompt_tokens + num_output_tokens + self.lead_tokens + self.grow_tokens)
         want = -(-target_tokens // bs) - adm.room_blocks
         if want <= 0:
             return
         rank = adm.rank
-        ledger = mgr._ledgers[rank]  # package-internal: this class is part of the manager
-        free = mgr._plannable_free_blocks(rank)
+        ledger = s.ledgers[rank]
+        free = s.plannable_free_blocks(rank)
         if want > free:
             got = self._evict(rank, want - max(0, free))
             self.num_evicted_blocks += got
@@ -98,7 +101,7 @@ class OutputRoom:
             adm.context_tokens += grown_tokens
         self.num_grows += 1
         self.num_grown_blocks += want
-        m = mgr.metrics
+        m = s.metrics
         if m is not None:
             m.output_room_grown_blocks.inc(want)
         if short:
@@ -107,23 +110,21 @@ class OutputRoom:
                 m.output_room_short_blocks.inc(short)
             log.warning("rank %d: a reply's KV room grew by %d blocks, %d of them over the pool (running "
                         "sequences hold it; new turns wait)", rank, want, short)
-        mgr._update_gauges()
+        s.on_change()
 
     def _evict(self, rank: int, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` unused blocks on ``rank``: sessions not about to return
         first, then any. Each evicted chain goes to L1 where L1 lacks it, then is released (in the
-        background, ``_retire``). They count as releasing until the release lands, for every
+        background, ``L1Transfers.retire``). They count as releasing until the release lands, for every
         planner but the reply that asked, as an admission's evictions do. Returns how many."""
-        mgr = self._mgr
-        now = mgr._clock()
-        idx = mgr.l0[rank]
-        got = idx.evict(num_blocks, mgr.policy.scorer(rank, now), mgr.policy.chooser(rank, now, False))
+        s = self._s
+        now = s.clock()
+        idx = s.l0[rank]
+        got = idx.evict(num_blocks, s.policy.scorer(rank, now), s.policy.chooser(rank, now, False))
         if len(got) < num_blocks:
-            got += idx.evict(num_blocks - len(got), mgr.policy.scorer(rank, now), mgr.policy.chooser(rank, now, True))
+            got += idx.evict(num_blocks - len(got), s.policy.scorer(rank, now), s.policy.chooser(rank, now, True))
         if got:
-            mgr._ledgers[rank].num_releasing += len(got)
-            exports = mgr._hold_for_export(rank, got)
-            mgr._spawn(mgr._retire(rank, got, mgr.epoch, exports=exports))
+            self._transfers.retire_later(rank, got, self._transfers.evicted(rank, got))
         return len(got)
 
     def stats(self) -> dict[str, Any]:

@@ -1,14 +1,15 @@
 """``ChatService``: one chat request end to end, from a prepared prompt to SSE bytes.
 
-    prepared request -> CacheManager.admit -> RankClient.submit(EngineRequest with prefix blocks)
+    prepared request -> CacheManager.turn -> RankClient.submit(EngineRequest with prefix blocks)
       -> RequestOutputs -> ResponseStream.feed -> write(SSE bytes) -> finish (cache + ledger)
 
 Invariants (what the tests check):
 
-* Every successful ``admit`` is settled exactly once: ``cache.finish`` when the engine finished
-  the request normally (its kept blocks are indexed for the next turn), ``cache.abort`` on every
-  other path (stop sequence, engine error, rank failure, timeout, client disconnect). The
-  ``finally`` in ``_generate`` is the single place that guarantees it.
+* Every admitted turn is settled exactly once: ``turn.finish`` when the engine finished the
+  request normally (its kept blocks are indexed for the next turn), an abort on every other path
+  (stop sequence, engine error, rank failure, timeout, client disconnect). ``async with
+  cache.turn(...)`` guarantees it; the ``finally`` in ``_generate`` hands a turn whose engine
+  stream is still running to a background drain (``_close_turn``) instead.
 * An engine request that is still running when we stop listening (stop sequence, disconnect,
   timeout, error) is aborted in the engine.
 * Before the first byte is written, errors propagate as ``ProtocolError`` (the app answers with
@@ -28,9 +29,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
-
 from cache.sessions import StopKind
+from cache.turns import Turn
 from protocol.errors import (
     InternalError,
     Overloaded,
@@ -56,9 +56,18 @@ _NORMAL_FINISH = (FinishReason.STOP, FinishReason.LENGTH)
 class _Flight:
     """Per-request bookkeeping shared by the generate loop and its error paths."""
 
-    __slots__ = ("request_id", "api", "arrival_s", "started", "first_token_s", "last_write_s",
-                 "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "finish_reason",
-                 "output_ids", "last_output")
+    __slots__ = (
+        "api",
+        "arrival_s",
+        "finish_reason",
+        "first_token_s",
+        "last_write_s",
+        "num_cached_tokens",
+        "num_output_tokens",
+        "num_prompt_tokens",
+        "request_id",
+        "started",
+    )
 
     def __init__(self, request_id: str, api: str, arrival_s: float) -> None:
         self.request_id = request_id
@@ -71,8 +80,6 @@ class _Flight:
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.finish_reason = "error"
-        self.output_ids: list[int] = []  # generated so far (the cache hashes kept blocks from them)
-        self.last_output: RequestOutput | None = None  # latest engine output taken from the stream
 
 
 class ChatService:
@@ -145,10 +152,12 @@ class ChatService:
         if client.state is not GroupState.READY:
             raise Overloaded(f"rank group is {client.state.value}; retry shortly",
                              retry_after_s=RESTART_RETRY_AFTER_S)
-        prompt_ids: np.ndarray = prepared.prompt_ids
-        admission = await self._cache.admit(prompt_ids, prepared.session_key, prepared.max_tokens,
-                                            max_tokens_is_default=prepared.max_tokens_is_default)
-        settled = False
+        async with self._cache.turn(prepared.prompt_ids, prepared.session_key, prepared.max_tokens,
+                                    max_tokens_is_default=prepared.max_tokens_is_default) as turn:
+            await self._run_turn(turn, prepared, rs, flight, write)
+
+    async def _run_turn(self, turn: Turn, prepared: Any, rs: Any, flight: _Flight, write: Write | None) -> None:
+        admission = turn.admission
         engine_stream: RequestStream | None = None
         symptoms = self._symptoms
         if symptoms is not None:
@@ -159,9 +168,9 @@ class ChatService:
             # max_output_tokens: max_tokens, or the KV room left when max_tokens was a default
             sampling = SamplingParams(max_tokens=admission.max_output_tokens, temperature=prepared.temperature,
                                       top_p=prepared.top_p, top_k=prepared.top_k, seed=prepared.seed)
-            request = admission.engine_request(flight.request_id, prompt_ids, sampling)
+            request = turn.engine_request(flight.request_id, sampling)
             try:
-                engine_stream = client.submit(admission.rank, request)
+                engine_stream = self._client.submit(turn.rank, request)
             except RankUnavailable as exc:
                 log.info("request %s: rank group unavailable: %s", flight.request_id, exc)
                 raise Overloaded("the engine is restarting; retry shortly",
@@ -169,79 +178,67 @@ class ChatService:
             if write is not None:
                 flight.started = True  # from here on, errors go out as the stream's error event
                 await write(rs.start(admission.num_cached_tokens))
-            output_ids, last = await self._pump(engine_stream, rs, flight, write, admission)
+            last = await self._pump(engine_stream, rs, flight, write, turn)
             stop_hit = rs.stop_hit
             if stop_hit:
                 reason = "stop"
             elif last is not None and last.finish_reason in _NORMAL_FINISH:
                 reason = last.finish_reason.value
             else:
-                settled = True
-                self._cache.abort(admission)
+                turn.abort()
                 raise _engine_failure(last, flight.request_id)
-            # finish() first: it records the ledger entry and decides the API's stop reason.
+            # rs.finish() first: it records the ledger entry and decides the API's stop reason.
             tail = rs.finish(reason, prepared.num_prompt_tokens, admission.num_cached_tokens,
-                             len(output_ids))
-            settled = True  # before the call: a raising finish/abort must not settle twice
+                             len(turn.output_ids))
             if stop_hit:
-                self._close_admission(admission, prompt_ids, flight, engine_stream)
+                self._close_turn(turn, engine_stream)
             else:
-                self._cache.finish(admission, prompt_ids, np.asarray(output_ids, dtype=np.int32), last,
-                                   _stop_kind(rs))
+                turn.finish(_stop_kind(rs))
             flight.finish_reason = "stop_sequence" if stop_hit else reason
             if write is not None and tail:
                 await write(tail)
         finally:
-            if not settled:
-                self._close_admission(admission, prompt_ids, flight, engine_stream)
+            if not turn.settled:
+                self._close_turn(turn, engine_stream)
             if symptoms is not None:
                 symptoms.observe_request_end(prepared.session_key)
 
-    def _close_admission(self, admission: Any, prompt_ids: np.ndarray, flight: _Flight,
-                         engine_stream: RequestStream | None) -> None:
-        """Settle an admission we stopped listening for (stop sequence, client gone, timeout).
+    def _close_turn(self, turn: Turn, engine_stream: RequestStream | None) -> None:
+        """Settle a turn we stopped listening for (stop sequence, client gone, timeout).
 
         An abort travels to the rank while the rank keeps stepping, so the request may finish
         there first and hand its blocks to the cache (``kept_blocks``); filing them is the only
         way they are ever released. So an engine stream that has not ended is aborted and
-        drained in the background, and the admission is closed by its terminal output."""
+        drained in the background, and the turn is settled by its terminal output."""
         if engine_stream is not None:
             for out in engine_stream.drain_nowait():  # delivered but not consumed yet
-                flight.output_ids.extend(out.token_ids)
-                flight.last_output = out
+                turn.output_ids.extend(out.token_ids)
+                turn.last_output = out
             if not engine_stream.done:
                 engine_stream.abort()
-                task = asyncio.get_running_loop().create_task(
-                    self._close_when_ended(admission, prompt_ids, flight, engine_stream))
+                turn.hand_off()
+                task = asyncio.get_running_loop().create_task(self._settle_when_ended(turn, engine_stream))
                 self._late.add(task)
                 task.add_done_callback(self._late.discard)
                 return
-        self._file_or_abort(admission, prompt_ids, flight)
+        turn.settle()
 
-    async def _close_when_ended(self, admission: Any, prompt_ids: np.ndarray, flight: _Flight,
-                                engine_stream: RequestStream) -> None:
+    async def _settle_when_ended(self, turn: Turn, engine_stream: RequestStream) -> None:
         try:
             async for out in engine_stream:
-                flight.output_ids.extend(out.token_ids)
-                flight.last_output = out
+                turn.output_ids.extend(out.token_ids)
+                turn.last_output = out
         except Exception:  # noqa: BLE001 - the group failed: the epoch's blocks are gone anyway
-            flight.last_output = None
+            turn.last_output = None
         finally:
-            self._file_or_abort(admission, prompt_ids, flight)
-
-    def _file_or_abort(self, admission: Any, prompt_ids: np.ndarray, flight: _Flight) -> None:
-        last = flight.last_output
-        if last is not None and last.finished and last.kept_blocks:
-            self._cache.finish(admission, prompt_ids, np.asarray(flight.output_ids, dtype=np.int32), last)
-        else:
-            self._cache.abort(admission)
+            turn.settle()
 
     async def _pump(self, engine_stream: RequestStream, rs: Any, flight: _Flight,
-                    write: Write | None, admission: Any) -> tuple[list[int], RequestOutput | None]:
+                    write: Write | None, turn: Turn) -> RequestOutput | None:
         """Feed engine outputs to the response stream until finished or a stop sequence; as
         they arrive, the cache grows the turn's KV room ahead of its decode (``make_room``)."""
-        make_room = self._cache.make_room
-        output_ids = flight.output_ids
+        make_room = turn.make_room
+        output_ids = turn.output_ids
         last: RequestOutput | None = None
         metrics = self._metrics
         inter_token = metrics.inter_token
@@ -261,11 +258,11 @@ class ChatService:
             else:
                 tokens = first.token_ids
                 last = first
-            flight.last_output = last
+            turn.last_output = last
             if tokens:
                 output_ids.extend(tokens)
                 flight.num_output_tokens += len(tokens)
-                make_room(admission, flight.num_output_tokens)
+                make_room(flight.num_output_tokens)
                 output_tokens.inc(len(tokens))  # per batch, so /metrics shows live throughput
                 data = rs.feed(tokens)
                 if data and write is not None:
@@ -283,7 +280,7 @@ class ChatService:
                     break
             if last.finished:
                 break
-        return output_ids, last
+        return last
 
     # -- helpers -------------------------------------------------------------------------------
     def _count_admission(self, admission: Any, flight: _Flight) -> None:
@@ -291,7 +288,7 @@ class ChatService:
         self._metrics.queue_time.observe(admission.queue_time_s)
         for tier, num_tokens in admission.cached_tokens_by_tier.items():
             if num_tokens:
-                self._metrics.cached_tokens.labels(tier).inc(num_tokens)
+                self._metrics.cached_tokens.labels(tier.value).inc(num_tokens)
 
     def _as_protocol_error(self, exc: BaseException, flight: _Flight) -> ProtocolError:
         """The client's error: what happened and what to do, never the internals (addresses,

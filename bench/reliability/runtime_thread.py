@@ -86,7 +86,7 @@ def cache_sizes(runtime: Runtime) -> dict[str, Any]:
         "l1_entries": len(cache.l1.entries),
         "l1_used_slots": cache.l1.alloc.num_used_slots,
         "l1_slots": cache.l1.num_slots,
-        "open_admissions": len(cache._open),
+        "open_admissions": cache.num_open_turns,
     }
 
 
@@ -99,11 +99,11 @@ async def settle(runtime: Runtime, timeout_s: float = 60.0) -> dict[str, Any]:
         stats = [group.stats(r) for r in range(group.num_ranks)]
         idle = all(s.num_running == 0 and s.num_waiting == 0 for s in stats)
         # Process ranks report stats every 100 ms: wait for a report newer than the last release.
-        if idle and not cache._open and not cache._tasks:
+        if idle and not cache.num_open_turns and not cache.num_background_tasks:
             await asyncio.sleep(0.3 if hasattr(group, "pids") else 0)
             await cache.drain()
             stats = [group.stats(r) for r in range(group.num_ranks)]
-            if all(s.num_running == 0 and s.num_waiting == 0 for s in stats) and not cache._tasks:
+            if all(s.num_running == 0 and s.num_waiting == 0 for s in stats) and not cache.num_background_tasks:
                 break
         if loop.time() > deadline:
             raise AssertionError(f"engines not idle after {timeout_s} s: {cache_sizes(runtime)}")

@@ -80,23 +80,13 @@ async def run_turn(
     max_tokens: int = 8,
     stop: StopKind = StopKind.TOOL_USE,
 ) -> TurnResult:
-    adm = await mgr.admit(prompt, hint, max_tokens)
-    out_ids: list[int] = []
-    last = None
-    try:
-        stream = group.submit(
-            adm.rank,
-            adm.engine_request(f"r{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
-        )
-        async for out in stream:
-            out_ids.extend(out.token_ids)
-            last = out
-    except BaseException:
-        mgr.abort(adm)
-        raise
-    assert last is not None and last.finished
-    mgr.finish(adm, prompt, out_ids, last, stop)
-    return TurnResult(adm, out_ids, prompt)
+    async with mgr.turn(prompt, hint, max_tokens) as turn:
+        request = turn.engine_request(f"r{next(_ids)}", SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        async for out in group.submit(turn.rank, request):
+            turn.feed(out)
+        assert turn.last_output is not None and turn.last_output.finished
+        turn.stop_kind = stop
+    return TurnResult(turn.admission, turn.output_ids, prompt)
 
 
 def tokens(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cache.sessions import StopKind
+from cache.turns import Tier
 from rank.engine import usable_prefix_blocks
 from server.config import WorkloadConfig
 from tests.cache.cache_harness import (
@@ -58,7 +59,7 @@ async def _eight_agents(wall_s_per_step: float) -> list[int]:
             turn = await run_turn(mgr, group, prompt, f"s{i}", max_tokens=6, stop=StopKind.TOOL_USE)
             # cached tokens == the usable prefix: nothing the session computed is recomputed
             assert turn.admission.num_cached_tokens == expected, (i, turn.admission)
-            checked.append(turn.admission.cached_tokens_by_tier["l1"])
+            checked.append(turn.admission.cached_tokens_by_tier[Tier.L1])
             await asyncio.sleep(0)
 
     try:
@@ -132,7 +133,7 @@ def test_cached_plus_reserved_blocks_stay_under_usable_fraction() -> None:
                 for i, prev in enumerate(turns):
                     prompt = next_prompt(prev, tokens(rng, 24))
                     adm = await mgr.admit(prompt, f"s{i}", 8)
-                    used = len(mgr.l0[0]) + mgr._ledgers[0].reserved_blocks
+                    used = len(mgr.l0[0]) + mgr.state.ledgers[0].reserved_blocks
                     peak = max(peak, used)
                     assert used <= limit, used
                     mgr.abort(adm)

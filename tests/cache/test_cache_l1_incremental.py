@@ -17,6 +17,7 @@ import torch
 from cache.hashing import BlockHash
 from cache.l1_index import L1Index
 from cache.sessions import SessionId, StopKind
+from cache.turns import Tier
 from tests.cache.cache_harness import make_group, make_manager, run_turn, settle, tokens
 
 pytestmark = pytest.mark.timeout(180)
@@ -116,7 +117,7 @@ def test_incremental_writes_restore_the_right_bytes_and_count_bytes() -> None:
             hashes = mgr.hasher.hashes(prompt)
             assert mgr.l1.match(hashes)[1] > mgr.l0[0].match(hashes) + 2  # mostly off the GPU
             adm = await mgr.admit(prompt, "a", 4)
-            assert adm.cached_tokens_by_tier["l1"] > 0
+            assert adm.cached_tokens_by_tier[Tier.L1] > 0
             rows = group.engines[0].pool.view(torch.int32).view(-1)
             for i, block_id in enumerate(adm.prefix_blocks):
                 got = rows[block_id * bs : (block_id + 1) * bs].numpy()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cache.sessions import StopKind
+from cache.turns import Tier
 from protocol.errors import PromptTooLong
 from tests.cache.cache_harness import (
     make_group,
@@ -38,10 +39,10 @@ def test_l1_restored_prefix_answers_token_identical_to_cold() -> None:
             a2 = next_prompt(first, tokens(rng, 20))
             assert mgr.l0[0].match(mgr.hasher.hashes(a2)) == 0
             warm = await run_turn(mgr, group, a2, "a", max_tokens=12)
-            assert warm.admission.cached_tokens_by_tier["l1"] == 80  # 6 blocks held, the last replayed
+            assert warm.admission.cached_tokens_by_tier[Tier.L1] == 80  # 6 blocks held, the last replayed
             assert warm.admission.num_cached_tokens == 80
             restored = registry.get_sample_value("deepinfer_cache_l1_restored_tokens_total")
-            assert restored == warm.admission.cached_tokens_by_tier["l1"]
+            assert restored == warm.admission.cached_tokens_by_tier[Tier.L1]
             await settle(mgr, group)
         finally:
             await group.close()
@@ -69,10 +70,10 @@ def test_l1_moved_session_still_hits_on_new_rank() -> None:
             assert await mgr.move_session("a", 1 - src)
             second = await run_turn(mgr, group, next_prompt(first, tokens(rng, 10)), "a")
             assert second.admission.rank == 1 - src
-            assert second.admission.cached_tokens_by_tier["l1"] >= 256
+            assert second.admission.cached_tokens_by_tier[Tier.L1] >= 256
             assert registry.get_sample_value("deepinfer_cache_sessions_moved_total") == 1.0
             third = await run_turn(mgr, group, next_prompt(second, tokens(rng, 10)), "a")
-            assert third.admission.rank == 1 - src and third.admission.cached_tokens_by_tier["l0"] >= 288
+            assert third.admission.rank == 1 - src and third.admission.cached_tokens_by_tier[Tier.L0] >= 288
             await settle(mgr, group)
             # the copies left on the old rank go first when that rank needs room
             victims = mgr.l0[src].evict(1000, mgr.policy.scorer(src, 0.0), mgr.policy.chooser(src, 0.0, False))

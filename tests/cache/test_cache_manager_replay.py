@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from cache.sessions import StopKind
+from cache.turns import Tier
 from tests.cache.cache_harness import (
     BLOCK_SIZE,
     make_group,
@@ -44,7 +44,7 @@ def test_manager_multi_session_replay_hits_and_sticks() -> None:
                         prev_ctx = len(last[hint].prompt) + len(last[hint].output_ids)
                         # everything but the replayed block and the partial tail is cached
                         assert res.admission.num_cached_tokens >= (prev_ctx // BLOCK_SIZE - 2) * BLOCK_SIZE
-                        assert res.admission.cached_tokens_by_tier["l0"] == res.admission.num_cached_tokens
+                        assert res.admission.cached_tokens_by_tier[Tier.L0] == res.admission.num_cached_tokens
                     last[hint] = res
                 await settle(mgr, group)
             assert all(len(r) == 1 for r in homes.values()), homes  # never scattered

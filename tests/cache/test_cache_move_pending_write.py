@@ -9,6 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from cache.turns import Tier
 from tests.cache.cache_harness import make_group, make_manager, next_prompt, run_turn, settle, tokens
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,7 +44,7 @@ def test_move_waits_for_the_write_in_flight_then_hits_on_the_new_rank() -> None:
             assert num_exports == 1  # the write in flight already copied the whole chain
             second = await run_turn(mgr, group, next_prompt(first, tokens(rng, 10)), "a")
             assert second.admission.rank == 1 - src
-            assert second.admission.cached_tokens_by_tier["l1"] >= 256
+            assert second.admission.cached_tokens_by_tier[Tier.L1] >= 256
             assert registry.get_sample_value("deepinfer_cache_sessions_moved_total") == 1.0
             await settle(mgr, group)
         finally:

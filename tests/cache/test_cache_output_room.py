@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from cache.config import CacheConfig
 from cache.manager import CacheManager
 from cache.metrics import CacheMetrics
 from cache.sessions import StopKind
-from prometheus_client import CollectorRegistry
 from protocol.errors import ContextLimitExceeded
 from rank.engine import FinishReason, RequestOutput, SamplingParams
 from rank.local_group import LocalRankGroup

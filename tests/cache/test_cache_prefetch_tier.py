@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 
 from cache.sessions import StopKind
-from tests.cache.cache_harness import BLOCK_SIZE, make_group, make_manager, next_prompt, run_turn, settle, tokens
+from cache.turns import Tier, TierTokens
+from tests.cache.cache_harness import (
+    BLOCK_SIZE,
+    make_group,
+    make_manager,
+    next_prompt,
+    run_turn,
+    settle,
+    tokens,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,7 +44,7 @@ def test_prefetched_blocks_count_as_l1_in_the_admission_and_the_metrics() -> Non
             assert mgr.l0[0].match(mgr.hasher.hashes(prompt)) == 5  # resident again, by the prefetch
             second = await run_turn(mgr, group, prompt, "a")
             tiers = second.admission.cached_tokens_by_tier
-            assert tiers == {"l0": 0, "l1": 5 * BLOCK_SIZE}
+            assert tiers == TierTokens(l0=0, l1=5 * BLOCK_SIZE)
             assert second.admission.num_cached_tokens == 5 * BLOCK_SIZE
             after = {t: registry.get_sample_value("deepinfer_cache_cached_tokens_total", {"tier": t}) for t in
                      ("l0", "l1")}
@@ -43,8 +52,8 @@ def test_prefetched_blocks_count_as_l1_in_the_admission_and_the_metrics() -> Non
             assert registry.get_sample_value("deepinfer_cache_l1_restored_tokens_total") == 5 * BLOCK_SIZE
             # The turn after that hits its own blocks on the GPU: L0 again.
             third = await run_turn(mgr, group, next_prompt(second, tokens(rng, 20)), "a")
-            assert third.admission.cached_tokens_by_tier["l1"] == 0
-            assert third.admission.cached_tokens_by_tier["l0"] > 5 * BLOCK_SIZE
+            assert third.admission.cached_tokens_by_tier[Tier.L1] == 0
+            assert third.admission.cached_tokens_by_tier[Tier.L0] > 5 * BLOCK_SIZE
             await settle(mgr, group)
         finally:
             await group.close()

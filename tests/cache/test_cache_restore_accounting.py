@@ -15,8 +15,17 @@ import numpy as np
 import pytest
 
 from cache.sessions import StopKind
+from cache.turns import Tier
 from rank.engine import CapacityExhausted, SamplingParams
-from tests.cache.cache_harness import BLOCK_SIZE, make_group, make_manager, next_prompt, run_turn, settle, tokens
+from tests.cache.cache_harness import (
+    BLOCK_SIZE,
+    make_group,
+    make_manager,
+    next_prompt,
+    run_turn,
+    settle,
+    tokens,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,7 +56,7 @@ def test_failed_restore_keeps_the_blocks_the_turn_computes_reserved() -> None:
             max_tokens = 8
             adm = await mgr.admit(a2, "a", max_tokens)
             group.import_blocks = real_import  # type: ignore[method-assign]
-            assert adm.cached_tokens_by_tier["l1"] == 0  # fell back to computing the prefix
+            assert adm.cached_tokens_by_tier[Tier.L1] == 0  # fell back to computing the prefix
             total = -(-(len(a2) + max_tokens) // BLOCK_SIZE)
             assert adm.reserved_blocks == total - adm.num_used_blocks
             engine = group.engines[0]
@@ -89,7 +98,7 @@ def test_blocks_whose_release_is_in_flight_are_not_free() -> None:
             # (the replayed last block is a fresh copy in the engine) to be released.
             await run_turn(mgr, group, next_prompt(first, tokens(rng, 40)), "a")
             engine_free = group.engines[0].stats().num_free_blocks
-            assert mgr._ledgers[0].num_releasing > 0
+            assert mgr.state.releases.pending(0) > 0
             assert _ledger_free(mgr, 0) <= engine_free
             gate.set()
             await settle(mgr, group)
@@ -118,7 +127,7 @@ def test_restore_retries_while_the_engine_reaps_an_aborted_sequence() -> None:
 
         try:
             group.import_blocks = briefly_short  # type: ignore[method-assign]
-            ids = await mgr._import(0, 0, 3, mgr.epoch)
+            ids = await mgr.transfers.import_blocks(0, 0, 3, mgr.epoch)
             assert len(ids) == 3 and num_short == 2
             await real_import_release(group, ids)
         finally:

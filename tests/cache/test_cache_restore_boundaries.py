@@ -20,6 +20,7 @@ from cache.config import CacheConfig
 from cache.manager import CacheManager
 from cache.metrics import CacheMetrics
 from cache.sessions import StopKind
+from cache.turns import Tier
 from rank.local_group import LocalRankGroup
 from tests.cache.cache_harness import make_group, next_prompt, run_turn, settle, tokens
 
@@ -90,7 +91,7 @@ def test_evict_release_and_restore_share_one_step_boundary() -> None:
             assert mgr.l1.backed_blocks(b_id) > 0  # evicting b is a free drop: no export
             before = client.num_boundaries
             adm = await mgr.admit(prompt, "a", 8)
-            assert adm.cached_tokens_by_tier["l1"] == 80  # evicted b, restored a
+            assert adm.cached_tokens_by_tier[Tier.L1] == 80  # evicted b, restored a
             # release of b's blocks + import of a's: one boundary (was two: release, then import)
             assert client.num_boundaries - before == 1
             mgr.abort(adm)

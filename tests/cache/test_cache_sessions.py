@@ -10,8 +10,8 @@ import numpy as np
 
 from cache.eviction import EvictionPolicy
 from cache.hashing import ChainHasher
-from rank.host_budget import GIB, plan_l1_budget
 from cache.sessions import SessionTable, StopKind
+from rank.host_budget import GIB, plan_l1_budget
 
 
 def test_sessions_found_by_hint_and_by_tail() -> None:

@@ -1,0 +1,138 @@
+"""A turn's admission on its rank, and its close: what one ``Admission`` holds, from taking to
+giving back.
+
+``admit_on`` waits in the rank's queue (``cache/admission.py``), asking the planner at every try
+(``cache/planner.py``: ask, then commit), retires the blocks the commit evicted (their L1 copy,
+then the release, which rides with the turn's next command), restores the planned prefix blocks
+from L1 (``cache/l1_transfers.py``) and returns the ``Admission``: use refs on its prefix, its
+blocks reserved. ``close`` gives both back exactly once. A turn cancelled anywhere in between
+(the client went away) gives back what it took before the cancellation propagates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cache.admission import AdmitLevel
+from cache.hashing import BlockHash
+from cache.l1_transfers import L1Transfers
+from cache.planner import AdmitPlanner, Reservation
+from cache.sessions import Session
+from cache.state import CacheState
+from cache.turns import Admission, Tier, TierTokens
+from protocol.errors import Overloaded
+from rank.engine import usable_prefix_blocks
+
+
+class RankAdmitter:
+    """Takes and gives back what admissions hold (see the module docstring). One event loop."""
+
+    def __init__(self, state: CacheState, planner: AdmitPlanner, transfers: L1Transfers) -> None:
+        self._s = state
+        self._planner = planner
+        self._transfers = transfers
+        self.open: set[Admission] = set()
+
+    async def admit_on(
+        self, rank: int, session: Session, tokens: np.ndarray, hashes: list[BlockHash], num_output: int
+    ) -> Admission:
+        """Wait for room on ``rank`` (ask + commit at each try), retire the victims, restore."""
+        s = self._s
+        bs = s.block_size
+        epoch = s.epoch
+        num_prompt = len(tokens)
+        sid = session.session_id
+        total_blocks = min(-(-(num_prompt + num_output) // bs), s.usable_blocks(rank))  # admit() checked the fit
+        taken: list[Reservation] = []
+
+        def try_admit(level: AdmitLevel) -> bool:
+            if s.epoch != epoch:
+                return True  # the group restarted: admit and fail below
+            plan = self._planner.ask(rank, hashes, num_prompt, total_blocks)
+            res = self._planner.commit(plan, hashes, sid, level)
+            if res is not None:
+                taken.append(res)
+            return res is not None
+
+        first_l0 = min(s.l0[rank].match(hashes), len(hashes))
+        try:
+            queue_s = await s.queue.enter(rank, num_prompt - first_l0 * bs, try_admit)
+        except BaseException:
+            if taken and taken[0].victims:
+                self._transfers.retire_later(rank, list(taken[0].victims), taken[0].exports)
+            raise
+        res = taken[0] if taken else None
+        if res is not None and res.victims:  # the release rides with the next command: one boundary
+            try:
+                await self._transfers.retire(rank, list(res.victims), epoch, wait_release=False,
+                                             exports=res.exports)
+            except BaseException:  # cancelled (client gone): give back what the commit took
+                if s.epoch == epoch:
+                    self._planner.undo(res, hashes)
+                raise
+        if s.epoch != epoch or res is None:
+            raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
+        plan = res.plan
+        adm = Admission(
+            rank=rank, prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier=TierTokens(),
+            queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
+            keep_blocks=s.config.prefix_cache, num_prompt_tokens=num_prompt, hashes=hashes,
+            num_used_blocks=plan.num_l0, reserved_blocks=plan.need, context_tokens=num_prompt + num_output,
+            room_blocks=total_blocks,
+        )
+        ledger = s.ledgers[rank]
+        ledger.num_in_flight += 1
+        ledger.running_tokens += adm.context_tokens
+        if plan.num_restore:
+            await self._restore(adm, hashes, plan.num_l0, plan.num_restore)
+        adm.prefix_blocks = s.l0[rank].block_ids(hashes[: adm.num_used_blocks])
+        adm.num_cached_tokens = adm.num_used_blocks * bs
+        adm.cached_tokens_by_tier[Tier.L0] = adm.num_cached_tokens - adm.cached_tokens_by_tier[Tier.L1]
+        return adm
+
+    def close(self, adm: Admission) -> bool:
+        """Give back an admission's holds once. False if it was already closed, or its epoch is
+        gone (the ledgers and index of that epoch went with it)."""
+        if adm.is_closed:
+            return False
+        adm.is_closed = True
+        self.open.discard(adm)
+        s = self._s
+        session = s.sessions.get(adm.session_id)
+        if session is not None:
+            session.num_in_flight = max(0, session.num_in_flight - 1)
+            s.idle.update(session, s.clock())
+        if adm.epoch != s.epoch:
+            return False
+        self._release_holds(adm)
+        return True
+
+    async def _restore(self, adm: Admission, hashes: list[BlockHash], num_l0: int, num_restore: int) -> None:
+        """Restore the planned blocks from L1; without them, the last L0 block is replayed."""
+        s = self._s
+        try:
+            restored = await self._transfers.restore(adm, hashes, num_l0, num_restore)
+        except BaseException:
+            # Cancelled mid-restore (the client went away) or failed: this admission never
+            # reaches the caller, so undo its holds here (admit() undoes the session's count).
+            if s.epoch == adm.epoch and not adm.is_closed:
+                adm.is_closed = True
+                self._release_holds(adm)
+            raise
+        if not restored and num_l0:
+            # Without the L1 part the last L0 block is the replayed one (not a prefix block).
+            idx = s.l0[adm.rank]
+            keep = usable_prefix_blocks(num_l0, adm.num_prompt_tokens, s.block_size)
+            idx.acquire(hashes[:keep], adm.session_id, s.clock())
+            idx.release_uses(hashes[:num_l0])
+            adm.reserved_blocks += num_l0 - keep
+            s.ledgers[adm.rank].reserved_blocks += num_l0 - keep
+            adm.num_used_blocks = keep
+
+    def _release_holds(self, adm: Admission) -> None:
+        ledger = self._s.ledgers[adm.rank]
+        ledger.reserved_blocks -= adm.reserved_blocks
+        ledger.running_tokens -= adm.context_tokens
+        ledger.num_in_flight -= 1
+        self._s.l0[adm.rank].release_uses(adm.hashes[: adm.num_used_blocks])
+        adm.num_used_blocks = 0

@@ -1,0 +1,180 @@
+"""One admitted turn: the ``Admission`` receipt and the ``Turn`` that settles it exactly once.
+
+Callers use the manager's context manager instead of hand-written admit/try/abort/finish::
+
+    async with cache.turn(prompt_ids, session_hint, max_tokens) as turn:
+        stream = client.submit(turn.rank, turn.engine_request(request_id, sampling))
+        async for out in stream:
+            turn.feed(out)            # collects the output, grows the KV room ahead of decode
+        turn.stop_kind = StopKind.TOOL_USE
+
+On enter the turn is admitted (routed, queued, restored: ``CacheManager.admit``). On a normal
+exit it is filed (``finish``) when its last output is terminal, else aborted; on an exception or
+a cancellation it is aborted. ``finish``/``settle``/``abort`` settle it earlier (a second settle is
+a no-op), and ``hand_off`` leaves it to the caller past the block (a stream that must be drained
+in the background first: ``server/service.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cache.hashing import BlockHash, as_token_array
+from cache.sessions import SessionId, StopKind
+from rank.engine import EngineRequest, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from cache.manager import CacheManager
+
+
+class Tier(str, enum.Enum):
+    """Where a turn's cached prefix tokens came from (the metrics' ``tier`` label)."""
+
+    L0 = "l0"  # resident on the rank's GPU
+    L1 = "l1"  # restored from the shared host pool
+
+
+@dataclass(slots=True)
+class TierTokens:
+    """Cached prompt tokens of one turn by tier (both count as cached tokens in usage)."""
+
+    l0: int = 0
+    l1: int = 0
+
+    def __getitem__(self, tier: Tier) -> int:
+        return int(getattr(self, Tier(tier).value))
+
+    def __setitem__(self, tier: Tier, num_tokens: int) -> None:
+        setattr(self, Tier(tier).value, num_tokens)
+
+    def items(self) -> Iterator[tuple[Tier, int]]:
+        for tier in Tier:
+            yield tier, self[tier]
+
+
+@dataclass(slots=True, eq=False)
+class Admission:
+    """One admitted turn. The public fields are what the service needs; the rest is the
+    manager's receipt (use refs held, blocks reserved)."""
+
+    rank: int
+    prefix_blocks: list[int]
+    num_cached_tokens: int
+    cached_tokens_by_tier: TierTokens
+    queue_time_s: float
+    restore_s: float
+    session_id: SessionId
+    epoch: int
+    keep_blocks: bool
+    num_prompt_tokens: int
+    hashes: list[BlockHash] = field(repr=False)
+    num_used_blocks: int = 0  # use refs held on hashes[:num_used_blocks] on ``rank``
+    reserved_blocks: int = 0  # blocks the sequence may still allocate (released at close)
+    context_tokens: int = 0
+    max_output_tokens: int = 1  # the engine request's max_tokens (trimmed to the KV room if a default)
+    room_blocks: int = 0  # blocks the turn may hold: prefix + reserved; grows while it decodes
+    is_closed: bool = False
+
+    def engine_request(
+        self, request_id: str, prompt_ids: np.ndarray, sampling: SamplingParams
+    ) -> EngineRequest:
+        return EngineRequest(
+            request_id=request_id,
+            prompt_ids=as_token_array(prompt_ids),
+            sampling=sampling,
+            prefix_blocks=list(self.prefix_blocks),
+            num_cached_tokens=self.num_cached_tokens,
+            keep_blocks=self.keep_blocks,
+        )
+
+
+class Turn:
+    """An admitted turn inside ``async with cache.turn(...)`` (see the module docstring)."""
+
+    __slots__ = (
+        "_cache",
+        "_handed_off",
+        "_settled",
+        "admission",
+        "last_output",
+        "output_ids",
+        "prompt_ids",
+        "stop_kind",
+    )
+
+    def __init__(self, cache: CacheManager, admission: Admission, prompt_ids: np.ndarray) -> None:
+        self._cache = cache
+        self.admission = admission
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.last_output: RequestOutput | None = None
+        self.stop_kind = StopKind.UNKNOWN  # what the finish learns (the protocol knows it)
+        self._settled = False
+        self._handed_off = False
+
+    @property
+    def rank(self) -> int:
+        return self.admission.rank
+
+    @property
+    def settled(self) -> bool:
+        return self._settled
+
+    def engine_request(self, request_id: str, sampling: SamplingParams) -> EngineRequest:
+        return self.admission.engine_request(request_id, self.prompt_ids, sampling)
+
+    def feed(self, output: RequestOutput) -> None:
+        """One output of the turn's engine stream arrived: keep it, grow the KV room."""
+        self.output_ids.extend(output.token_ids)
+        self.last_output = output
+        self._cache.make_room(self.admission, len(self.output_ids))
+
+    def make_room(self, num_output_tokens: int) -> None:
+        self._cache.make_room(self.admission, num_output_tokens)
+
+    def finish(self, stop_kind: StopKind | None = None) -> None:
+        """The turn ended normally with ``last_output``: file its kept blocks now."""
+        if self._settled:
+            return
+        self._settled = True
+        output = self.last_output
+        if output is None:
+            self._cache.abort(self.admission)
+            return
+        if stop_kind is not None:
+            self.stop_kind = stop_kind
+        self._cache.finish(self.admission, self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32),
+                           output, self.stop_kind)
+
+    def settle(self) -> None:
+        """Settle a turn we stopped listening to: file it when its terminal output handed blocks
+        to the cache (filing them is the only way they are released), else abort it."""
+        last = self.last_output
+        if last is not None and last.finished and last.kept_blocks:
+            self.finish()
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """No terminal output to file (submit failed, the group failed, the caller gave up)."""
+        if not self._settled:
+            self._settled = True
+            self._cache.abort(self.admission)
+
+    def hand_off(self) -> None:
+        """Leaving the ``async with`` block does not settle the turn: the caller will."""
+        self._handed_off = True
+
+    def exit(self, ok: bool) -> None:
+        """The ``async with`` block ended (``ok``: without an exception)."""
+        if self._handed_off or self._settled:
+            return
+        if ok and self.last_output is not None and self.last_output.finished:
+            self.finish()
+        else:
+            self.abort()

@@ -70,7 +70,7 @@ def chain_hashes(
     num_full_blocks = len(tokens) // block_size
     if start_block < 0 or start_block > num_full_blocks:
         raise ValueError(f"start_block {start_block} outside 0..{num_full_blocks}")
-    data = memoryview(tokens).cast("B")
+    data = tokens.data.cast("B")
     step_bytes = block_size * 4
     digest = xxhash.xxh3_64_intdigest
     out: list[BlockHash] = []

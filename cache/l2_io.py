@@ -62,14 +62,14 @@ def _is_aligned(arr: np.ndarray) -> bool:
 
 
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast("B")
+    view = data.data.cast("B")
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _pread_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast("B")
+    view = data.data.cast("B")
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -115,7 +115,7 @@ def read_at(fd: int, is_direct: bool, offset: int, dst: np.ndarray) -> None:
 
 def checksums(blocks: np.ndarray, bytes_per_block: int) -> list[int]:
     """xxh3_64 of each ``bytes_per_block`` row of a contiguous uint8 run."""
-    view = memoryview(blocks).cast("B")
+    view = blocks.data.cast("B")
     return [block_checksum(view[i : i + bytes_per_block]) for i in range(0, len(view), bytes_per_block)]
 
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from cache.hashing import BlockHash
 from cache.host_slots import HostSlots
@@ -202,7 +202,7 @@ class L2Store:
                       for a, b in byte_chunks(payload.nbytes, self.chunk_bytes)]
             sums = [self._submit(checksums, payload[i * bpb : (i + c) * bpb], bpb)
                     for i, c in block_chunks(0, header.num_blocks, self.blocks_per_chunk)]
-            results = await _wait_all(writes + sums)
+            results = await _wait_all([*writes, *sums])
             header = header._replace(checksums=[s for part in results[len(writes):] for s in part])
             await self._run(_finish_file, fd, is_direct, header.encode(), tmp, path)
             done = True
@@ -330,7 +330,7 @@ class L2Store:
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         (result,) = await _wait_all([loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))])
-        return result
+        return cast(T, result)
 
 
 async def _wait_all(futures: Sequence[Awaitable[Any]], return_exceptions: bool = False) -> list[Any]:

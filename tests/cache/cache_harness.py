@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -63,6 +63,32 @@ def make_manager(group: LocalRankGroup, **overrides: object) -> tuple[CacheManag
 
 
 CacheRegistry = CollectorRegistry
+
+
+@dataclass
+class SizesOnlyClient:
+    """The RankClient fields the cache's bookkeeping reads, for tests of its parts without
+    engines (the planner, the release ledger); ``release`` waits for ``gate`` (set by default)
+    and records what was released."""
+
+    num_ranks: int = 1
+    block_size: int = 4
+    num_blocks: int = 13  # 12 usable (block 0 is scratch)
+    bytes_per_block: int = 64
+    num_host_slots: int = 0
+    epoch: int = 0
+    released: list[list[int]] = field(default_factory=list)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    async def release(self, rank: int, block_ids: list[int]) -> None:
+        await self.gate.wait()
+        self.released.append(list(block_ids))
+
+    def add_restart_listener(self, fn: object) -> None:
+        pass
 
 
 @dataclass

@@ -9,7 +9,6 @@ person reads it: expected back in ~120 s, evicted first), session ``b`` with a t
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -20,28 +19,10 @@ from cache.l1_transfers import ChainExport, L1Transfers
 from cache.planner import AdmitPlan, AdmitPlanner, known_prefix_blocks
 from cache.sessions import SessionId, StopKind
 from cache.state import CacheState
+from tests.cache.cache_harness import SizesOnlyClient
 
-BS = 4
+BS = SizesOnlyClient.block_size
 NOW = 1.0
-
-
-@dataclass
-class _SizesOnly:
-    """The RankClient fields the planner reads; ``release`` records what the retire sends."""
-
-    num_ranks: int = 1
-    block_size: int = BS
-    num_blocks: int = 13  # 12 usable (block 0 is scratch)
-    bytes_per_block: int = 64
-    num_host_slots: int = 0
-    epoch: int = 0
-    released: list[list[int]] = field(default_factory=list)
-
-    async def release(self, rank: int, block_ids: list[int]) -> None:
-        self.released.append(list(block_ids))
-
-    def add_restart_listener(self, fn: object) -> None:
-        pass
 
 
 A = [BlockHash(0xA0 + i) for i in range(4)]  # session a's chain: block ids 1..4
@@ -49,8 +30,8 @@ B = [BlockHash(0xB0 + i) for i in range(3)]  # session b's chain: block ids 5..7
 C = [BlockHash(0xC0 + i) for i in range(8)]  # a new prompt nobody has seen
 
 
-def _setup(l1: bool = False) -> tuple[CacheState, AdmitPlanner, _SizesOnly]:
-    client = _SizesOnly()
+def _setup(l1: bool = False) -> tuple[CacheState, AdmitPlanner, SizesOnlyClient]:
+    client = SizesOnlyClient(num_blocks=13)
     config = CacheConfig(reserve_blocks=0, usable_fraction=1.0, protect_s=30.0, l1_min_headroom_blocks=0)
     state = CacheState(client, config, None, clock=lambda: NOW)  # type: ignore[arg-type]
     if l1:

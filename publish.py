@@ -8,7 +8,8 @@ Environment: ``IK_TENANT_ID`` and ``INFERENCEKEY_SDK_TOKEN`` (``ik_sdk_`` with w
 ``INFERENCEKEY_BASE_URL`` overrides the control plane (tests point it at a local stand-in).
 
 The archive holds only the backend's code: ``deepinfer_backend.py``, the ``server``, ``protocol``,
-``cache`` and ``rank`` packages, ``requirements.txt`` and a ``BUILD_INFO.json`` stamp. Tests,
+``cache`` and ``rank`` packages, ``requirements.txt`` and a ``BUILD_INFO.json`` stamp. Tests, the
+test stand-ins (``standins/``: the fake DeepInfer forward, the scripted model), benchmarks,
 caches, weights, virtual environments, ``.env`` files and anything token-like are excluded, and
 the finished archive is listed and checked again before anything is uploaded.
 
@@ -37,6 +38,8 @@ DEFAULT_NAME = "deepinfer-v41-flash"
 ENTRYPOINT = "deepinfer_backend:DeepInferBackend"
 CODE_MODULES = ("deepinfer_backend.py",)
 CODE_PACKAGES = ("server", "protocol", "cache", "rank")
+# Development-only packages next to the product: never in an archive (checked on the archive too).
+NON_PRODUCT_PACKAGES = ("standins", "bench", "tests")
 # Data files a package may legitimately carry next to its code.
 CODE_SUFFIXES = frozenset({".py", ".json", ".txt", ".jinja", ".md"})
 EXCLUDED_DIR_NAMES = frozenset(
@@ -142,6 +145,7 @@ def check_archive(path: str) -> list[str]:
                 bad.append(f"{member.name} (contains a credential-like string)")
     bad += [n for n in names if n not in ("manifest.json", "requirements.txt", BUILD_INFO_NAME)
             and not is_code_file(Path(n))]
+    bad += [f"{n} (development only)" for n in names if n.split("/")[0] in NON_PRODUCT_PACKAGES]
     if bad:
         raise PublishError(f"archive {path} holds files that are not backend code: {bad}")
     if "deepinfer_backend.py" not in names:

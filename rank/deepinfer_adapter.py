@@ -29,7 +29,7 @@ rank) tells it which iterations are idle group-wide, where it runs its own shutd
 
 Tests (only) run this adapter in real rank processes over the stand-in: ``make_deepinfer_engine``
 takes ``api_module``, a module whose ``deepinfer_api()`` returns what ``import_deepinfer`` would
-(``rank.fake_deepinfer_lockstep``); the worker passes it from ``DIB_DEEPINFER_MODULE``.
+(``standins.fake_deepinfer_lockstep``); the worker passes it from ``DIB_DEEPINFER_MODULE``.
 
 Semantics the adapter papers over
 ---------------------------------

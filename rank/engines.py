@@ -1,8 +1,14 @@
 """Build a rank's engine from its ``RankConfig`` (engine modules are imported lazily, so a rank
-process only imports what it runs: DeepInfer's stack is heavy and B200-only)."""
+process only imports what it runs: DeepInfer's stack is heavy and B200-only).
+
+Engine ``scripted`` is a test stand-in: it lives in the ``standins`` package of a development
+checkout, which the published archive leaves out (``publish.py``), so a worker reports it as
+unavailable instead of failing on an import.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rank.config import RankConfig
@@ -10,6 +16,28 @@ from rank.engine import Engine
 
 if TYPE_CHECKING:
     from rank.host_pool import HostPool
+
+# The stand-ins' package sits next to rank/ in a checkout (the ranks run with that directory on
+# PYTHONPATH); ``publish.py`` never packages it.
+STANDINS_DIR = Path(__file__).resolve().parents[1] / "standins"
+
+
+class EngineUnavailable(RuntimeError):
+    """The configured engine's code is not part of this installation."""
+
+
+def scripted_engine_available() -> bool:
+    """Whether engine ``scripted`` can run here: a development checkout, not a published archive."""
+    return (STANDINS_DIR / "scripted_engine.py").is_file()
+
+
+def require_scripted_engine() -> None:
+    if not scripted_engine_available():
+        raise EngineUnavailable(
+            "engine 'scripted' is a test stand-in (standins/scripted_engine.py): it exists in a "
+            "development checkout only and the published backend leaves it out; use engine "
+            "'deepinfer' (or 'reference' for a development run)"
+        )
 
 
 def make_engine(config: RankConfig, rank: int, host_pool: HostPool | None, *,
@@ -22,7 +50,8 @@ def make_engine(config: RankConfig, rank: int, host_pool: HostPool | None, *,
         # Same seed on every rank: one model, so any rank gives the same answer for a prompt.
         return ReferenceEngine(ReferenceEngineConfig.from_rank_config(config), host_pool)
     if config.engine == "scripted":
-        from rank.scripted_engine import ScriptedEngine  # issue 8
+        require_scripted_engine()
+        from standins.scripted_engine import ScriptedEngine  # issue 8
 
         return ScriptedEngine.from_config(config, rank, host_pool)
     if config.engine == "deepinfer":

@@ -29,7 +29,7 @@ collective barriers on all ranks together. If that does not happen within the su
 period (a wedged rank), the supervisor SIGKILLs the group, as it does on any failure.
 
 TESTS ONLY: ``DIB_DEEPINFER_MODULE`` (see ``TEST_DEEPINFER_MODULE_ENV``) makes engine 'deepinfer'
-import that module's ``deepinfer_api()`` instead of DeepInfer (``rank.fake_deepinfer_lockstep``:
+import that module's ``deepinfer_api()`` instead of DeepInfer (``standins.fake_deepinfer_lockstep``:
 the CI stand-in as a multi-process group), and lifts the Python 3.12 requirement DeepInfer has.
 """
 

@@ -189,6 +189,13 @@ class WorkloadConfig(BaseModel):
             raise ValueError("block_size must be 128 with engine 'deepinfer' (hard-coded in DeepInfer)")
         if self.engine == "scripted" and not self.script_file:
             raise ValueError("script_file is required when engine is 'scripted'")
+        if self.engine == "scripted":
+            from rank.engines import EngineUnavailable, require_scripted_engine
+
+            try:
+                require_scripted_engine()
+            except EngineUnavailable as exc:
+                raise ValueError(str(exc)) from None
         return self
 
     def resolved_api_key(self) -> str | None:

@@ -76,8 +76,8 @@ async def _group(engine: str) -> tuple[Any, CacheConfig]:
         return group, CacheConfig(output_reserve_tokens=64, output_lead_tokens=32, output_grow_tokens=64,
                                   protect_s=0.0, queue_recheck_s=0.01)
     if engine == "scripted":  # 64 blocks x 16 tokens, a reply that runs to max_tokens
-        from rank.scripted_engine import ScriptedEngine, load_tokenizer
-        from rank.scripted_replies import Script
+        from standins.scripted_engine import ScriptedEngine, load_tokenizer
+        from standins.scripted_replies import Script
 
         script = Script.model_validate({"tokens_per_step": 8, "replies": [{"text": "long", "eos": False}]})
         tok = load_tokenizer()

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rank import fake_deepinfer
 from rank.deepinfer_adapter import DeepInferEngine
 from rank.deepinfer_settings import DeepInferSettings
 from rank.engine import EngineRequest, RequestOutput, SamplingParams
+from standins import fake_deepinfer
 
 BS = 128
 

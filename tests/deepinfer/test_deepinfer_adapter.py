@@ -1,4 +1,4 @@
-"""The DeepInfer adapter over the stand-in (rank/fake_deepinfer.py): the Engine invariants."""
+"""The DeepInfer adapter over the stand-in (standins/fake_deepinfer.py): the Engine invariants."""
 
 from __future__ import annotations
 

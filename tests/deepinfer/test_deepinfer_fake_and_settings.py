@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from deepinfer_harness import drive, make_engine, prompt, request
 
-from rank import fake_deepinfer as fake
 from rank.deepinfer_settings import DeepInferSettings, patch_missing_reason
+from standins import fake_deepinfer as fake
 
 
 def _engine_with_kept(n_prompt: int = 600):

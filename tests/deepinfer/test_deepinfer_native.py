@@ -11,7 +11,7 @@ one-rank gloo group, decode block growth, aborts, ignored sequences, preemption)
 (ref counts, free list, pin/unpin, allocate), Sequence, SequenceMetadataPool,
 ``process_MTPInfo``, ``Scheduler.process_outputs``, ``build_request_outputs`` and
 ``RequestOutputPool`` (the outputs the adapter reads are DeepInfer's own). What is not: the model
-forward and sampling (``rank/fake_deepinfer.py``'s toy model writes token ids into the pool rows
+forward and sampling (``standins/fake_deepinfer.py``'s toy model writes token ids into the pool rows
 through the real block tables and samples from what it reads back), and LLMEngine's Python loop
 (``FakeLLMEngine`` re-implements its ZOS ordering; DeepInfer's llm_engine.py needs GPU-side
 modules). The classes are imported from the installed package (``deepinfer._C``), exactly as

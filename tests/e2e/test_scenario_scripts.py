@@ -11,8 +11,8 @@ import pytest
 
 from protocol.detokenize import IncrementalDetokenizer, TokenTable
 from protocol.parser import REASONING, TEXT, TOOL, StreamParser
-from rank.scripted_engine import EOS_ID, load_tokenizer
-from rank.scripted_replies import PromptView, Script, fill_template, fill_value, load_script, render_reply
+from standins.scripted_engine import EOS_ID, load_tokenizer
+from standins.scripted_replies import PromptView, Script, fill_template, fill_value, load_script, render_reply
 
 SCENARIOS = sorted((Path(__file__).parent / "scenarios").glob("*.json"))
 

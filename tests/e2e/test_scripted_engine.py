@@ -1,4 +1,4 @@
-"""Unit tests of the scripted stand-in model (rank/scripted_engine.py): token level and blocks."""
+"""Unit tests of the scripted stand-in model (standins/scripted_engine.py): token level and blocks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rank.host_pool import HostPool
 from rank.engine import EngineMisuse, EngineRequest, FinishReason, RequestOutput, SamplingParams
-from rank.scripted_engine import (
+from standins.scripted_engine import (
     ASSISTANT_ID,
     END_THINK_ID,
     EOS_ID,
@@ -22,7 +22,7 @@ from rank.scripted_engine import (
     ScriptedEngine,
     load_tokenizer,
 )
-from rank.scripted_replies import Script, ScriptError, load_script
+from standins.scripted_replies import Script, ScriptError, load_script
 
 DSML_ID = 128825
 BS = 16

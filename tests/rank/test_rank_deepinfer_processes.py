@@ -1,6 +1,6 @@
 """Engine 'deepinfer' in real rank processes (``rank.worker``), over the CI stand-in.
 
-The worker imports ``rank.fake_deepinfer_lockstep`` instead of DeepInfer (``DIB_DEEPINFER_MODULE``,
+The worker imports ``standins.fake_deepinfer_lockstep`` instead of DeepInfer (``DIB_DEEPINFER_MODULE``,
 test only): DeepInfer's default group created by the engine at MASTER_PORT-50, its collective
 ``has_unfinished_requests`` vote, one collective per ``step()`` (placeholder forward included)
 and the double barrier in ``close()``, each checked for lockstep. So these tests fail if the
@@ -38,7 +38,7 @@ def _config(patched: bool, vocab: int = VOCAB, **overrides: Any) -> WorkloadConf
         engine="deepinfer", deepinfer_venv=sys.prefix, model_dir="/nonexistent/model", ep=2,
         max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=512, prefill_attempt_interval=4,
         l1_host_gb=0.002, load_timeout_seconds=180,
-        deepinfer_env={"DIB_DEEPINFER_MODULE": "rank.fake_deepinfer_lockstep",
+        deepinfer_env={"DIB_DEEPINFER_MODULE": "standins.fake_deepinfer_lockstep",
                        "DIB_FAKE_DEEPINFER": json.dumps(fake), "OMP_NUM_THREADS": "1"},
     )
     base.update(overrides)
@@ -244,7 +244,7 @@ def test_the_stand_in_refuses_a_default_group_made_by_the_worker(monkeypatch: py
 
     import torch.distributed as dist
 
-    from rank import fake_deepinfer_lockstep
+    from standins import fake_deepinfer_lockstep
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -51,7 +51,7 @@ def _config(kind: str) -> WorkloadConfig:
             engine="deepinfer", deepinfer_venv=sys.prefix, model_dir="/nonexistent/model", ep=2,
             max_model_len=4096, max_num_seqs=16, max_num_batched_tokens=512, prefill_attempt_interval=1,
             prefill_any_attempt_interval=1, l1_host_gb=0.0, load_timeout_seconds=180,
-            deepinfer_env={"DIB_DEEPINFER_MODULE": "rank.fake_deepinfer_lockstep",
+            deepinfer_env={"DIB_DEEPINFER_MODULE": "standins.fake_deepinfer_lockstep",
                            "DIB_FAKE_DEEPINFER": json.dumps(fake), "OMP_NUM_THREADS": "1"})
     return WorkloadConfig(reference_model=kind, ep=2, block_size=16, reference_num_blocks=256,
                           max_num_batched_tokens=256, max_num_seqs=16, l1_host_gb=0.0)

@@ -20,7 +20,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
-OUR_PACKAGES = ("deepinfer_backend", "server", "protocol", "cache", "rank", "bench")
+OUR_PACKAGES = ("deepinfer_backend", "server", "protocol", "cache", "rank", "standins", "bench")
 
 
 def requirement_lines(path: Path) -> list[str]:

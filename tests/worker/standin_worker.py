@@ -14,8 +14,9 @@ DeepInfer venv (install.sh) and the model directory are on the machine already. 
   ports, sizes: checked);
 * the machine differs: no GPU. Its environment adds ``LD_LIBRARY_PATH`` to the build's
   ``libcuda.so.1`` stub (the driver's place) and, for engine ``deepinfer``, the rank worker's TEST
-  ONLY knobs: the SM100 forward replaced by ``rank.fake_deepinfer_lockstep`` over the installed
-  DeepInfer (``core: installed``), and the preflight checks that need the B200 machine skipped.
+  ONLY knobs: the SM100 forward replaced by ``standins.fake_deepinfer_lockstep`` over the installed
+  DeepInfer (``core: installed``; the stand-ins' package is copied next to the unpacked archive,
+  which leaves it out), and the preflight checks that need the B200 machine skipped.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ EOS_EVERY = 32  # both engines' stand-in models end a reply about once every 32 
 # The rank worker's TEST ONLY knobs for engine deepinfer on a GPU-less machine (rank/worker.py): the
 # forward stand-in over the installed DeepInfer, a KV pool of 4096 blocks, the V4 vocabulary.
 DEEPINFER_FORWARD_STANDIN = {
-    "DIB_DEEPINFER_MODULE": "rank.fake_deepinfer_lockstep",
+    "DIB_DEEPINFER_MODULE": "standins.fake_deepinfer_lockstep",
     "DIB_FAKE_DEEPINFER": json.dumps({"core": "installed", "num_gpu_blocks": 4096, "vocab_size": 129280,
                                       "eos_modulus": EOS_EVERY}),
 }
@@ -103,7 +104,14 @@ class Machine:
         lines.append(f"archive: {res.stdout.splitlines()[0]}")
         self.backend_dir = self.work / "backend"
         with tarfile.open(archive) as tar:
+            if any(name.split("/")[0] == "standins" for name in tar.getnames()):
+                raise RuntimeError(f"{archive} holds the test stand-ins (standins/)")
             tar.extractall(self.backend_dir, filter="data")
+        # TEST ONLY, next to the unpacked archive (which leaves it out): the forward stand-in that
+        # DEEPINFER_FORWARD_STANDIN names, for engine deepinfer on this GPU-less machine.
+        shutil.copytree(REPO / "standins", self.backend_dir / "standins",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        lines.append("added standins/ to the unpacked backend (test only: the forward stand-in)")
         self.backend_venv = self.work / "backend-venv"
         run([self.python312(), "-m", "venv", str(self.backend_venv)])
         run([str(self.backend_venv / "bin" / "pip"), "install", "-q", "-r",

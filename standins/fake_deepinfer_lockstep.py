@@ -1,9 +1,9 @@
-"""TEST ONLY: the DeepInfer stand-in (``rank/fake_deepinfer.py``) as a group of rank processes.
+"""TEST ONLY: the DeepInfer stand-in (``standins/fake_deepinfer.py``) as a group of rank processes.
 
 ``python -m rank.worker`` imports this module instead of ``deepinfer`` when the environment has
-``DIB_DEEPINFER_MODULE=rank.fake_deepinfer_lockstep`` (tests put it in the workload's
+``DIB_DEEPINFER_MODULE=standins.fake_deepinfer_lockstep`` (tests put it in the workload's
 ``deepinfer_env``; the worker stand-in in the backend's environment); ``DIB_FAKE_DEEPINFER`` holds
-JSON options: ``patched`` (default true), ``core`` and any ``rank.fake_deepinfer.FakeOptions``
+JSON options: ``patched`` (default true), ``core`` and any ``standins.fake_deepinfer.FakeOptions``
 field. Never set these in production: the worker logs a warning naming the stand-in.
 
 ``core: "installed"`` runs on the DeepInfer package installed in the rank's interpreter (the
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rank import fake_deepinfer
+from standins import fake_deepinfer
 
 OPTIONS_ENV = "DIB_FAKE_DEEPINFER"
 _VOTE, _STEP = 1, 2

@@ -5,7 +5,7 @@ this engine in the rank processes instead of a model. Everything else is the rea
 backend renders and tokenizes the prompt, the cache layer matches prefixes and hands over blocks,
 the parser turns the emitted ids back into reasoning, text and tool calls, and the server streams
 them. Only the logits are replaced: for each request the engine decodes the prompt, picks a reply
-from the script (``rank/scripted_replies.py``, format in ``docs/claude-code.md``), renders it in
+from the script (``standins/scripted_replies.py``, format in ``docs/claude-code.md``), renders it in
 the model's own output format (``reasoning</think>text\\n\\n<｜DSML｜ calls>...`` + EOS in thinking
 mode, ``text[DSML]`` + EOS in chat mode), tokenizes it with the real DeepSeek-V4 tokenizer and
 streams those ids a few per step.
@@ -49,10 +49,10 @@ from rank.engine import (
     FinishReason,
     RequestOutput,
 )
-from rank.scripted_blocks import BlockPool
-from rank.scripted_replies import PromptView, Reply, Script, load_script, render_reply
+from standins.scripted_blocks import BlockPool
+from standins.scripted_replies import PromptView, Reply, Script, load_script, render_reply
 
-logger = logging.getLogger("rank.scripted_engine")
+logger = logging.getLogger("standins.scripted_engine")
 
 BOS_ID = 0
 EOS_ID = 1

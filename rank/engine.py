@@ -3,7 +3,7 @@
 Everything above this interface (cache tiers, routing, lockstep loop, protocol, server) is the
 same code for both engines.
 
-Invariants every implementation keeps (tests in tests/rank check them on both):
+Invariants every implementation keeps (tests/engines/test_engine_contract.py checks them on each):
 
 * Blocks. A rank owns ``num_blocks`` KV blocks of ``block_size`` tokens. Block 0 is scratch and
   is never handed out, so valid ids are ``1 .. num_blocks-1``. Every block has a reference count;

@@ -49,6 +49,7 @@ from rank.engine import (
     FinishReason,
     RequestOutput,
 )
+from rank.reference_model import VOCAB_SIZE  # DeepSeek-V4's vocabulary, as every engine's
 from standins.scripted_blocks import BlockPool
 from standins.scripted_replies import PromptView, Reply, Script, load_script, render_reply
 
@@ -161,8 +162,10 @@ class ScriptedEngine(Engine):
             raise EngineMisuse("prompt_ids must be a non-empty 1-D array")
         if request.request_id in self._by_id:
             raise EngineMisuse(f"request id {request.request_id!r} is already in the engine")
+        if int(prompt.min()) < 0 or int(prompt.max()) >= VOCAB_SIZE:
+            raise EngineMisuse(f"request {request.request_id!r}: token ids must be in [0, {VOCAB_SIZE})")
         sp = request.sampling
-        reason = sampling_error(sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed)
+        reason = sampling_error(sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, VOCAB_SIZE)
         if reason is not None:  # the limits every engine shares (protocol/sampling.py)
             raise EngineMisuse(f"invalid sampling parameters: {reason}")
         prefix = list(request.prefix_blocks)

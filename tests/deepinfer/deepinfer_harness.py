@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -11,8 +9,9 @@ import torch
 
 from rank.deepinfer_adapter import DeepInferEngine
 from rank.deepinfer_settings import DeepInferSettings
-from rank.engine import EngineRequest, RequestOutput, SamplingParams
+from rank.engine import EngineRequest, SamplingParams
 from standins import fake_deepinfer
+from tests.engines.engine_kits import Transcript, drive
 
 BS = 128
 
@@ -64,50 +63,6 @@ def request(rid: str, ids: np.ndarray, max_tokens: int = 8, prefix: list[int] | 
             keep: bool = True, **sampling: Any) -> EngineRequest:
     prefix = prefix or []
     return EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens, **sampling), prefix, BS * len(prefix), keep)
-
-
-@dataclass
-class Transcript:
-    """Everything a drive produced, checked against the Engine output invariants on the way."""
-
-    outputs: dict[str, list[RequestOutput]] = field(default_factory=dict)
-    steps: int = 0
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for out in self.outputs[rid] for t in out.token_ids]
-
-    def terminal(self, rid: str) -> RequestOutput:
-        last = self.outputs[rid][-1]
-        assert last.finished, f"{rid} has no terminal output"
-        return last
-
-    def record(self, outs: list[RequestOutput]) -> None:
-        seen: set[str] = set()
-        for out in outs:
-            assert out.request_id not in seen, f"two outputs for {out.request_id} in one step"
-            seen.add(out.request_id)
-            prior = self.outputs.setdefault(out.request_id, [])
-            assert not (prior and prior[-1].finished), f"output for {out.request_id} after its terminal"
-            prior.append(out)
-
-
-def drive(engine: DeepInferEngine, transcript: Transcript | None = None, max_steps: int = 500,
-          before_step: Callable[[int], None] | None = None, until: Callable[[Transcript], bool] | None = None) -> Transcript:
-    """DeepInfer's loop as the rank worker runs it (``lockstep_has_work`` then ``step``) until idle."""
-    t = transcript or Transcript()
-    for i in range(max_steps):
-        if before_step is not None:
-            before_step(i)
-        group_has_work = engine.lockstep_has_work()
-        outs = engine.step()
-        t.steps += 1
-        t.record(outs)
-        engine.check_accounting()
-        if until is not None and until(t):
-            return t
-        if not group_has_work and not outs and not engine.has_work():
-            return t
-    raise AssertionError(f"engine still busy after {max_steps} steps")
 
 
 def cold_tokens(rid: str, ids: np.ndarray, max_tokens: int, **engine_kwargs: Any) -> list[int]:

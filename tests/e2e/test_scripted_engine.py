@@ -1,4 +1,7 @@
-"""Unit tests of the scripted stand-in model (standins/scripted_engine.py): token level and blocks."""
+"""Unit tests of the scripted stand-in model (standins/scripted_engine.py): token level and blocks.
+
+The Engine contract runs over it and the other engines in tests/engines/test_engine_contract.py.
+"""
 
 from __future__ import annotations
 
@@ -208,52 +211,6 @@ def test_prefix_mismatch_is_reported_not_answered(tok):
     assert eng.stats().num_free_blocks == eng.num_blocks - 1
 
 
-@pytest.mark.parametrize("bad", [
-    dict(prefix_blocks=[1], num_cached_tokens=BS + 1),  # count mismatch
-    dict(prefix_blocks=[0], num_cached_tokens=BS),  # scratch block
-    dict(prefix_blocks=[5], num_cached_tokens=BS),  # free block
-    dict(prefix_blocks=[999], num_cached_tokens=BS),  # out of range
-])
-def test_misuse_raises_before_any_change(tok, bad):
-    eng = make_engine(tok)
-    before = eng.stats()
-    with pytest.raises(EngineMisuse):
-        eng.add(req("a", prompt_ids(tok, ["hello"]), **bad))
-    assert eng.stats() == before and not eng.has_work()
-    eng.check_accounting()
-
-
-def test_misuse_duplicate_and_leave_one_token(tok):
-    eng = make_engine(tok)
-    p = np.arange(2, 2 + 2 * BS, dtype=np.int32)
-    eng.add(req("a", p))
-    kept = run(eng)["a"][-1].kept_blocks
-    with pytest.raises(EngineMisuse):
-        eng.add(req("b", p, prefix_blocks=kept[:2], num_cached_tokens=2 * BS))  # nothing left to compute
-    with pytest.raises(EngineMisuse):
-        eng.add(req("b", p, prefix_blocks=[kept[0], kept[0]], num_cached_tokens=2 * BS))
-    with pytest.raises(EngineMisuse):
-        eng.release([kept[0], kept[0]])  # only one cache ref
-    eng.add(req("c", p))
-    with pytest.raises(EngineMisuse):
-        eng.add(req("c", p))
-    run(eng)
-    eng.check_accounting()
-
-
-def test_abort_mid_stream_frees_everything(tok):
-    eng = make_engine(tok)
-    eng.add(req("a", prompt_ids(tok, ["What is in README.md?"])))
-    got = []
-    while not got or not any(o.token_ids for o in got):
-        got += eng.step()
-    eng.abort(["a", "unknown"])
-    outs = eng.step()
-    assert len(outs) == 1 and outs[0].finish_reason is FinishReason.ABORT and outs[0].kept_blocks == []
-    assert not eng.has_work() and eng.stats().num_free_blocks == eng.num_blocks - 1
-    eng.check_accounting()
-
-
 def test_no_capacity_alone_is_error_but_waits_behind_running(tok):
     eng = make_engine(tok, num_blocks=6)
     eng.add(req("huge", np.arange(2, 200, dtype=np.int32)))
@@ -295,19 +252,6 @@ def test_export_import_round_trip_keeps_content(tok, tmp_path):
         make_engine(tok).export_blocks(moved[:1], 0)  # no host pool
     eng.close()
     other.close()
-
-
-def test_chunked_prefill_takes_several_steps(tok):
-    eng = make_engine(tok, mnbt=40)
-    eng.add(req("a", np.arange(2, 202, dtype=np.int32)))
-    steps_without_tokens = 0
-    while True:
-        outs = eng.step()
-        if outs:
-            break
-        steps_without_tokens += 1
-        assert eng.stats().waiting_tokens > 0
-    assert steps_without_tokens == 4  # 200 tokens at 40 per step: the 5th step finishes and emits
 
 
 def test_load_script_errors_name_the_field(tmp_path: Path):

@@ -140,7 +140,7 @@ def _tokenizer(load: Callable[[], Any]) -> Any:
     return _TOKENIZER[0]
 
 
-def _native_core() -> dict[str, Any]:
+def native_core() -> dict[str, Any]:
     """DeepInfer's compiled scheduler (the DeepInfer venv, ``scripts/test_deepinfer_build.sh``)."""
     import torch.distributed as dist
 
@@ -164,7 +164,7 @@ def _deepinfer(core: str) -> Kit:
               max_model_len: int = 4096) -> Engine:
         from tests.deepinfer.deepinfer_harness import make_engine
 
-        native = _native_core() if core == "installed" else {}
+        native = native_core() if core == "installed" else {}
         return make_engine(host_slots=host_slots, num_gpu_blocks=num_blocks, **native,
                            settings_overrides={"max_model_len": max_model_len, "max_num_batched_tokens": budget,
                                                "max_num_seqs": max_num_seqs})

@@ -8,7 +8,7 @@ What runs: ``python -m deepinfer_backend serve`` with engine ``deepinfer`` (the 
 the rank group), ``--ranks`` real rank processes (``rank.worker``: the DeepInfer adapter, the
 lockstep loop) on the DeepInfer venv's interpreter, each with DeepInfer's compiled ``Scheduler``,
 ``BlockManager``, ``Sequence``, output pools and ``build_request_outputs`` (``--core installed``:
-``rank.fake_deepinfer_lockstep`` over ``scripts/build_deepinfer.sh``'s venv) and a null forward
+``standins.fake_deepinfer_lockstep`` over ``scripts/build_deepinfer.sh``'s venv) and a null forward
 (token ids from a hash, no KV, no EP collective: ``FakeOptions.null_forward``). DeepInfer's own
 vote (``has_unfinished_requests``, an all_reduce over the ranks) runs every step. The client
 (``bench.serving_bench``'s raw asyncio HTTP/1.1 streams) sends ``ranks x seqs`` streaming
@@ -126,7 +126,7 @@ def prepare(args: argparse.Namespace) -> Setup:
         "max_num_batched_tokens": 16384, "l1_cache": False, "load_timeout_seconds": 600,
         "prefill_attempt_interval": args.prefill_interval,
         "prefill_any_attempt_interval": max(args.prefill_interval, 100 * args.prefill_interval // 70),
-        "deepinfer_env": {"DIB_DEEPINFER_MODULE": "rank.fake_deepinfer_lockstep",
+        "deepinfer_env": {"DIB_DEEPINFER_MODULE": "standins.fake_deepinfer_lockstep",
                           "DIB_FAKE_DEEPINFER": json.dumps(fake), "OMP_NUM_THREADS": "1"},
     }
     config_path = tmp / "config.json"

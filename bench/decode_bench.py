@@ -65,7 +65,7 @@ OURS = ("drain", "vote", "adapter", "stats", "encode", "send", "other")
 COMPONENTS = (
     ("detokenize", ("protocol/detokenize.py",)),
     ("parse", ("protocol/parser", "protocol/events.py")),
-    ("sse emit", ("protocol/emit_", "protocol/responses_emit.py", "protocol/api.py")),
+    ("sse emit", ("protocol/emit_", "protocol/stream.py", "protocol/responses_emit.py", "protocol/api.py")),
     ("http write", ("uvicorn/", "h11/", "httptools/", "starlette/", "asyncio/selector_events.py",
                     "asyncio/transports.py", "server/app.py")),
     ("rank receive", ("rank/group.py", "rank/client.py", "rank/wire.py", "zmq/")),

@@ -71,15 +71,20 @@ class TokenTable:
 class IncrementalDetokenizer:
     """Feed ids, get text (with sentinels). Holds incomplete UTF-8 sequences across feeds."""
 
-    __slots__ = ("_table", "_sentinel", "_decoder", "_size")
+    __slots__ = ("_table", "_sentinel", "_decoder", "_size", "_plain")
 
     def __init__(self, table: TokenTable) -> None:
         self._table = table.bytes_of
         self._sentinel = table.sentinel
         self._size = table.size
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._plain = self._sentinel.keys().isdisjoint  # True: no control token among the ids
 
     def feed(self, ids: Iterable[int]) -> str:
+        if isinstance(ids, list) and ids and self._plain(ids) and min(ids) >= 0 and max(ids) < self._size:
+            # The common batch (ordinary tokens only): one pass in C instead of one Python
+            # iteration per id. Same result as the loop below.
+            return self._decode(b"".join(map(self._table.__getitem__, ids)), final=False)
         table = self._table
         sentinel = self._sentinel
         size = self._size

@@ -81,7 +81,9 @@ class ResponseStream:
         self._started = False
         self._finished = False
         self._reasoning: list[str] = []
-        self._blocks: list[tuple[int, Any]] = []  # (TEXT, str) | (TOOL, ParsedCall), in order
+        # (TEXT, [str, ...]) | (TOOL, ParsedCall), in order. A text block keeps its pieces, joined
+        # when read (``_text_blocks``): re-concatenating it per delivery is quadratic in its length.
+        self._blocks: list[tuple[int, Any]] = []
         self._calls: list[ParsedCall] = []
         self._call_ids: list[str] = []
         self._finish_reason = "stop"
@@ -133,9 +135,9 @@ class ResponseStream:
                 self._reasoning.append(payload)
             elif kind == TEXT:
                 if self._blocks and self._blocks[-1][0] == TEXT:
-                    self._blocks[-1] = (TEXT, self._blocks[-1][1] + payload)
+                    self._blocks[-1][1].append(payload)
                 else:
-                    self._blocks.append((TEXT, payload))
+                    self._blocks.append((TEXT, [payload]))
             elif kind == TOOL_START:
                 prefix = "toolu_" if self.api == "anthropic" else "call_"
                 self._call_ids.append(prefix + os.urandom(12).hex())
@@ -235,7 +237,7 @@ class ResponseStream:
             thinking=self.prepared.thinking,
             think_end=think_end,
             reasoning=self._reasoning_view() or "",
-            text_parts=tuple(p for k, p in self._blocks if k == TEXT),
+            text_parts=tuple(p for k, p in self._text_blocks() if k == TEXT),
             calls=tuple((c.name, c.arguments) for c in self._calls),
         )
         self._ledger.record(entry)
@@ -271,13 +273,13 @@ class ResponseStream:
                 self.prepared.model,
                 self._reasoning_view(),
                 self.signature,
-                self._blocks,
+                self._text_blocks(),
                 self._call_ids,
                 STOP_REASONS[reason],
                 stop_seq,
                 self._usage,
             )
-        text = "".join(p for k, p in self._blocks if k == TEXT)
+        text = self.text
         return openai_body(
             self.message_id,
             self.prepared.model,
@@ -296,7 +298,11 @@ class ResponseStream:
 
     @property
     def text(self) -> str:
-        return "".join(p for k, p in self._blocks if k == TEXT)
+        return "".join(piece for k, p in self._blocks if k == TEXT for piece in p)
+
+    def _text_blocks(self) -> list[tuple[int, Any]]:
+        """The blocks with each text block joined: (TEXT, str) | (TOOL, ParsedCall), in order."""
+        return [(k, "".join(p) if k == TEXT else p) for k, p in self._blocks]
 
     @property
     def calls(self) -> list[ParsedCall]:

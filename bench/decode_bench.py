@@ -181,16 +181,40 @@ def classify(raw: Path) -> Counter[str]:
     return counts
 
 
+def thread_cpu_s(procs: list[psutil.Process]) -> Counter[str]:
+    """CPU seconds of the processes' threads, summed by thread name (``/proc/<pid>/task/<tid>/comm``:
+    the loop's ``python``, zmq's ``ZMQbg/...``, gloo's and torch's own)."""
+    out: Counter[str] = Counter()
+    for proc in procs:
+        try:
+            main_tid = proc.pid
+            for t in proc.threads():
+                try:
+                    name = Path(f"/proc/{proc.pid}/task/{t.id}/comm").read_text().strip()
+                except OSError:
+                    continue
+                if t.id == main_tid:
+                    name = "loop thread"
+                elif name.startswith("ZMQ"):
+                    name = name.split("/")[0]
+                out[name] += t.user_time + t.system_time
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
 class CpuSampler:
     """CPU seconds of the backend and of its rank processes, sampled with the client's timeline."""
 
     def __init__(self, server: psutil.Process) -> None:
         self.server = server
         self.samples: list[tuple[float, float, float]] = []
+        self.threads: list[Counter[str]] = []  # the ranks' threads, per sample
 
     def take(self) -> None:
         own, ranks = serving_bench._cpu_s(self.server)
         self.samples.append((time.perf_counter(), own, ranks))
+        self.threads.append(thread_cpu_s(self.server.children(recursive=True)))
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -207,6 +231,14 @@ class CpuSampler:
             return 0.0, 0.0, 0.0
         a, b = inside[0], inside[-1]
         return b[0] - a[0], b[1] - a[1], b[2] - a[2]
+
+    def threads_between(self, begin_s: float, end_s: float) -> Counter[str]:
+        """The ranks' CPU seconds by thread name over the window (as ``between``)."""
+        idx = [i for i, s in enumerate(self.samples) if begin_s <= s[0] <= end_s]
+        if len(idx) < 2:
+            return Counter()
+        first, last = self.threads[idx[0]], self.threads[idx[-1]]
+        return Counter({k: last[k] - first.get(k, 0.0) for k in last if last[k] - first.get(k, 0.0) > 0})
 
 
 async def drive(url: str, streams: int, max_tokens: int, sampler: CpuSampler
@@ -302,10 +334,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         if ok:
             begin_s, end_s = max(s.first_token_s for s in ok), min(s.done_s for s in ok)
             span_s, own_s, ranks_s = sampler.between(begin_s, end_s)
+            threads_s = sampler.threads_between(begin_s, end_s)
             rate = figures["steady_tokens_per_s"]
             window = "steady window"
             if span_s <= 0 or math.isnan(rate):  # no steady window (or no rate in it): the whole run
                 span_s, own_s, ranks_s = sampler.between(start_s, max(s.done_s for s in ok))
+                threads_s = sampler.threads_between(start_s, max(s.done_s for s in ok))
                 rate, window = figures["output_tokens"] / max(span_s, 1e-9), "whole run"
             tokens = rate * span_s
             figures.update({"backend_cpu_us_per_token": 1e6 * own_s / max(tokens, 1),
@@ -313,6 +347,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             print(f"CPU over {span_s:.1f} s ({window}): backend "
                   f"{figures['backend_cpu_us_per_token']:.1f} us/token, ranks "
                   f"{figures['ranks_cpu_us_per_token']:.1f} us/token (all ranks)")
+            if threads_s:
+                per_step = {name: 1e6 * sec * args.seqs / max(tokens, 1) for name, sec in threads_s.most_common()}
+                figures.update({f"rank_thread_{name}_us_per_step": us for name, us in per_step.items()})
+                print("rank process CPU per step by thread: "
+                      + ", ".join(f"{n} {us:.0f} us" for n, us in per_step.items()))
     finally:
         if spy is not None:
             stop_process(spy, signal.SIGINT, 30)

@@ -9,6 +9,9 @@
 * **Retire** (``evicted`` + ``retire``): blocks an admission or a growing reply evicted are
   written to L1 where it lacks their session's chain, then released.
 * **Move** (``move``): a session handed to another rank goes through L1.
+* **L2** (issue 19, ``cache/kv_tier.py``): every committed L1 write is spilled to disk
+  (write-behind); a restore whose blocks L1 lacks fills the session's L1 entry from disk first;
+  ``flush_to_l2`` writes idle sessions out at a graceful stop.
 
 One write per session at a time (a later one waits for the earlier and copies only what that did
 not). Transfers check the epoch after every await: a restart voids what they carried.
@@ -74,10 +77,14 @@ class L1Transfers:
         s = self._s
         rank, epoch = adm.rank, adm.epoch
         entry, m1 = s.l1.match(hashes)
+        started = s.clock()
+        num_l2 = 0
+        if m1 < first + count and s.l2 is not None:  # disk -> host first; a short fill restores less
+            entry, m1, num_l2 = await self._fill_from_l2(adm, hashes, first, count)
+            count = min(count, m1 - first)
         ok = False
-        if entry is not None and m1 >= first + count:
+        if entry is not None and count > 0 and m1 >= first + count:
             s.l1.begin_read(entry)
-            started = s.clock()
             try:
                 ids = await self.import_blocks(rank, entry.start_slot + first, count, epoch)
             except RANK_ERRORS as exc:
@@ -93,16 +100,31 @@ class L1Transfers:
                 idx.acquire(hashes[: first + count], adm.session_id, s.clock())  # move the pin
                 idx.release_uses(hashes[:first])
                 adm.num_used_blocks = first + count
-                adm.cached_tokens_by_tier[Tier.L1] = count * s.block_size
+                adm.cached_tokens_by_tier[Tier.L1] = (count - num_l2) * s.block_size
+                adm.cached_tokens_by_tier[Tier.L2] = num_l2 * s.block_size
                 ok = True
                 if s.metrics is not None:
                     s.metrics.restored_tokens.inc(count * s.block_size)
                     s.metrics.restore_seconds.observe(adm.restore_s)
-        if ok:  # filed in the index now
+        if ok:  # filed in the index now (blocks a short fill did not restore stay reserved)
             if s.epoch == epoch:
                 s.ledgers[rank].reserved_blocks -= count
             adm.reserved_blocks -= count
         return ok
+
+    async def _fill_from_l2(
+        self, adm: Admission, hashes: list[BlockHash], first: int, count: int
+    ) -> tuple[L1Entry | None, int, int]:
+        """Make the session's L1 entry hold ``hashes[:first+count]`` from disk. Returns (the
+        entry, the blocks it holds, how many of blocks ``first .. first+count`` came from disk)."""
+        s = self._s
+        assert s.l2 is not None
+        if not await self._wait_write(adm.session_id, adm.epoch):
+            return None, 0, 0
+        fill = await s.l2.fill(adm.session_id, hashes, first + count, s.clock(), s.l1_score)
+        if s.epoch != adm.epoch or fill.entry is None:
+            return None, 0, 0
+        return fill.entry, fill.num_blocks, fill.loaded_within(first, count)
 
     async def import_blocks(self, rank: int, host_slot: int, count: int, epoch: int) -> list[int]:
         """``import_blocks`` that rides out blocks the engine still holds for a moment: releases
@@ -277,6 +299,8 @@ class L1Transfers:
                 idx.release_uses(pinned)
         if ok:
             s.l1.commit(plan, s.clock())
+            if s.l2 is not None:  # write-behind: an L1 eviction then drops nothing L2 lacks
+                s.tasks.spawn(s.l2.spill(plan.entry.session_id))
             if s.metrics is not None:
                 s.metrics.written_blocks.inc(len(ids))
                 s.metrics.written_bytes.inc(len(ids) * s.client.bytes_per_block)
@@ -391,6 +415,21 @@ class L1Transfers:
         if s.metrics is not None:
             s.metrics.sessions_moved.inc()
         return True
+
+    async def flush_to_l2(self) -> None:
+        """A graceful stop: each idle session's chain that L2 lacks goes through L1 to disk,
+        soonest expected back first (the caller bounds the time)."""
+        s = self._s
+        assert s.l2 is not None
+        epoch = s.epoch
+        for session in sorted(s.sessions, key=lambda x: s.l1_score(x.session_id)):
+            rank = session.home_rank
+            if rank is None or session.num_in_flight or s.epoch != epoch:
+                continue
+            chain = self.session_chain(rank, session)
+            if chain and s.l2.match(chain) < len(chain) and await self.write_through(rank, session.session_id,
+                                                                                     chain, epoch):
+                await s.l2.spill(session.session_id)
 
     def session_chain(self, rank: int, session: Session) -> list[BlockHash]:
         """The session's longest chain filed on ``rank`` (ending at one of its tails)."""

@@ -26,12 +26,15 @@ ledger (``releases.py``), the output room (``output_room.py``), the restart sync
 Accounting (``check_balance`` asserts it once quiescent): per rank, blocks filed in the L0 index
 == blocks the engine holds a cache ref on; ``reserved_blocks`` == the sum over open admissions
 of the blocks they may still allocate; no use refs without an open admission; L1 slots in use ==
-the extents of its entries. A rank restart (new epoch) forgets every L0 and L1 entry, and
-admissions of the old epoch are closed without touching the new engines.
+the extents of its entries. A rank restart (new epoch) forgets every L0 entry (L1's committed
+entries outlive it), and admissions of the old epoch are closed without touching the new engines.
+With an L2 store (``l2``), L1 writes spill to disk and restores fill L1 from it
+(``cache/kv_tier.py``); ``close`` writes idle sessions out at a graceful stop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -45,6 +48,7 @@ from cache.eviction import EvictionPolicy
 from cache.gauges import CacheGauges
 from cache.hashing import BlockHash, ChainHasher, as_token_array
 from cache.idle_load import IdleLoad
+from cache.kv_tier import KVTier, TierLink
 from cache.l0_index import L0Index
 from cache.l1_index import L1Index
 from cache.l1_transfers import L1Transfers
@@ -74,6 +78,7 @@ class CacheManager:
         metrics: CacheMetrics | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        l2: KVTier | None = None,
     ) -> None:
         # prefix_cache_supported: only the DeepInfer group may say False (no prefix-cache patch).
         if config.prefix_cache and getattr(client, "prefix_cache_supported", True) is False:
@@ -88,6 +93,8 @@ class CacheManager:
         self.num_ranks = client.num_ranks
         self.state = state = CacheState(client, config, metrics, clock)
         self.hasher = ChainHasher(client.block_size, config.hash_salt.encode())
+        if l2 is not None and config.prefix_cache:  # L2 below L1 (issue 19; ``cache/kv_tier.py``)
+            state.l2 = TierLink(state.l1, l2, self.hasher.root)
         self.router = Router(config.router(), client.block_size)
         self.transfers = L1Transfers(state)
         self.planner = AdmitPlanner(state, self.transfers)
@@ -342,6 +349,23 @@ class CacheManager:
             return dst == session.home_rank
         chain = self.transfers.session_chain(session.home_rank, session)
         return await self.transfers.move(session, session.home_rank, dst, chain, len(chain))
+
+    async def close(self, flush_s: float = 30.0) -> None:
+        """Graceful stop (the runtime calls it before it stops the ranks): with L2 on, idle
+        sessions only on a GPU go through L1 to disk for at most ``flush_s``, so the next
+        backend start with the same ``l2_dir`` restores them."""
+        l2 = self.state.l2
+        if l2 is None or not self.l1_enabled:
+            return
+        await self.drain()
+        started = self.state.clock()
+        try:
+            await asyncio.wait_for(self.transfers.flush_to_l2(), flush_s)
+        except asyncio.TimeoutError:
+            log.warning("L2 flush at stop cut off after %.0f s: the remaining sessions restart cold", flush_s)
+        await self.drain()
+        log.info("L2 at stop: %d blocks spilled by this backend; flush took %.1f s",
+                 l2.counters.spilled_blocks, self.state.clock() - started)
 
     async def drain(self) -> None:
         """Wait for background work (releases, write-throughs, prefetches) to finish."""

@@ -33,7 +33,7 @@ class AdmitPlan:
 
     rank: int
     num_l0: int  # prefix blocks resident on the rank (pinned at commit)
-    num_restore: int  # further prefix blocks to import from L1
+    num_restore: int  # further prefix blocks to import from L1 (filled from L2 first if need be)
     need: int  # blocks to reserve: the sequence's own blocks + the restored ones
     num_free: int  # blocks the planner may take on the rank now (negative when overcommitted)
 
@@ -66,7 +66,8 @@ class AdmitPlanner:
         s = self._s
         m0 = s.l0[rank].match(hashes)
         m1 = s.l1.match(hashes)[1] if s.l1_enabled else 0
-        usable = usable_prefix_blocks(max(m0, m1), num_prompt_tokens, s.block_size) if s.config.prefix_cache else 0
+        m2 = s.l2.match(hashes) if s.l2 is not None and s.l1_enabled else 0  # restored through L1
+        usable = usable_prefix_blocks(max(m0, m1, m2), num_prompt_tokens, s.block_size) if s.config.prefix_cache else 0
         num_l0 = min(m0, usable)
         return AdmitPlan(rank=rank, num_l0=num_l0, num_restore=usable - num_l0, need=total_blocks - num_l0,
                          num_free=s.plannable_free_blocks(rank))

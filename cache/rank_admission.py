@@ -87,7 +87,8 @@ class RankAdmitter:
             await self._restore(adm, hashes, plan.num_l0, plan.num_restore)
         adm.prefix_blocks = s.l0[rank].block_ids(hashes[: adm.num_used_blocks])
         adm.num_cached_tokens = adm.num_used_blocks * bs
-        adm.cached_tokens_by_tier[Tier.L0] = adm.num_cached_tokens - adm.cached_tokens_by_tier[Tier.L1]
+        by_tier = adm.cached_tokens_by_tier
+        by_tier[Tier.L0] = adm.num_cached_tokens - by_tier[Tier.L1] - by_tier[Tier.L2]
         return adm
 
     def close(self, adm: Admission) -> bool:

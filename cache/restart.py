@@ -1,9 +1,10 @@
 """The rank group's lifecycle as the cache sees it: restarts, the host pool, L1 on or off.
 
 * **Restart** (``RestartSync.on_restart``, a restart listener on the ``RankClient``): a new epoch
-  means every block id and host slot of the old one is gone, so every L0 and L1 entry is dropped,
-  the ledgers start over, and admissions of the old epoch are closed without touching the new
-  engines (``CacheManager`` checks the epoch).
+  means every GPU block id of the old one is gone, so every L0 entry is dropped, the ledgers
+  start over, and admissions of the old epoch are closed without touching the new engines
+  (``CacheManager`` checks the epoch). L1's committed entries are kept: the host pool outlives
+  the ranks (issue 19; ``CacheState.reset``), so a session's next turn restores from L1.
 * **Host pool** (``sync_l1``): the pool is allocated without blocking startup, so L1 turns on
   when the group reports host slots (checked at every admission until then).
 * **Unsupported** (``disable_l1_if_unsupported``): an engine that cannot copy blocks to or from
@@ -38,6 +39,7 @@ def sync_l1(state: CacheState) -> None:
         reason = "the rank group has no L1 host pool (yet)"
     else:
         state.l1.resize(slots)
+        state.l1_geometry = (slots, state.client.bytes_per_block)
         state.l1_off_reason = None
         log.info("L1 on: %d host slots of %d B", slots, state.client.bytes_per_block)
         return
@@ -63,9 +65,10 @@ class RestartSync:
 
     def on_restart(self, new_epoch: int) -> None:
         state = self._state
-        log.warning("rank group restarted (epoch %d -> %d): dropping every L0 and L1 entry",
-                    state.epoch, new_epoch)
-        state.reset(new_epoch)
+        old_epoch = state.epoch
+        kept = state.reset(new_epoch)
+        log.warning("rank group restarted (epoch %d -> %d): dropped every L0 entry, kept %d L1 entries",
+                    old_epoch, new_epoch, kept)
         for reset in self._resets:
             reset()
         state.l1_off_reason = "not started"

@@ -6,9 +6,9 @@ planner (``planner.py``), the L1 transfers (``l1_transfers.py``), the release le
 (``releases.py``), the output room (``output_room.py``) and the restart sync (``restart.py``).
 They all plan on the same state, held here; none of them reads another's private fields.
 
-A rank restart (new epoch) replaces the ledgers and empties the indexes (``reset``): every
-block id and host slot of the old epoch is gone, and work of the old epoch checks ``epoch``
-after each await before it touches the state.
+A rank restart (new epoch) replaces the ledgers and empties the L0 index (``reset``): every
+block id of the old epoch is gone; L1's committed entries stay (the host pool outlives the
+ranks). Work of the old epoch checks ``epoch`` after each await before it touches the state.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from cache.config import CacheConfig
 from cache.eviction import EvictionPolicy
 from cache.idle_load import IdleLoad
 from cache.l0_index import L0Index, RankIndex
+from cache.kv_tier import TierLink
 from cache.l1_index import L1Index
 from cache.metrics import CacheMetrics
 from cache.releases import ReleaseLedger
@@ -92,6 +93,8 @@ class CacheState:
         self.l0 = L0Index(client.num_ranks)
         self.l1 = L1Index(0, config.l1_headroom_fraction, config.l1_min_headroom_blocks)
         self.l1_off_reason: str | None = "not started"  # None: L1 on (``restart.py`` decides)
+        self.l1_geometry = (0, 0)  # (host slots, bytes per block) L1 was adopted with
+        self.l2: TierLink | None = None  # L1 <-> the disk tier, when configured (``kv_tier.py``)
         self.policy = EvictionPolicy(self.sessions, self._is_l1_backed, config.protect_s)
         self.queue = AdmissionQueue(client.num_ranks, config.admission(), clock)
         self.epoch = client.epoch
@@ -144,16 +147,23 @@ class CacheState:
         session = self.sessions.get(sid)
         return float("inf") if session is None else session.expected_wait_s(self.clock())
 
-    def reset(self, new_epoch: int) -> None:
-        """The rank group restarted: forget every block and host slot of the old epoch."""
+    def reset(self, new_epoch: int) -> int:
+        """The rank group restarted: forget every GPU block of the old epoch. The host pool
+        outlives the ranks (``rank/group.py`` keeps its file), so L1's committed entries stay
+        when the pool's geometry is unchanged (copies in flight are void). Returns them."""
         self.epoch = new_epoch
         for idx in self.l0.ranks:
             idx.remove_all()
-        self.l1.clear()
+        kept = 0
+        if self.l1_enabled and (self.client.num_host_slots, self.client.bytes_per_block) == self.l1_geometry:
+            kept = self.l1.keep_across_restart()
+        else:
+            self.l1.clear()
         self.sessions.clear_placement()
         self.idle.clear()
         self.ledgers = self._new_ledgers()
         self.releases.reset()
+        return kept
 
     def _new_ledgers(self) -> list[RankLedger]:
         return [RankLedger(max(0, self.client.num_blocks - 1)) for _ in range(self.num_ranks)]

@@ -37,14 +37,16 @@ class Tier(str, enum.Enum):
 
     L0 = "l0"  # resident on the rank's GPU
     L1 = "l1"  # restored from the shared host pool
+    L2 = "l2"  # read from disk into the host pool, then restored (``cache/kv_tier.py``)
 
 
 @dataclass(slots=True)
 class TierTokens:
-    """Cached prompt tokens of one turn by tier (both count as cached tokens in usage)."""
+    """Cached prompt tokens of one turn by tier (all count as cached tokens in usage)."""
 
     l0: int = 0
     l1: int = 0
+    l2: int = 0
 
     def __getitem__(self, tier: Tier) -> int:
         return int(getattr(self, Tier(tier).value))

@@ -70,6 +70,11 @@ class LocalRankGroup:
         return cls(lambda rank: make_engine(config, rank, host_pool), n, host_pool=host_pool, host_pool_path=path,
                    step_s=step_s)
 
+    @property
+    def host_pool_path(self) -> str | None:
+        """The pool's file (``RankGroup`` has the same attribute); it outlives ``restart``."""
+        return self.host_pool.path if self.host_pool is not None else None
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:

@@ -113,7 +113,11 @@ def test_manager_abort_and_double_close_release_everything() -> None:
     asyncio.run(main())
 
 
-def test_manager_restart_drops_every_entry() -> None:
+def test_manager_restart_drops_l0_and_keeps_l1() -> None:
+    """Issue 19 item 1: a restart kills GPU block ids only. L1's committed copies survive (the
+    host pool outlives the ranks), so the session's next turn restores from L1 instead of
+    recomputing (before: every entry dropped, ``num_cached_tokens == 0`` after a restart)."""
+
     async def main() -> None:
         group = await make_group(num_blocks=96, num_ranks=2)
         mgr, _ = make_manager(group, l1_write_watermark=0.0)
@@ -121,13 +125,17 @@ def test_manager_restart_drops_every_entry() -> None:
         try:
             first = await run_turn(mgr, group, tokens(rng, 64), "a")
             await mgr.drain()
-            assert mgr.l0.num_blocks() > 0 and mgr.l1.entries
+            assert mgr.l0.num_blocks() > 0 and len(mgr.l1.entries) == 1
+            num_l1_blocks = len(next(iter(mgr.l1.entries.values())).hashes)
             adm = await mgr.admit(next_prompt(first, tokens(rng, 5)), "a", 8)
             await group.restart("test kill")
-            assert mgr.l0.num_blocks() == 0 and not mgr.l1.entries and mgr.epoch == group.epoch
+            assert mgr.l0.num_blocks() == 0 and mgr.epoch == group.epoch
+            assert len(mgr.l1.entries) == 1 and mgr.l1.alloc.num_used_slots > 0
             mgr.abort(adm)  # an admission of the dead epoch closes without touching new engines
             again = await run_turn(mgr, group, next_prompt(first, tokens(rng, 5)), "a")
-            assert again.admission.num_cached_tokens == 0
+            by_tier = again.admission.cached_tokens_by_tier
+            assert by_tier[Tier.L0] == by_tier[Tier.L2] == 0
+            assert by_tier[Tier.L1] == again.admission.num_cached_tokens >= (num_l1_blocks - 1) * BLOCK_SIZE
             await settle(mgr, group)
         finally:
             await group.close()

@@ -79,6 +79,7 @@ class Runtime:
         self.app = create_app(self.state)
         self.group: Any = None
         self.cache: Any = None
+        self.l2: Any = None  # the L2 store (server/kv_disk.py), when l2_dir and l2_gb are set
         self.protocol: Any = None
         self.service: ChatService | None = None
         self._preflight = preflight_report
@@ -108,7 +109,7 @@ class Runtime:
             log.info("rank group ready: %d %s rank(s), %d blocks of %d tokens each (%.1f s)",
                      self.group.num_ranks, cfg.engine, self.group.num_blocks, self.group.block_size,
                      time.monotonic() - started_s)
-            self.cache = self._build_cache()
+            self.cache = await self._build_cache()
             self.service = ChatService(self.protocol, self.cache, self.group, self.metrics, cfg,
                                        self.symptoms)
             self.state.protocol, self.state.service = self.protocol, self.service
@@ -150,6 +151,9 @@ class Runtime:
         if self.group is not None:
             await self.group.close()
             self.group = None
+        if self.l2 is not None:
+            self.l2.close()
+            self.l2 = None
         for persisted in self._persisted:
             persisted.close()
         self._persisted = []
@@ -168,9 +172,6 @@ class Runtime:
             from server.persist import open_protocol_state
 
             ledger, self._persisted = open_protocol_state(cfg.l2_dir, cfg.model_name, tokenizer)
-        if cfg.l2_dir and cfg.l2_gb > 0:
-            log.warning("l2_gb is set, but KV does not spill to disk yet (issue 19 phase 2); only the "
-                        "ledger and tokenization cache persist under %s", cfg.l2_dir)
         return Protocol(tokenizer, ledger, cfg.served_model_names, cfg.max_model_len)
 
     def _build_group(self) -> Any:
@@ -185,12 +186,14 @@ class Runtime:
 
         return RankGroup(self.config.rank_config())
 
-    def _build_cache(self) -> Any:
+    async def _build_cache(self) -> Any:
         from cache.manager import CacheManager
         from cache.metrics import CacheMetrics
+        from server.kv_disk import open_l2
 
-        return CacheManager(self.group, self.config.cache_config(),
-                            CacheMetrics(self.metrics.registry))
+        config = self.config.cache_config()
+        self.l2 = await open_l2(self.config, self.group, config.hash_salt)
+        return CacheManager(self.group, config, CacheMetrics(self.metrics.registry), l2=self.l2)
 
     async def _start_http(self) -> None:
         cfg = self.config

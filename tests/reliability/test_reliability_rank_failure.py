@@ -47,12 +47,12 @@ def _check(report: FaultReport) -> None:
     assert report.healthz_states[-1] == "200:ready"
     assert report.epoch_after == report.epoch_before + 1
     assert report.serves_after_restart
-    # nothing of the dead epoch survived in L0/L1; the new epoch's index equals the engines'
+    # nothing of the dead epoch survived in L0; the new epoch's index equals the engines'. (L1's
+    # committed copies do survive: tests/e2e/test_warm_restart.py; this load never writes L1.)
     assert sum(report.sizes_before_fault["l0_blocks"]) > 0, "warm-up filed nothing: weak test"
     restart = report.sizes_at_restart
     assert restart, "the restart listener never ran"
     assert restart["l0_blocks"] == [0] * NUM_RANKS
-    assert restart["l1_entries"] == 0 and restart["l1_used_slots"] == 0
     assert restart["cache_epoch"] == restart["epoch"] == report.epoch_after
     after = report.sizes_after_settle
     assert after["l0_blocks"] == after["engine_cached_blocks"]

@@ -1,0 +1,62 @@
+"""L2 for the runtime: the disk store the cache spills KV to, built once the rank group is up.
+
+``l2_dir`` + ``l2_gb`` > 0 turn it on (``<l2_dir>/kv``, bounded by ``l2_gb``, lowered to what
+the disk has free: ``cache/l2_store.py``). It needs the L1 host pool: the store moves blocks
+between the pool's slots (the ``/dev/shm`` file the ranks map, mapped here too) and disk. The
+index is rebuilt from the files at start, so a new backend process with the same ``l2_dir``
+restores the sessions an earlier one spilled; the stamp keeps another model's or another
+layout's KV out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from cache.host_slots import HostSlots
+from cache.l2_format import L2Stamp
+from cache.l2_store import L2Store
+from server.config import WorkloadConfig
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def kv_layout(config: WorkloadConfig) -> str:
+    """What a KV row means besides the model name and geometry: the engine's weights and dtype.
+    Equal strings <=> interchangeable bytes (with equal ``hash_salt``, block size and row size)."""
+    if config.engine == "reference":
+        dtype = "float32" if not config.reference_device.startswith("cuda") else "bfloat16"
+        weights = config.reference_weights or "seeded-random"
+        return f"reference:{config.reference_model}:{dtype}:{weights}"
+    model_dir = config.resolved_model_dir()
+    return f"{config.engine}:{model_dir if model_dir is not None else '-'}"
+
+
+def l2_off_reason(config: WorkloadConfig, group: Any) -> str | None:
+    if not config.l2_dir or config.l2_gb <= 0:
+        return "l2_dir unset or l2_gb 0"
+    if not (config.prefix_cache and config.l1_cache):
+        return "it needs prefix_cache and l1_cache"
+    if not getattr(group, "host_pool_path", None) or group.num_host_slots <= 0 or group.bytes_per_block <= 0:
+        return "the rank group has no L1 host pool to move blocks through"
+    return None
+
+
+async def open_l2(config: WorkloadConfig, group: Any, hash_salt: str) -> L2Store | None:
+    """The L2 store over ``group``'s host pool, its index rebuilt from ``<l2_dir>/kv`` (in a
+    thread: one header read per file). None, with a log line, when L2 is off."""
+    reason = l2_off_reason(config, group)
+    if reason is not None:
+        if config.l2_dir and config.l2_gb > 0:
+            log.warning("L2 (KV on disk) off: %s", reason)
+        return None
+    assert config.l2_dir is not None
+    host = HostSlots.map_file(group.host_pool_path, group.bytes_per_block, group.num_host_slots)
+    stamp = L2Stamp(hash_salt, group.block_size, group.bytes_per_block, kv_layout(config))
+    store = L2Store(os.path.join(config.l2_dir, "kv"), int(config.l2_gb * GIB), stamp, host)
+    await asyncio.to_thread(store.open)
+    return store

@@ -1,0 +1,143 @@
+"""Issue 19: sessions stay warm across a rank SIGKILL (from L1) and a full backend restart (from L2).
+
+Real pieces: ``python -m deepinfer_backend serve`` as a subprocess (the product's entry point),
+its ``RankGroup`` of 2 CPU rank processes with the reference engine (``null`` model by default,
+``WARM_MODEL=tiny`` for the torch model), requests over real HTTP. A session's first turn is
+~2,400 prompt tokens; its second turn repeats the first (with the reply) and adds a question.
+The cached share of the second turn's prompt comes from the API's own usage
+(``prompt_tokens_details.cached_tokens``), the tier from the ``deepinfer_cached_tokens_total``
+metric. Run with ``-s`` to print the figures (times are printed, never asserted).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.reliability.bodies import filler_text
+from tests.e2e.e2e_harness import API_KEY, Backend
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = os.environ.get("WARM_MODEL", "null")
+
+
+def _config(l2_dir: Path | None = None) -> dict[str, Any]:
+    # 160 blocks of 16 tokens per rank: one ~2,400-token session fills over half of a rank's
+    # pool, past l1_write_watermark (0.5), so its finished turn is written through to L1.
+    raw: dict[str, Any] = {
+        "engine": "reference", "reference_model": MODEL, "block_size": 16, "reference_num_blocks": 256,
+        "max_model_len": 3800, "max_num_batched_tokens": 4096, "l1_host_gb": 0.02,
+    }
+    if l2_dir is not None:
+        raw.update(l2_dir=str(l2_dir), l2_gb=0.5)
+    return raw
+
+
+def _chat(backend: Backend, messages: list[dict[str, str]]) -> tuple[dict[str, Any], float]:
+    started = time.perf_counter()
+    r = httpx.post(f"{backend.base_url}/v1/chat/completions", timeout=300,
+                   headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": "default", "messages": messages, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json(), time.perf_counter() - started
+
+
+def _first_turn(backend: Backend, seed: int) -> tuple[list[dict[str, str]], dict[str, Any], float]:
+    messages = [{"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": filler_text(seed, 1800)}]
+    body, took = _chat(backend, messages)
+    reply = body["choices"][0]["message"]["content"] or ""
+    return messages + [{"role": "assistant", "content": reply}], body["usage"], took
+
+
+def _next_turn(backend: Backend, history: list[dict[str, str]]) -> tuple[dict[str, Any], float]:
+    body, took = _chat(backend, history + [{"role": "user", "content": "And the tests?"}])
+    return body["usage"], took
+
+
+def _cached_share(usage: dict[str, Any]) -> float:
+    return usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"]
+
+
+def _tier_tokens(backend: Backend, tier: str) -> float:
+    return backend.metrics().get(f'deepinfer_cached_tokens_total{{tier="{tier}"}}', 0.0)
+
+
+def _wait_restarted(backend: Backend, old_pids: list[int], timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = set(backend.rank_pids())
+        if len(pids) == len(old_pids) and not pids & set(old_pids) and backend.health().get("status") == "ready":
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the rank group did not come back: {backend.health()}")
+
+
+def _wait_l1_written(backend: Backend, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if backend.metric_sum("deepinfer_cache_l1_written_blocks_total") > 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the first turn was never written through to L1")
+
+
+@pytest.fixture
+def backends(tmp_path: Path) -> Iterator[list[Backend]]:
+    started: list[Backend] = []
+    yield started
+    for backend in started:
+        backend.stop()
+
+
+def _start(backends: list[Backend], tmp_path: Path, config: dict[str, Any]) -> Backend:
+    script = tmp_path / "unused-script.txt"
+    script.write_text("")
+    backend = Backend.start(script, ranks=2, config=config, timeout_s=300)
+    backends.append(backend)
+    return backend
+
+
+def test_next_turn_after_a_rank_sigkill_restores_from_l1(tmp_path: Path, backends: list[Backend]) -> None:
+    backend = _start(backends, tmp_path, _config())
+    history, first, cold_s = _first_turn(backend, seed=1)
+    _wait_l1_written(backend)
+    pids = backend.rank_pids()
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGKILL)
+    _wait_restarted(backend, pids)
+    l1_before = _tier_tokens(backend, "l1")
+    usage, warm_s = _next_turn(backend, history)
+    share = _cached_share(usage)
+    print(f"\nrank SIGKILL -> next turn: {usage['prompt_tokens_details']['cached_tokens']} of "
+          f"{usage['prompt_tokens']} prompt tokens cached ({share:.1%}), "
+          f"{_tier_tokens(backend, 'l1') - l1_before:.0f} from L1; turn {warm_s:.2f} s "
+          f"(first turn, cold: {cold_s:.2f} s for {first['prompt_tokens']} tokens) [{MODEL}]")
+    assert share >= 0.9
+    assert _tier_tokens(backend, "l1") - l1_before >= 0.9 * usage["prompt_tokens"]
+
+
+def test_next_turn_after_a_full_backend_restart_restores_from_l2(tmp_path: Path, backends: list[Backend]) -> None:
+    l2_dir = tmp_path / "l2"
+    backend = _start(backends, tmp_path, _config(l2_dir))
+    history, first, cold_s = _first_turn(backend, seed=2)
+    backend.stop()  # SIGTERM: a graceful stop (a redeploy); the process exits
+    assert backend.proc.returncode is not None
+    assert any(name.endswith(".kv") for name in os.listdir(l2_dir / "kv"))
+    again = _start(backends, tmp_path, _config(l2_dir))
+    usage, warm_s = _next_turn(again, history)
+    share = _cached_share(usage)
+    l2_tokens = _tier_tokens(again, "l2")
+    print(f"\nfull backend restart -> next turn: {usage['prompt_tokens_details']['cached_tokens']} of "
+          f"{usage['prompt_tokens']} prompt tokens cached ({share:.1%}), {l2_tokens:.0f} from L2; "
+          f"turn {warm_s:.2f} s (first turn, cold: {cold_s:.2f} s for {first['prompt_tokens']} tokens) [{MODEL}]")
+    assert share >= 0.9
+    assert l2_tokens >= 0.9 * usage["prompt_tokens"]

@@ -24,8 +24,8 @@ from cache.admission import AdmissionQueue
 from cache.config import CacheConfig
 from cache.eviction import EvictionPolicy
 from cache.idle_load import IdleLoad
-from cache.l0_index import L0Index, RankIndex
 from cache.kv_tier import TierLink
+from cache.l0_index import L0Index, RankIndex
 from cache.l1_index import L1Index
 from cache.metrics import CacheMetrics
 from cache.releases import ReleaseLedger

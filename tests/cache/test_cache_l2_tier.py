@@ -35,6 +35,14 @@ SALT = "reference:test"
 NULL_STAMP = L2Stamp(SALT, BLOCK_SIZE, kv_bytes_per_block(MODEL_SPECS["null"], BLOCK_SIZE, torch.float32), "null")
 
 
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
 def _stamp(group: LocalRankGroup, layout: str = "null") -> L2Stamp:
     return L2Stamp(SALT, group.block_size, group.bytes_per_block, layout)
 
@@ -118,11 +126,7 @@ def test_a_corrupted_extent_through_the_manager_restores_the_verified_prefix(
         (name,) = [n for n in os.listdir(tmp_path) if n.endswith(".kv")]
         path = str(tmp_path / name)
         header, _, _ = read_header(path, NULL_STAMP)
-        with open(path, "r+b") as f:  # flip one byte of chain block 10
-            f.seek(header.payload_offset + 10 * NULL_STAMP.bytes_per_block + 3)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x5A]))
+        _flip_byte(path, header.payload_offset + 10 * NULL_STAMP.bytes_per_block + 3)  # in chain block 10
         follow = next_prompt(first, tokens(rng, 7))
         with caplog.at_level(logging.WARNING, logger="cache.l2_store"):
             again, store = await _second_life(tmp_path, follow)

@@ -83,7 +83,7 @@ def test_corrupted_block_cuts_the_restore_and_drops_the_extent(tmp_path, caplog)
     data = fill(store.host, 0, 30, seed=5)
     run(store.save(c[:12], HASHER.root, 0))
     run(store.save(c, HASHER.root, 0))  # second extent holds blocks 12..29
-    second = [n for n in files(d) if f"-{18}-" in n][0]
+    second = next(n for n in files(d) if "-18-" in n)
     header, _, _ = read_header(os.path.join(d, second), STAMP)
     with open(os.path.join(d, second), "r+b") as f:  # flip one byte of chain block 20
         f.seek(header.payload_offset + (20 - 12) * ODD_BPB + 77)

@@ -50,10 +50,10 @@ def test_pool_bytes_survive_a_rank_sigkill() -> None:
     import signal
 
     import numpy as np
+    from rank_stream_helpers import collect
 
     from rank.engine import EngineRequest, SamplingParams
     from rank.group import RankGroup
-    from rank_stream_helpers import collect
     from server.config import WorkloadConfig
 
     config = WorkloadConfig(reference_model="null", ep=2, block_size=16, reference_num_blocks=64,

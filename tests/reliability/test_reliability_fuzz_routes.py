@@ -1,9 +1,10 @@
 """Issue 7 item 3: bad input on every route, property-based and schema-driven.
 
-At least 5,000 generated requests per route (RELIABILITY_FUZZ_EXAMPLES overrides), driven
+300 generated requests per route in the default suite, the full 5,000 per route under
+``-m slow`` (the ``[full-...]`` cases; RELIABILITY_FUZZ_EXAMPLES overrides both), driven
 in-process through the ASGI app (``httpx.ASGITransport``) of a real ``Runtime`` whose ranks are
 in-process (``LocalRankGroup``) and run the scripted stand-in model, so a request that happens to
-be valid is really served. A smaller run goes over real HTTP. The rule (``check_answer``): never a
+be valid is really served. A smaller run goes over real HTTP (100 per route; 300 under ``-m slow``). The rule (``check_answer``): never a
 5xx, never a hang (30 s per request), every error in the route's own shape with a message that
 says what is wrong; request bodies over ``max_body_bytes`` get 413.
 """
@@ -26,8 +27,12 @@ from hypothesis import HealthCheck, given, settings
 from bench.reliability.fuzz import CHAT_ROUTES, GET_ROUTES, FuzzCase, case_strategy, check_answer, deep_dict
 from bench.reliability.runtime_thread import RuntimeThread
 
-NUM_EXAMPLES = int(os.environ.get("RELIABILITY_FUZZ_EXAMPLES", "5000"))
-NUM_HTTP_EXAMPLES = int(os.environ.get("RELIABILITY_FUZZ_HTTP_EXAMPLES", "300"))
+_OVERRIDE = os.environ.get("RELIABILITY_FUZZ_EXAMPLES")
+NUM_EXAMPLES = int(_OVERRIDE or 300)  # the default suite: a few hundred per route
+NUM_EXAMPLES_FULL = int(_OVERRIDE or 5000)  # -m slow: the volume issue 7 asks for
+_HTTP_OVERRIDE = os.environ.get("RELIABILITY_FUZZ_HTTP_EXAMPLES")
+NUM_HTTP_EXAMPLES = int(_HTTP_OVERRIDE or 100)
+NUM_HTTP_EXAMPLES_FULL = int(_HTTP_OVERRIDE or 300)
 MAX_MODEL_LEN = 2048
 MAX_BODY_BYTES = 64 * 1024
 SCRIPT = {"description": "fuzz", "tokens_per_step": 8, "replies": [{"name": "any", "text": "ok."}]}
@@ -84,8 +89,8 @@ def driver(rt: RuntimeThread) -> Iterator[Driver]:
     rt.call(d.client.aclose)
 
 
-def _fuzz(driver: Driver, route: str) -> None:
-    @settings(max_examples=NUM_EXAMPLES, deadline=None, database=None, derandomize=True,
+def _fuzz(driver: Driver, route: str, num_examples: int) -> None:
+    @settings(max_examples=num_examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=case_strategy(route))
     def run(case: FuzzCase) -> None:
@@ -98,13 +103,21 @@ def _fuzz(driver: Driver, route: str) -> None:
     statuses = {k.split(" ", 1)[1]: v for k, v in driver.statuses.items() if k.startswith(route + " ")}
     print(f"\n{route}: {n} requests, statuses {dict(sorted(statuses.items()))}, broken rules {len(driver.failures)}")
     assert not driver.failures, "\n".join(driver.failures[:15])
-    assert n >= NUM_EXAMPLES
+    assert n >= num_examples
 
 
-@pytest.mark.timeout(1800)
+def volumes(default: int, full: int) -> pytest.MarkDecorator:
+    """``num_examples``: ``default`` in the default suite, ``full`` under ``-m slow``."""
+    return pytest.mark.parametrize("num_examples", [
+        pytest.param(default, id="default"),
+        pytest.param(full, id="full", marks=[pytest.mark.slow, pytest.mark.timeout(1800)]),
+    ])
+
+
+@volumes(NUM_EXAMPLES, NUM_EXAMPLES_FULL)
 @pytest.mark.parametrize("route", CHAT_ROUTES + GET_ROUTES)
-def test_fuzz_route_in_process(driver: Driver, route: str) -> None:
-    _fuzz(driver, route)
+def test_fuzz_route_in_process(driver: Driver, route: str, num_examples: int) -> None:
+    _fuzz(driver, route, num_examples)
 
 
 # ------------------------------------------------------------------ targeted, named cases
@@ -181,14 +194,14 @@ def test_body_limit_applies_to_chunked_bodies_without_length(rt: RuntimeThread) 
 
 # ------------------------------------------------------------------ the same over real HTTP
 
-@pytest.mark.timeout(900)
-def test_fuzz_every_route_over_real_http(rt: RuntimeThread) -> None:
+@volumes(NUM_HTTP_EXAMPLES, NUM_HTTP_EXAMPLES_FULL)
+def test_fuzz_every_route_over_real_http(rt: RuntimeThread, num_examples: int) -> None:
     failures: list[str] = []
     counts: Counter[str] = Counter()
     client = httpx.Client(base_url=rt.url, timeout=30)
 
     for route in CHAT_ROUTES + GET_ROUTES:
-        @settings(max_examples=NUM_HTTP_EXAMPLES, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=num_examples, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(case=case_strategy(route))
         def run(case: FuzzCase) -> None:
@@ -206,4 +219,4 @@ def test_fuzz_every_route_over_real_http(rt: RuntimeThread) -> None:
     client.close()
     print(f"\nreal HTTP: {dict(counts)}")
     assert not failures, "\n".join(failures[:15])
-    assert all(counts[r] >= NUM_HTTP_EXAMPLES // 2 for r in CHAT_ROUTES + GET_ROUTES), counts
+    assert all(counts[r] >= num_examples // 2 for r in CHAT_ROUTES + GET_ROUTES), counts

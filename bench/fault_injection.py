@@ -39,9 +39,9 @@ from typing import Any
 
 import httpx
 
-from bench.reliability.bodies import chat_body, filler_text, path_of
-from bench.reliability.runtime_thread import RuntimeThread, cache_sizes
-from bench.reliability.sse import SseParser, error_body_problem, is_content_event, is_done_event, is_error_event
+from tests.support.bodies import chat_body, filler_text, path_of
+from tests.support.runtime_thread import RuntimeThread, cache_sizes
+from tests.support.sse import SseParser, error_body_problem, is_content_event, is_done_event, is_error_event
 
 
 def fault_config(*, num_ranks: int = 4, model: str = "null", **overrides: Any) -> dict[str, Any]:
@@ -325,7 +325,7 @@ async def run_fault(rt: RuntimeThread, fault: str, *, num_streams: int = 64, vic
 
 
 async def _settle(runtime: Any) -> dict[str, Any]:
-    from bench.reliability.runtime_thread import settle
+    from tests.support.runtime_thread import settle
 
     return await settle(runtime, 120.0)
 

@@ -1,2 +1,2 @@
-"""Shared pieces of the reliability tools (``bench/fault_injection.py``, ``bench/soak.py``) and of
-``tests/reliability``: a runtime on its own thread, SSE parsing, request bodies, stream clients."""
+"""The disconnect storm (``python -m bench.reliability.storm``); its runtime thread, SSE parser and
+request bodies live in ``tests/support`` (shared with the tests)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from cache_harness import make_group, make_manager
+from tests.cache.cache_harness import make_group, make_manager
 
 
 def test_cache_output_reserve_caps_what_a_turn_reserves() -> None:

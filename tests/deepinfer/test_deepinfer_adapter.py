@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from deepinfer_harness import BS, Transcript, cold_tokens, drive, make_engine, prompt, request
+from tests.deepinfer.deepinfer_harness import BS, Transcript, cold_tokens, drive, make_engine, prompt, request
 
 from rank.engine import EngineMisuse, FinishReason
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from deepinfer_harness import drive, make_engine, prompt, request
+from tests.deepinfer.deepinfer_harness import drive, make_engine, prompt, request
 
 from rank.deepinfer_settings import DeepInferSettings, patch_missing_reason
 from standins import fake_deepinfer as fake

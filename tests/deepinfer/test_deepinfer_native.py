@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from deepinfer_harness import BS, cold_tokens, drive, make_engine, prompt, random_scenario, request
+from tests.deepinfer.deepinfer_harness import BS, cold_tokens, drive, make_engine, prompt, random_scenario, request
 
 from rank.deepinfer_settings import patch_missing_reason
 from rank.engine import EngineMisuse, FinishReason, usable_prefix_blocks

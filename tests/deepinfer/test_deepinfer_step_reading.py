@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from deepinfer_harness import drive, make_engine, prompt, random_scenario, request
+from tests.deepinfer.deepinfer_harness import drive, make_engine, prompt, random_scenario, request
 
 from rank.engine import FinishReason
 

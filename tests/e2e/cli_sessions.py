@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_harness import API_KEY, ClaudeRun, claude_env, parsed_run, start_claude
+from tests.e2e.e2e_harness import API_KEY, ClaudeRun, claude_env, parsed_run, start_claude
 
 
 class StreamJsonSession:

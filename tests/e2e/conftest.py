@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_harness import find_claude, running_backend
+from tests.e2e.e2e_harness import find_claude, running_backend
 
 # tests/e2e/projects/* are the projects the scenarios hand to Claude Code (their own tests run
 # inside the scenario, in a temp copy), not part of this suite.

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from e2e_harness import API_KEY, MODEL, running_backend
+from tests.e2e.e2e_harness import API_KEY, MODEL, running_backend
 
 pytestmark = [pytest.mark.agent_clients, pytest.mark.timeout(600)]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_harness import (
+from tests.e2e.e2e_harness import (
     Poller,
     assert_success,
     finish_claude,

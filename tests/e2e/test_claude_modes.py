@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cli_sessions import StreamJsonSession, TuiSession
-from e2e_harness import assert_success, make_project, run_claude
+from tests.e2e.cli_sessions import StreamJsonSession, TuiSession
+from tests.e2e.e2e_harness import assert_success, make_project, run_claude
 
 pytestmark = [pytest.mark.claude_cli, pytest.mark.timeout(600)]
 

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from e2e_harness import API_KEY, MODEL, running_backend
+from tests.e2e.e2e_harness import API_KEY, MODEL, running_backend
 
 pytestmark = pytest.mark.timeout(300)
 

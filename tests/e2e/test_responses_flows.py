@@ -12,8 +12,8 @@ from typing import Any
 import openai
 import pytest
 
-from e2e_harness import MODEL
-from test_openai_flows import backend, client, run_tool  # noqa: F401 - the same backend fixtures and tools
+from tests.e2e.e2e_harness import MODEL
+from tests.e2e.test_openai_flows import backend, client, run_tool  # noqa: F401 - the same backend fixtures and tools
 
 pytestmark = pytest.mark.timeout(300)
 

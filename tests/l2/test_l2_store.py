@@ -12,7 +12,7 @@ import shutil
 
 import numpy as np
 import pytest
-from l2_helpers import HASHER, ODD_BPB, STAMP, chain, disk_bytes, files, fill, make_store, run
+from tests.l2.l2_helpers import HASHER, ODD_BPB, STAMP, chain, disk_bytes, files, fill, make_store, run
 
 from cache.host_slots import HostSlots
 from cache.l2_format import ExtentHeader

@@ -7,7 +7,7 @@ import asyncio
 import os
 
 import numpy as np
-from l2_helpers import HASHER, ODD_BPB, STAMP, chain, files, fill, make_store, run
+from tests.l2.l2_helpers import HASHER, ODD_BPB, STAMP, chain, files, fill, make_store, run
 
 from cache.kv_tier import TierLink
 from cache.l1_index import L1Index

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from preflight_fakes import GIB, b200, deepinfer_config, h200
+from tests.preflight.preflight_fakes import GIB, b200, deepinfer_config, h200
 
 from server.config import load_config
 from server.preflight_checks.gpu import check_gpus, visible_gpus

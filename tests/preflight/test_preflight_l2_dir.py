@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from preflight_fakes import GIB, FakeProbe
+from tests.preflight.preflight_fakes import GIB, FakeProbe
 
 from server.config import load_config
 from server.preflight_checks.l2_disk import check_l2_dir

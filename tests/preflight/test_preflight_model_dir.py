@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from preflight_fakes import MIB, FakeProbe, deepinfer_config, make_model_dir
+from tests.preflight.preflight_fakes import MIB, FakeProbe, deepinfer_config, make_model_dir
 
 from server.config import load_config
 from server.preflight_checks.model_dir import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from preflight_fakes import FakeProbe, b200, deepinfer_config
+from tests.preflight.preflight_fakes import FakeProbe, b200, deepinfer_config
 
 from server.config import load_config
 from server.preflight_checks.network import check_http_port, check_master_port, check_nccl_env, rendezvous_ports

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from preflight_fakes import GIB, MIB, deepinfer_config
+from tests.preflight.preflight_fakes import GIB, MIB, deepinfer_config
 
 from server.config import load_config
 from server.preflight import l1_budget_bytes, plan_l1_budget

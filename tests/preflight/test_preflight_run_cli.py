@@ -8,7 +8,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from preflight_fakes import MIB, PYTHON312, FakeProbe, deepinfer_config, h200, make_fake_venv, make_model_dir
+from tests.preflight.preflight_fakes import MIB, PYTHON312, FakeProbe, deepinfer_config, h200, make_fake_venv, make_model_dir
 
 from server.preflight import CHECK_NAMES, PreflightError, PreflightOptions, main, run_preflight, statuses
 from server.preflight_checks.probe import GpuQuery, RunResult

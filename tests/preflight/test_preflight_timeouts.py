@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from preflight_fakes import deepinfer_config
+from tests.preflight.preflight_fakes import deepinfer_config
 
 from server.config import load_config
 from server.preflight_checks.model_dir import ModelFacts

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from preflight_fakes import FakeProbe, deepinfer_config, PYTHON312, make_fake_venv, venv_runner
+from tests.preflight.preflight_fakes import FakeProbe, deepinfer_config, PYTHON312, make_fake_venv, venv_runner
 
 from server.preflight_checks.probe import RealSystemProbe
 from server.preflight_checks.report import Status

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from stream_helpers import (
+from tests.protocol.stream_helpers import (
     EOS,
     MODEL,
     TOOL_OUT,

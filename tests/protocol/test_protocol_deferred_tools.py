@@ -9,7 +9,7 @@ import copy
 from typing import Any
 
 import pytest
-from stream_helpers import EOS, MODEL, D, echo_assistant, run_stream
+from tests.protocol.stream_helpers import EOS, MODEL, D, echo_assistant, run_stream
 
 from protocol.api import Protocol
 from protocol.errors import InvalidRequest

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from protocol.detokenize import IncrementalDetokenizer, TokenTable
 from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, StreamParser
 from protocol.tokenize import PromptTokenizer
-from protocol_corpus import CASES, TOOLS
+from tests.protocol.protocol_corpus import CASES, TOOLS
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def _feed_text(parser: StreamParser, pieces: list[str]) -> list[tuple[int, Any]]
 
 
 def test_argument_deltas_arrive_before_the_invoke_closes(tok: PromptTokenizer, table: TokenTable) -> None:
-    from protocol_corpus import block, inv, par
+    from tests.protocol.protocol_corpus import block, inv, par
 
     value = "line one\nline two with \"quotes\" and <angle> brackets\n" * 4
     ids = encode_out(tok, [block(inv("Bash", par("command", value), par("timeout", "9", "false")))])

@@ -14,7 +14,7 @@ import pytest
 from protocol.api import Protocol
 from protocol.errors import InvalidRequest, Overloaded
 from protocol.tokenize import PromptTokenizer
-from test_protocol_api_stream import D, EOS, MODEL, run_stream, sse_events
+from tests.protocol.test_protocol_api_stream import D, EOS, MODEL, run_stream, sse_events
 
 TOOLS = [
     {"type": "function", "name": "exec_command", "description": "Run a shell command", "strict": False,

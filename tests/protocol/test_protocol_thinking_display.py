@@ -8,7 +8,7 @@ import copy
 from typing import Any
 
 import pytest
-from stream_helpers import TOOL_OUT, claude_code_request, echo_assistant, run_stream, sse_events
+from tests.protocol.stream_helpers import TOOL_OUT, claude_code_request, echo_assistant, run_stream, sse_events
 
 from protocol import anthropic_schema as A
 from protocol.api import Protocol

@@ -25,7 +25,7 @@ from rank.engine import EngineMisuse, EngineRequest, FinishReason, SamplingParam
 from rank.errors import RankFailed
 from rank.group import RankGroup
 from server.config import WorkloadConfig
-from rank_stream_helpers import collect
+from tests.rank.rank_stream_helpers import collect
 
 BS = 128
 NUM_BLOCKS = 96

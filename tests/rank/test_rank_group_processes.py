@@ -21,7 +21,7 @@ from rank.errors import RankFailed, RankUnavailable
 from rank.group import RankGroup
 from rank.launch import rank_env
 from server.config import WorkloadConfig
-from rank_stream_helpers import collect
+from tests.rank.rank_stream_helpers import collect
 
 BLOCK = 16
 

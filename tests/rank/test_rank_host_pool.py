@@ -50,11 +50,11 @@ def test_pool_bytes_survive_a_rank_sigkill() -> None:
     import signal
 
     import numpy as np
-    from rank_stream_helpers import collect
 
     from rank.engine import EngineRequest, SamplingParams
     from rank.group import RankGroup
     from server.config import WorkloadConfig
+    from tests.rank.rank_stream_helpers import collect
 
     config = WorkloadConfig(reference_model="null", ep=2, block_size=16, reference_num_blocks=64,
                             max_num_batched_tokens=256, l1_host_gb=0.001).rank_config()

@@ -19,7 +19,7 @@ from rank.engine import EngineRequest, SamplingParams
 from rank.group import RankGroup
 from rank.launch import rank_python
 from server.config import WorkloadConfig
-from rank_stream_helpers import collect
+from tests.rank.rank_stream_helpers import collect
 
 
 def _free_port() -> int:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.runtime_thread import RuntimeThread
 
 LONG = " ".join(f"w{i}" for i in range(120))
 SCRIPT = {"description": "abort races", "tokens_per_step": 4096,

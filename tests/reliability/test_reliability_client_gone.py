@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.runtime_thread import RuntimeThread
 
 MAX_TOKENS = 100_000  # ~10 s of null-model decode on this machine: far past the disconnect
 pytestmark = pytest.mark.timeout(300)

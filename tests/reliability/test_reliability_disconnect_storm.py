@@ -15,7 +15,7 @@ import logging
 
 import pytest
 
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.runtime_thread import RuntimeThread
 from bench.reliability.storm import StormReport, run_storm, storm_config
 
 

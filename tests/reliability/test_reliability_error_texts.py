@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.reliability.bodies import chat_body, path_of
-from bench.reliability.runtime_thread import RuntimeThread
-from bench.reliability.sse import SseParser, is_content_event, is_error_event
+from tests.support.bodies import chat_body, path_of
+from tests.support.runtime_thread import RuntimeThread
+from tests.support.sse import SseParser, is_content_event, is_error_event
 from rank.engine import FinishReason, RequestOutput
 
 SECRET = "gloo: connection to peer 10.9.8.7:29513 reset; Traceback (most recent call last)"

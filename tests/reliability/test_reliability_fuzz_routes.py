@@ -24,8 +24,8 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from bench.reliability.fuzz import CHAT_ROUTES, GET_ROUTES, FuzzCase, case_strategy, check_answer, deep_dict
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.fuzz import CHAT_ROUTES, GET_ROUTES, FuzzCase, case_strategy, check_answer, deep_dict
+from tests.support.runtime_thread import RuntimeThread
 
 _OVERRIDE = os.environ.get("RELIABILITY_FUZZ_EXAMPLES")
 NUM_EXAMPLES = int(_OVERRIDE or 300)  # the default suite: a few hundred per route

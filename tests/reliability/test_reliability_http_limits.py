@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.runtime_thread import RuntimeThread
 
 BASE = {"engine": "reference", "reference_model": "null", "ep": 1, "block_size": 16,
         "reference_num_blocks": 256, "l1_cache": False, "port": 0}

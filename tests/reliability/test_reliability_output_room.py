@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.runtime_thread import RuntimeThread
 
 pytestmark = pytest.mark.timeout(600)
 BLOCKS = 1024  # x 16 tokens: 16,336 usable tokens per rank (2 blocks of slack)

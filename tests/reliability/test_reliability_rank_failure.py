@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.fault_injection import FaultReport, fault_config, run_fault
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.runtime_thread import RuntimeThread
 
 NUM_RANKS = 4
 NUM_STREAMS = 64

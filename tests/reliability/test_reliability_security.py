@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import publish
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.runtime_thread import RuntimeThread
 from server import auth as auth_module
 from server.auth import ApiKeyCheck
 from server.config import WorkloadConfig, load_config

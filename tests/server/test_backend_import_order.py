@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from import_guard import REPO, allowed_modules, guarded_python, requirement_lines, run_guarded
+from tests.server.import_guard import REPO, allowed_modules, guarded_python, requirement_lines, run_guarded
 
 from rank.engine import EngineRequest, FinishReason, SamplingParams
 from rank.group import RankGroup

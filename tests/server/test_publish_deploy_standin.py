@@ -11,7 +11,7 @@ import pytest
 
 import deploy
 import publish
-from control_plane_standin import ControlPlaneStandin
+from tests.server.control_plane_standin import ControlPlaneStandin
 
 TOKEN = "ik_sdk_standin"
 

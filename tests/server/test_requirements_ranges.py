@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import tomllib
 
-from import_guard import REPO, requirement_lines
+from tests.server.import_guard import REPO, requirement_lines
 from packaging.requirements import Requirement
 
 TAKEN_FROM_THE_DEEPINFER_VENV = {"torch", "numpy", "orjson", "pyzmq", "tokenizers"}

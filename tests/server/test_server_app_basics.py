@@ -11,7 +11,7 @@ from server.app import AppState, HealthReport, create_app
 from server.auth import ApiKeyCheck
 from server.config import load_config
 from server.metrics import ServerMetrics
-from server_test_helpers import serve_asgi
+from tests.server.server_test_helpers import serve_asgi
 from protocol.errors import AuthenticationError
 
 KEY = "sk-test-0123456789"

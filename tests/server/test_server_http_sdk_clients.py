@@ -21,7 +21,7 @@ import pytest
 from rank.client import GroupState
 from server.config import load_config
 from server.runtime import Runtime
-from server_test_helpers import run_runtime
+from tests.server.server_test_helpers import run_runtime
 
 KEY = "sk-test-server-0123456789"
 LONG_TEXT = " ".join(f"word{i}" for i in range(1500))

@@ -18,7 +18,7 @@ from bench.loop_stall_bench import start_server, stop_server
 from server.app import AppState, HealthReport, create_app
 from server.config import API_KEY_ENV, ConfigError, load_config
 from server.metrics import ServerMetrics
-from server_test_helpers import serve_asgi
+from tests.server.server_test_helpers import serve_asgi
 
 KEY = "sk-file-key-5e1f0a7d2c"
 

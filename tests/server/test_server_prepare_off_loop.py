@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from bench.reliability.runtime_thread import RuntimeThread
+from tests.support.runtime_thread import RuntimeThread
 from protocol.errors import Overloaded
 from server.prepare import RequestPreparer
 from bench.loop_stall_bench import dense_text

@@ -14,7 +14,7 @@ import pytest
 
 from server.config import load_config
 from server.runtime import Runtime
-from server_test_helpers import run_runtime
+from tests.server.server_test_helpers import run_runtime
 
 SCRIPT = {"tokens_per_step": 1, "step_delay_s": 0.01,
           "replies": [{"name": "slow", "text": " ".join(f"w{i}" for i in range(600))}]}

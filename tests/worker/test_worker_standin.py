@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import standin_checks as checks
-from standin_worker import (
+import tests.worker.standin_checks as checks
+from tests.worker.standin_worker import (
     REPO, STANDIN_CHANGES, Machine, Worker, changed_keys, free_port, log, standin_config,
 )
 

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 from hypothesis import strategies as st
 
-from bench.reliability.sse import SseParser, error_body_problem
+from tests.support.sse import SseParser, error_body_problem
 
 CHAT_ROUTES = ("/v1/messages", "/v1/chat/completions", "/v1/messages/count_tokens")
 GET_ROUTES = ("/v1/models", "/healthz")

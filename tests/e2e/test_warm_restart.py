@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.reliability.bodies import filler_text
 from tests.e2e.e2e_harness import API_KEY, Backend
+from tests.support.bodies import filler_text
 
 pytestmark = pytest.mark.timeout(600)
 

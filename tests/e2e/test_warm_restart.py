@@ -3,16 +3,21 @@
 Real pieces: ``python -m deepinfer_backend serve`` as a subprocess (the product's entry point),
 its ``RankGroup`` of 2 CPU rank processes with the reference engine (``null`` model by default,
 ``WARM_MODEL=tiny`` for the torch model), requests over real HTTP. A session's first turn is
-~2,400 prompt tokens; its second turn repeats the first (with the reply) and adds a question.
+~2,950 prompt tokens; its second turn repeats the first (with the reply) and adds a question.
 The cached share of the second turn's prompt comes from the API's own usage
 (``prompt_tokens_details.cached_tokens``), the tier from the ``deepinfer_cached_tokens_total``
 metric. Run with ``-s`` to print the figures (times are printed, never asserted).
+
+Damaged or foreign L2 files between the two backends (a byte flipped inside an extent, an
+extent written by another model under the same served name) cost cached tokens, never a client
+error: the turn answers 200 with the same reply and the backend logs why it did not load them.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +34,11 @@ pytestmark = pytest.mark.timeout(600)
 MODEL = os.environ.get("WARM_MODEL", "null")
 
 
-def _config(l2_dir: Path | None = None) -> dict[str, Any]:
-    # 160 blocks of 16 tokens per rank: one ~2,400-token session fills over half of a rank's
+def _config(l2_dir: Path | None = None, model: str = MODEL) -> dict[str, Any]:
+    # 256 blocks of 16 tokens per rank: one ~2,950-token session (~185 blocks) fills over half of a rank's
     # pool, past l1_write_watermark (0.5), so its finished turn is written through to L1.
     raw: dict[str, Any] = {
-        "engine": "reference", "reference_model": MODEL, "block_size": 16, "reference_num_blocks": 256,
+        "engine": "reference", "reference_model": model, "block_size": 16, "reference_num_blocks": 256,
         "max_model_len": 3800, "max_num_batched_tokens": 4096, "l1_host_gb": 0.02,
     }
     if l2_dir is not None:
@@ -59,8 +64,13 @@ def _first_turn(backend: Backend, seed: int) -> tuple[list[dict[str, str]], dict
 
 
 def _next_turn(backend: Backend, history: list[dict[str, str]]) -> tuple[dict[str, Any], float]:
+    usage, _, took = _next_turn_reply(backend, history)
+    return usage, took
+
+
+def _next_turn_reply(backend: Backend, history: list[dict[str, str]]) -> tuple[dict[str, Any], str, float]:
     body, took = _chat(backend, history + [{"role": "user", "content": "And the tests?"}])
-    return body["usage"], took
+    return body["usage"], body["choices"][0]["message"]["content"] or "", took
 
 
 def _cached_share(usage: dict[str, Any]) -> float:
@@ -141,3 +151,58 @@ def test_next_turn_after_a_full_backend_restart_restores_from_l2(tmp_path: Path,
           f"turn {warm_s:.2f} s (first turn, cold: {cold_s:.2f} s for {first['prompt_tokens']} tokens) [{MODEL}]")
     assert share >= 0.9
     assert l2_tokens >= 0.9 * usage["prompt_tokens"]
+
+
+def _flip_payload_byte(path: Path) -> int:
+    """Flip one byte in the middle of an extent's payload (the header stays valid); returns the
+    extent's block count. Layout: cache/l2_format.py (payload last, padded to 4 KiB)."""
+    raw = path.read_bytes()
+    num_blocks, bytes_per_block = struct.unpack_from("<IQ", raw, 16 + 4)  # after magic/version/len, first_block
+    payload_bytes = -(-num_blocks * bytes_per_block // 4096) * 4096
+    offset = len(raw) - payload_bytes + (num_blocks // 2) * bytes_per_block + 1
+    with path.open("r+b") as f:
+        f.seek(offset)
+        f.write(bytes([raw[offset] ^ 0x5A]))
+    return int(num_blocks)
+
+
+def test_a_corrupted_l2_file_costs_cached_tokens_never_the_reply(tmp_path: Path, backends: list[Backend]) -> None:
+    """'tiny' (its KV is real floats that the reply depends on): the next turn after the restart
+    reads the verified prefix of the damaged extent from disk, recomputes the rest, and answers
+    exactly as the first backend did with the session warm on its GPU."""
+    l2_dir = tmp_path / "l2"
+    backend = _start(backends, tmp_path, _config(l2_dir, model="tiny"))
+    history, _, _ = _first_turn(backend, seed=3)
+    _, reference_reply, _ = _next_turn_reply(backend, history)
+    backend.stop()
+    extents = sorted((l2_dir / "kv").glob("*.kv"), key=lambda p: p.stat().st_mtime)
+    assert extents, "nothing was spilled at the graceful stop"
+    flipped = {p.name: _flip_payload_byte(p) for p in extents}
+    again = _start(backends, tmp_path, _config(l2_dir, model="tiny"))
+    usage, reply, _ = _next_turn_reply(again, history)
+    l2_tokens = _tier_tokens(again, "l2")
+    log_text = again.log_text()
+    print(f"\ncorrupted L2 extents {flipped} -> next turn: {usage['prompt_tokens_details']['cached_tokens']} of "
+          f"{usage['prompt_tokens']} prompt tokens cached, {l2_tokens:.0f} from L2 (the verified prefix)")
+    assert reply == reference_reply
+    assert "failed its checksum" in log_text, log_text[-3000:]
+    assert 0 < l2_tokens < 0.9 * usage["prompt_tokens"]  # the first extent's blocks before the flipped one
+    assert not any((l2_dir / "kv" / name).exists() for name in flipped)  # dropped with their dependants
+
+
+def test_another_models_l2_files_are_rejected_at_start(tmp_path: Path, backends: list[Backend]) -> None:
+    """Same engine and served model name (so the same chain hashes), another reference model:
+    the stamp (geometry, KV layout) keeps the first backend's KV out of the second."""
+    l2_dir = tmp_path / "l2"
+    backend = _start(backends, tmp_path, _config(l2_dir, model="null"))
+    history, _, _ = _first_turn(backend, seed=4)
+    backend.stop()
+    written = {p.name for p in (l2_dir / "kv").glob("*.kv")}
+    assert written
+    again = _start(backends, tmp_path, _config(l2_dir, model="tiny"))
+    log_text = again.log_text()
+    assert "foreign" in log_text and "deleted" in log_text, log_text[-3000:]
+    usage, _, _ = _next_turn_reply(again, history)
+    assert _tier_tokens(again, "l2") == 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert not written & {p.name for p in (l2_dir / "kv").glob("*.kv")}

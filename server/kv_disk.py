@@ -11,6 +11,7 @@ layout's KV out.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -60,3 +61,16 @@ async def open_l2(config: WorkloadConfig, group: Any, hash_salt: str) -> L2Store
     store = L2Store(os.path.join(config.l2_dir, "kv"), int(config.l2_gb * GIB), stamp, host)
     await asyncio.to_thread(store.open)
     return store
+
+
+def l2_gauges(store: L2Store) -> dict[str, float]:
+    """The store's state for ``/metrics`` (``deepinfer_cache_l2_*``, read at scrape time): bytes
+    on disk against the bound in force (``l2_gb``, lowered when the disk fills), and the counters
+    of what was saved, loaded, evicted, rejected or failed (``cache.l2_store.L2Counters``)."""
+    index = store.index
+    gauges = {"l2_used_bytes": float(index.used_bytes), "l2_bound_bytes": float(index.max_bytes),
+              "l2_max_bytes": float(store.max_bytes), "l2_extents": float(len(index.extents)),
+              "l2_blocks": float(index.num_blocks)}
+    for field in dataclasses.fields(store.counters):
+        gauges[f"l2_{field.name}"] = float(getattr(store.counters, field.name))
+    return gauges

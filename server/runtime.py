@@ -284,6 +284,10 @@ class Runtime:
         if self.cache is not None and hasattr(self.cache, "gauges"):
             with contextlib.suppress(Exception):
                 cache_stats = dict(self.cache.gauges())
+        if self.l2 is not None:
+            from server.kv_disk import l2_gauges
+
+            cache_stats.update(l2_gauges(self.l2))
         return StateSnapshot(self.group.state.value, stats, cache_stats)
 
     # -- in-process API (the SDK's process()/chat()) ----------------------------------------------

@@ -206,3 +206,42 @@ def test_another_models_l2_files_are_rejected_at_start(tmp_path: Path, backends:
     assert _tier_tokens(again, "l2") == 0
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert not written & {p.name for p in (l2_dir / "kv").glob("*.kv")}
+
+
+def _kv_bytes(l2_dir: Path) -> int:
+    return sum(p.stat().st_size for p in (l2_dir / "kv").iterdir() if p.is_file())
+
+
+def _wait_saved(backend: Backend, above: float, timeout_s: float = 60) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        saved = backend.metric_sum("deepinfer_cache_l2_saved_blocks") + backend.metric_sum(
+            "deepinfer_cache_l2_skipped_saves")
+        if saved > above:
+            return saved
+        time.sleep(0.1)
+    raise AssertionError("no spill to L2 after the turn")
+
+
+def test_spills_hold_the_disk_bound(tmp_path: Path, backends: list[Backend]) -> None:
+    """``l2_gb`` = 40 KiB: room for two ~16 KiB extents ('null': 64 B per block of 16 tokens, a
+    ~185-block session plus a 4 KiB header). Four sessions spill one after another; the oldest
+    extents are evicted (LRU) and ``kv/`` never holds more than the bound once a spill is done."""
+    l2_dir = tmp_path / "l2"
+    bound = 40 * 1024
+    backend = _start(backends, tmp_path, {**_config(l2_dir, model="null"), "l2_gb": bound / (1 << 30)})
+    done = 0.0
+    sizes = []
+    for seed in range(10, 14):
+        _first_turn(backend, seed=seed)
+        done = _wait_saved(backend, done)
+        sizes.append(_kv_bytes(l2_dir))
+        assert sizes[-1] <= bound, sizes
+    gauges = backend.metrics()
+    print(f"\nL2 bound {bound} B: kv/ after each spill {sizes} B; "
+          f"{gauges['deepinfer_cache_l2_evicted_extents']:.0f} extents evicted, "
+          f"{gauges['deepinfer_cache_l2_saved_blocks']:.0f} blocks saved")
+    assert gauges["deepinfer_cache_l2_bound_bytes"] == bound
+    assert gauges["deepinfer_cache_l2_used_bytes"] <= bound
+    assert gauges["deepinfer_cache_l2_evicted_extents"] >= 1  # the bound was reached and held by eviction
+    assert gauges["deepinfer_cache_l2_write_errors"] == 0

@@ -86,10 +86,10 @@ class AdmissionQueue:
         queue = self._queues[rank]
         if not queue and try_admit(AdmitLevel.NORMAL):
             return 0.0
-        if queue and self._clock() - queue[0].enqueued_s < self.config.force_after_s:
-            if try_admit(AdmitLevel.FREE_ONLY):
-                self.num_overtaken += 1
-                return 0.0
+        within_force = bool(queue) and self._clock() - queue[0].enqueued_s < self.config.force_after_s
+        if within_force and try_admit(AdmitLevel.FREE_ONLY):
+            self.num_overtaken += 1
+            return 0.0
         if len(queue) >= self.config.max_queue_depth:
             self.num_rejected += 1
             raise Overloaded(

@@ -56,12 +56,15 @@ class CacheConfig(BaseModel):
     home_horizon_s: float = Field(
         900.0, gt=0, description="Idle sessions expected back within this count toward their rank's load."
     )
-    session_forget_s: float = Field(7200.0, gt=0, description="Idle sessions holding nothing are forgotten after this.")
-    queue_force_after_s: float = Field(5.0, ge=0, description="Queued head may evict protected sessions after this.")
+    session_forget_s: float = Field(7200.0, gt=0,
+                                    description="Idle sessions holding nothing are forgotten after this.")
+    queue_force_after_s: float = Field(5.0, ge=0,
+                                       description="Queued head may evict protected sessions after this.")
     queue_fail_after_s: float = Field(120.0, gt=0, description="Queued turn fails with 503 after this.")
     queue_recheck_s: float = Field(0.25, gt=0, description="Queued head re-check period.")
     max_queue_depth: int = Field(1024, ge=1, description="Turns waiting per rank before new ones get 503.")
-    overload_ratio: float = Field(1.5, ge=1, description="Move sessions off a rank this much above the lightest.")
+    overload_ratio: float = Field(1.5, ge=1,
+                                  description="Move sessions off a rank this much above the lightest.")
     move_min_tokens: int = Field(65_536, ge=0, description="...and at least this many tokens above it.")
     move_cooldown_s: float = Field(60.0, ge=0, description="A session moves at most once per this period.")
 

@@ -208,7 +208,8 @@ class CacheManager:
         limit = s.usable_blocks()
         if -(-(len(tokens) + 1) // self.block_size) > limit:
             raise PromptTooLong(len(tokens), max(0, limit * self.block_size - 1))
-        max_output = output_limit(len(tokens), max(1, max_tokens), limit * self.block_size, max_tokens_is_default)
+        max_output = output_limit(len(tokens), max(1, max_tokens), limit * self.block_size,
+                                  max_tokens_is_default)
         now = s.clock()
         sync_l1(s)
         hashes = self.hasher.hashes(tokens) if self.config.prefix_cache else []
@@ -313,7 +314,8 @@ class CacheManager:
         s = self.state
         idle = s.idle.tokens(s.clock())
         return [
-            RankLoad(rank, ledger.running_tokens, self.queue.waiting_tokens(rank), idle[rank], s.free_blocks(rank))
+            RankLoad(rank, ledger.running_tokens, self.queue.waiting_tokens(rank), idle[rank],
+                     s.free_blocks(rank))
             for rank, ledger in enumerate(s.ledgers)
         ]
 
@@ -381,10 +383,14 @@ class CacheManager:
             ledger = s.ledgers[rank]
             open_here = [a for a in self.admitter.open if a.rank == rank and a.epoch == s.epoch]
             reserved = sum(a.reserved_blocks for a in open_here)
-            assert ledger.reserved_blocks == reserved, f"rank {rank}: reserved {ledger.reserved_blocks} != {reserved}"
+            assert ledger.reserved_blocks == reserved, (
+                f"rank {rank}: reserved {ledger.reserved_blocks} != {reserved}"
+            )
             assert ledger.num_in_flight == len(open_here)
             if quiet:
-                assert s.releases.pending(rank) == 0, f"rank {rank}: {s.releases.pending(rank)} releases pending"
+                assert s.releases.pending(rank) == 0, (
+                    f"rank {rank}: {s.releases.pending(rank)} releases pending"
+                )
                 stats = self.client.stats(rank)
                 assert stats.num_cached_blocks == len(idx), (
                     f"rank {rank}: engine holds {stats.num_cached_blocks} cached blocks, index {len(idx)}"

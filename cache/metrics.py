@@ -28,7 +28,8 @@ class CacheMetrics:
             registry=registry,
         )
         self.restored_tokens = Counter(
-            "l1_restored_tokens", "Tokens restored from L1 into a rank's GPU pool.", namespace=ns, registry=registry
+            "l1_restored_tokens", "Tokens restored from L1 into a rank's GPU pool.", namespace=ns,
+            registry=registry
         )
         self.restore_seconds = Histogram(
             "l1_restore_seconds",
@@ -38,7 +39,8 @@ class CacheMetrics:
             buckets=_RESTORE_BUCKETS_S,
         )
         self.written_blocks = Counter(
-            "l1_written_blocks", "Blocks copied GPU -> L1 (write-through and moves).", namespace=ns, registry=registry
+            "l1_written_blocks", "Blocks copied GPU -> L1 (write-through and moves).", namespace=ns,
+            registry=registry
         )
         self.written_bytes = Counter(
             "l1_written_bytes", "Bytes copied GPU -> L1 (write-through and moves; only blocks L1 lacks).",
@@ -96,7 +98,8 @@ class CacheMetrics:
             registry=registry,
         )
         self.rank_free_blocks = Gauge(
-            "rank_free_blocks", "Blocks neither cached nor reserved.", ["rank"], namespace=ns, registry=registry
+            "rank_free_blocks", "Blocks neither cached nor reserved.", ["rank"], namespace=ns,
+            registry=registry
         )
         self.rank_cached_blocks = Gauge(
             "rank_cached_blocks", "Blocks held by the L0 index.", ["rank"], namespace=ns, registry=registry

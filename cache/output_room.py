@@ -80,7 +80,8 @@ class OutputRoom:
             return
         bs = s.block_size
         end_tokens = adm.num_prompt_tokens + adm.max_output_tokens
-        target_tokens = min(end_tokens, adm.num_prompt_tokens + num_output_tokens + self.lead_tokens + self.grow_tokens)
+        target_tokens = min(end_tokens,
+                            adm.num_prompt_tokens + num_output_tokens + self.lead_tokens + self.grow_tokens)
         want = -(-target_tokens // bs) - adm.room_blocks
         if want <= 0:
             return
@@ -122,7 +123,8 @@ class OutputRoom:
         idx = s.l0[rank]
         got = idx.evict(num_blocks, s.policy.scorer(rank, now), s.policy.chooser(rank, now, False))
         if len(got) < num_blocks:
-            got += idx.evict(num_blocks - len(got), s.policy.scorer(rank, now), s.policy.chooser(rank, now, True))
+            got += idx.evict(num_blocks - len(got), s.policy.scorer(rank, now),
+                             s.policy.chooser(rank, now, True))
         if got:
             self._transfers.retire_later(rank, got, self._transfers.evicted(rank, got))
         return len(got)

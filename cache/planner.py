@@ -61,13 +61,16 @@ class AdmitPlanner:
         self._s = state
         self._transfers = transfers
 
-    def ask(self, rank: int, hashes: Sequence[BlockHash], num_prompt_tokens: int, total_blocks: int) -> AdmitPlan:
+    def ask(self, rank: int, hashes: Sequence[BlockHash], num_prompt_tokens: int,
+            total_blocks: int) -> AdmitPlan:
         """The plan for a prompt named ``hashes`` whose sequence holds ``total_blocks`` on ``rank``."""
         s = self._s
         m0 = s.l0[rank].match(hashes)
         m1 = s.l1.match(hashes)[1] if s.l1_enabled else 0
         m2 = s.l2.match(hashes) if s.l2 is not None and s.l1_enabled else 0  # restored through L1
-        usable = usable_prefix_blocks(max(m0, m1, m2), num_prompt_tokens, s.block_size) if s.config.prefix_cache else 0
+        usable = 0
+        if s.config.prefix_cache:
+            usable = usable_prefix_blocks(max(m0, m1, m2), num_prompt_tokens, s.block_size)
         num_l0 = min(m0, usable)
         return AdmitPlan(rank=rank, num_l0=num_l0, num_restore=usable - num_l0, need=total_blocks - num_l0,
                          num_free=s.plannable_free_blocks(rank))
@@ -91,7 +94,8 @@ class AdmitPlanner:
                 idx.release_uses(prefix)
                 return None
             force = level is AdmitLevel.FORCE
-            victims = idx.evict(plan.num_evict, s.policy.scorer(rank, now), s.policy.chooser(rank, now, force))
+            victims = idx.evict(plan.num_evict, s.policy.scorer(rank, now),
+                                s.policy.chooser(rank, now, force))
             # Releasing (not free) for every other planner until the release lands; this turn may
             # count them because it awaits their release (retire) before it allocates.
             exports = self._transfers.evicted(rank, victims)

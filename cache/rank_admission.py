@@ -42,7 +42,8 @@ class RankAdmitter:
         epoch = s.epoch
         num_prompt = len(tokens)
         sid = session.session_id
-        total_blocks = min(-(-(num_prompt + num_output) // bs), s.usable_blocks(rank))  # admit() checked the fit
+        # admit() checked the fit
+        total_blocks = min(-(-(num_prompt + num_output) // bs), s.usable_blocks(rank))
         taken: list[Reservation] = []
 
         def try_admit(level: AdmitLevel) -> bool:

@@ -115,7 +115,8 @@ class CacheState:
         is held by the engine until the release lands, so it is not free yet (planning on it made
         imports fail with CapacityExhausted)."""
         ledger = self.ledgers[rank]
-        return ledger.capacity_blocks - len(self.l0[rank]) - ledger.reserved_blocks - self.releases.pending(rank)
+        return (ledger.capacity_blocks - len(self.l0[rank]) - ledger.reserved_blocks
+                - self.releases.pending(rank))
 
     def keep_out_blocks(self, rank: int = 0) -> int:
         """Blocks of a rank's pool that admission never plans on: ``reserve_blocks`` of slack

@@ -215,6 +215,7 @@ class MessageResponse(_Wire):
     role: Literal["assistant"]
     model: str
     content: list[ContentBlock]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"] | None
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn",
+                         "refusal"] | None
     stop_sequence: str | None = None
     usage: Usage

@@ -102,7 +102,8 @@ def check_tool_choice(tool_choice: str, name: str | None, declared: Collection[s
         raise InvalidRequest("tool_choice requires a tool call, but the request declares no tools",
                              param="tool_choice")
     if tool_choice == "named" and name not in declared:
-        raise InvalidRequest(f"tool_choice names the tool {name!r}, which is not in tools", param="tool_choice")
+        raise InvalidRequest(f"tool_choice names the tool {name!r}, which is not in tools",
+                             param="tool_choice")
 
 
 def _parse_args(arguments: Any) -> Any:
@@ -133,7 +134,8 @@ class Protocol:
         self.responses_store = ResponseStore()  # previous_response_id / item_reference (bounded)
 
     # --- requests ----------------------------------------------------------------------------------
-    def prepare_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
+    def prepare_anthropic(self, body: bytes | dict[str, Any],
+                          headers: Mapping[str, str] | None = None) -> PreparedRequest:
         data = _load_body(body)
         req = _validate(A.MessagesRequest, data)
         self._check_model(req.model)
@@ -143,9 +145,11 @@ class Protocol:
         max_tokens = self._max_tokens(len(ids), req.max_tokens)
         tool_choice, tool_name = "auto", None
         if req.tool_choice is not None:
-            tool_choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[req.tool_choice.type]
+            tool_choice = {"auto": "auto", "any": "required", "tool": "named",
+                           "none": "none"}[req.tool_choice.type]
             tool_name = req.tool_choice.name
-            check_tool_choice(tool_choice, tool_name, [t["name"] for t in conv.tools] + list(conv.tool_catalog))
+            check_tool_choice(tool_choice, tool_name,
+                              [t["name"] for t in conv.tools] + list(conv.tool_catalog))
         return PreparedRequest(
             api="anthropic",
             model=req.model,
@@ -168,7 +172,8 @@ class Protocol:
             tool_params=_tool_params(conv),
         )
 
-    def prepare_openai(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
+    def prepare_openai(self, body: bytes | dict[str, Any],
+                       headers: Mapping[str, str] | None = None) -> PreparedRequest:
         data = _load_body(body)
         req = _validate(O.ChatCompletionRequest, data)
         self._check_model(req.model)
@@ -206,11 +211,13 @@ class Protocol:
             tool_params=_tool_params(conv),
         )
 
-    def prepare_responses(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> PreparedRequest:
+    def prepare_responses(self, body: bytes | dict[str, Any],
+                          headers: Mapping[str, str] | None = None) -> PreparedRequest:
         """An OpenAI Responses API request (protocol/responses_api.py)."""
         return prepare_responses(self, _load_body(body), headers)
 
-    def count_tokens_anthropic(self, body: bytes | dict[str, Any], headers: Mapping[str, str] | None = None) -> int:
+    def count_tokens_anthropic(self, body: bytes | dict[str, Any],
+                               headers: Mapping[str, str] | None = None) -> int:
         """Exact prompt length of an Anthropic count_tokens body (same rendering as a request);
         a prompt no request could send (over ``max_model_len - 1``) is refused like a request."""
         data = _load_body(body)

@@ -37,7 +37,8 @@ class PreparedRequest:
     tool_choice: str = "auto"  # "auto" | "none" | "required" | "named"
     tool_choice_name: str | None = None
     include_usage: bool = False  # OpenAI stream_options.include_usage
-    show_reasoning: bool = True  # False: Anthropic thinking.display "omitted"/"updates" (empty thinking blocks)
+    # False: Anthropic thinking.display "omitted"/"updates" (empty thinking blocks)
+    show_reasoning: bool = True
     num_ledger_hits: int = 0  # assistant turns rendered from the ledger
     num_ledger_divergences: int = 0  # turns whose client view differed from the ledger
     # internal, for the stream: tool name -> declared parameter names (wrapper collapse)

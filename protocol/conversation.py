@@ -145,7 +145,8 @@ def _anthropic_system_text(system: str | list[A.TextBlock] | None) -> str | None
 def anthropic_conversation(
     req: A.MessagesRequest | A.CountTokensRequest, raw_tools: list[dict[str, Any]] | None
 ) -> Conversation:
-    declared = [_anthropic_tool(t, (raw_tools or [None] * len(req.tools))[k]) for k, t in enumerate(req.tools or [])]
+    declared = [_anthropic_tool(t, (raw_tools or [None] * len(req.tools))[k])
+                for k, t in enumerate(req.tools or [])]
     tools = [fn for t, fn in zip(req.tools or [], declared) if not t.defer_loading]
     catalog: dict[str, dict[str, Any]] = {}
     for fn in declared:
@@ -190,14 +191,16 @@ def _anthropic_user_blocks(
             for name in (n for kind, names in parts if kind == PART_TOOL_REFS for n in names):
                 if name not in catalog:
                     where = f"messages.{msg_index}.content.{k}"
-                    raise InvalidRequest(f"{where}: tool_reference names {name!r}, which is not in tools", param=where)
+                    raise InvalidRequest(f"{where}: tool_reference names {name!r}, which is not in tools",
+                                         param=where)
                 loaded.setdefault(name)
             blocks.append(Block(kind="tool_result", tool_use_id=b.tool_use_id, parts=parts))
         elif t == "image":
             blocks.append(Block(kind="other", text=IMAGE_TEXT))
         elif t in ("thinking", "redacted_thinking", "tool_use"):
             raise InvalidRequest(
-                f"messages.{msg_index}: a user message cannot contain {t} blocks", param=f"messages.{msg_index}"
+                f"messages.{msg_index}: a user message cannot contain {t} blocks",
+                param=f"messages.{msg_index}"
             )
         else:
             blocks.append(Block(kind="other", text=f"[Unsupported {t}]"))
@@ -258,7 +261,8 @@ def _openai_text(content: str | list[Any] | None) -> str:
             # a text part without a string "text" fails TextPart and lands in OtherPart
             text = getattr(p, "text", None)
             if not isinstance(text, str):
-                raise InvalidRequest(f"a content part of type {p.type!r} needs a string 'text'", param="messages")
+                raise InvalidRequest(f"a content part of type {p.type!r} needs a string 'text'",
+                                     param="messages")
             out.append(text)
         elif p.type in ("image_url", "input_image"):
             out.append(IMAGE_TEXT)
@@ -300,9 +304,11 @@ def openai_conversation(req: O.ChatCompletionRequest, raw_tools: list[dict[str, 
         else:
             text = _openai_text(m.content)
             reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-            calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or []]
+            calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                     for c in m.tool_calls or []]
             msgs.append(
-                Message(role="assistant", content=text, text_parts=[text] if text else [], reasoning=reasoning, tool_calls=calls)
+                Message(role="assistant", content=text, text_parts=[text] if text else [],
+                        reasoning=reasoning, tool_calls=calls)
             )
     tools: list[dict[str, Any]] = []
     for k, t in enumerate(req.tools or []):

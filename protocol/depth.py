@@ -55,7 +55,8 @@ def json_text_depth(text: str) -> int:
     invalid JSON just gives some depth)."""
     if text.count("[") + text.count("{") == 0:
         return 0
-    brackets = _STRING_LITERAL.sub("", text).encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKET_BYTES)
+    raw = _STRING_LITERAL.sub("", text).encode("utf-8", "surrogatepass")
+    brackets = raw.translate(None, _NOT_BRACKET_BYTES)
     skeleton = np.frombuffer(brackets, dtype=np.uint8)
     return int(np.cumsum(_BRACKET_STEP[skeleton], dtype=np.int32).max(initial=0))
 

@@ -24,7 +24,8 @@ _NONCHAR_RE = re.compile("[\ufdd0-\ufdef]")
 
 def _byte_level_table() -> dict[str, int]:
     """GPT-2 byte-level alphabet: printable char -> byte value."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1)))
     chars = list(keep)
     n = 0
     for b in range(256):
@@ -56,7 +57,8 @@ class TokenTable:
         for tid, at in added.items():
             by_content[at.content] = tid
             table[tid] = b"" if at.special else at.content.encode("utf-8")
-        for text, sentinel in (("<think>", S_THINK), ("</think>", S_END_THINK), ("｜DSML｜", S_DSML), ("<｜end▁of▁sentence｜>", S_EOS)):
+        for text, sentinel in (("<think>", S_THINK), ("</think>", S_END_THINK), ("｜DSML｜", S_DSML),
+                               ("<｜end▁of▁sentence｜>", S_EOS)):
             tid = by_content.get(text)
             if tid is not None:
                 self.sentinel[tid] = sentinel

@@ -21,11 +21,13 @@ import orjson
 
 from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                "stop_sequence": "stop_sequence"}
 
 _PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 _STOP_BLOCK = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":%d}\n\n'
-_DELTA_HEAD = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,"delta":{"type":"%s","%s":'
+_DELTA_HEAD = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+               b'"delta":{"type":"%s","%s":')
 _DELTA_TAIL = b"}}\n\n"
 
 
@@ -74,14 +76,16 @@ class AnthropicEmitter:
 
     def _close(self, out: list[bytes]) -> None:
         if self._open == REASONING:
-            out.append(_DELTA_HEAD % (self._index, b"signature_delta", b"signature") + orjson.dumps(self.signature) + _DELTA_TAIL)
+            out.append(_DELTA_HEAD % (self._index, b"signature_delta", b"signature")
+                       + orjson.dumps(self.signature) + _DELTA_TAIL)
         if self._open != -1:
             out.append(_STOP_BLOCK % self._index)
             self._open = -1
 
     def _begin(self, out: list[bytes], block: dict[str, Any]) -> None:
         self._index += 1
-        out.append(_event(b"content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block}))
+        out.append(_event(b"content_block_start",
+                          {"type": "content_block_start", "index": self._index, "content_block": block}))
         if not self._pinged:
             self._pinged = True
             out.append(_PING)
@@ -94,21 +98,24 @@ class AnthropicEmitter:
                     self._close(out)
                     self._begin(out, {"type": "text", "text": ""})
                     self._open = TEXT
-                out.append(_DELTA_HEAD % (self._index, b"text_delta", b"text") + orjson.dumps(payload) + _DELTA_TAIL)
+                out.append(_DELTA_HEAD % (self._index, b"text_delta", b"text") + orjson.dumps(payload)
+                           + _DELTA_TAIL)
             elif kind == REASONING:
                 if self._open != REASONING:
                     self._close(out)
                     self._begin(out, {"type": "thinking", "thinking": "", "signature": ""})
                     self._open = REASONING
                 if self.show_reasoning:
-                    out.append(_DELTA_HEAD % (self._index, b"thinking_delta", b"thinking") + orjson.dumps(payload) + _DELTA_TAIL)
+                    out.append(_DELTA_HEAD % (self._index, b"thinking_delta", b"thinking")
+                               + orjson.dumps(payload) + _DELTA_TAIL)
             elif kind == TOOL_START:
                 index, name = payload
                 self._close(out)
                 self._begin(out, {"type": "tool_use", "id": call_ids[index], "name": name, "input": {}})
                 self._open = TOOL_START
             elif kind == TOOL_ARGS:
-                out.append(_DELTA_HEAD % (self._index, b"input_json_delta", b"partial_json") + orjson.dumps(payload) + _DELTA_TAIL)
+                out.append(_DELTA_HEAD % (self._index, b"input_json_delta", b"partial_json")
+                           + orjson.dumps(payload) + _DELTA_TAIL)
             elif kind == TOOL:
                 self._close(out)
         return b"".join(out)
@@ -119,7 +126,8 @@ class AnthropicEmitter:
         out.append(
             _event(
                 b"message_delta",
-                {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage},
+                {"type": "message_delta",
+                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage},
             )
         )
         out.append(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
@@ -146,7 +154,8 @@ def anthropic_body(
         if kind == TEXT:
             content.append({"type": "text", "text": payload})
         else:
-            content.append({"type": "tool_use", "id": call_ids[payload.index], "name": payload.name, "input": payload.arguments})
+            content.append({"type": "tool_use", "id": call_ids[payload.index], "name": payload.name,
+                            "input": payload.arguments})
     return {
         "id": message_id,
         "type": "message",

@@ -35,7 +35,8 @@ class OpenAIEmitter:
         self.completion_id = completion_id
         self.model = model
         self.created = created
-        head = orjson.dumps({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model})
+        head = orjson.dumps({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                             "model": model})
         self._head = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":{'
         self._tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
         self._call_head = b""  # the open call's argument-delta prefix
@@ -52,7 +53,8 @@ class OpenAIEmitter:
                 out.append(self._head + b'"reasoning_content":' + orjson.dumps(payload) + self._tail)
             elif kind == TOOL_START:
                 index, name = payload
-                tc = {"index": index, "id": call_ids[index], "type": "function", "function": {"name": name, "arguments": ""}}
+                tc = {"index": index, "id": call_ids[index], "type": "function",
+                      "function": {"name": name, "arguments": ""}}
                 out.append(self._head + b'"tool_calls":' + orjson.dumps([tc]) + self._tail)
                 self._call_head = self._head + b'"tool_calls":[{"index":%d,"function":{"arguments":' % index
             elif kind == TOOL_ARGS:
@@ -60,10 +62,13 @@ class OpenAIEmitter:
         return b"".join(out)
 
     def finish(self, finish_reason: str, usage: dict[str, Any] | None) -> bytes:
-        base = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+        base = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model}
         out = [
             b"data: "
-            + orjson.dumps({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]})
+            + orjson.dumps({**base,
+                            "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                         "finish_reason": finish_reason}]})
             + b"\n\n"
         ]
         if usage is not None:
@@ -88,7 +93,8 @@ def openai_body(
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [
-            {"id": call_ids[c.index], "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            {"id": call_ids[c.index], "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments_json}}
             for c in calls
         ]
     return {

@@ -73,7 +73,7 @@ class ProtocolError(Exception):
         """
         out: dict[str, str] = {"x-should-retry": "true" if self.retryable else "false"}
         if self.retry_after_s is not None:
-            out["retry-after"] = str(max(1, int(round(self.retry_after_s))))
+            out["retry-after"] = str(max(1, round(self.retry_after_s)))
         return out
 
     # -- SSE frames (for errors after the stream started) --------------------------------------
@@ -86,7 +86,8 @@ class ProtocolError(Exception):
     def responses_sse(self) -> bytes:
         """The Responses API's stream ``error`` event (a stream with a response id uses
         ``response.failed``, protocol/responses_emit.py)."""
-        data = {"type": "error", "code": self.code or self.openai_type, "message": self.message, "param": self.param}
+        data = {"type": "error", "code": self.code or self.openai_type, "message": self.message,
+                "param": self.param}
         return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
 
     def sse(self, api: str) -> bytes:
@@ -259,7 +260,9 @@ def validation_error_message(exc: ValidationError, max_errors: int = 3) -> tuple
     errors = exc.errors(include_url=False)
     locs = [tuple(str(p) for p in e.get("loc", ()) if not _is_union_tag(p)) for e in errors]
     # a union (str | list[...]) reports one error per branch; keep the deepest ones
-    keep = [k for k, loc in enumerate(locs) if not any(len(o) > len(loc) and o[: len(loc)] == loc for o in locs)]
+    keep = [k
+            for k, loc in enumerate(locs)
+            if not any(len(o) > len(loc) and o[: len(loc)] == loc for o in locs)]
     for k in keep[:max_errors]:
         err = errors[k]
         loc = ".".join(locs[k])

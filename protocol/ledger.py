@@ -77,7 +77,8 @@ class LedgerEntry:
 
     @property
     def nbytes(self) -> int:
-        return int(self.output_ids.nbytes) + sum(len(t) for t in self.text_parts) + len(self.reasoning) + _ENTRY_OVERHEAD_BYTES
+        text_bytes = sum(len(t) for t in self.text_parts) + len(self.reasoning)
+        return int(self.output_ids.nbytes) + text_bytes + _ENTRY_OVERHEAD_BYTES
 
 
 def encode_entry(entry: LedgerEntry) -> bytes:
@@ -260,7 +261,8 @@ class OutputLedger:
                 return None
         same = (
             (reasoning is None or reasoning == entry.reasoning)
-            and (tuple(text_parts) == entry.text_parts if strict_parts else "".join(text_parts) == "".join(entry.text_parts))
+            and (tuple(text_parts) == entry.text_parts
+                 if strict_parts else "".join(text_parts) == "".join(entry.text_parts))
             and _same_calls(calls_t, entry.calls)
         )
         with self._lock:
@@ -272,7 +274,8 @@ class OutputLedger:
             hit = entry
             self._persist.refresh(hit.entry_id, lambda: encode_entry(hit))
         if not same:
-            logger.debug("ledger divergence for entry %s: %s", entry.entry_id.hex(), _first_difference(entry, reasoning, text_parts, calls_t))
+            logger.debug("ledger divergence for entry %s: %s", entry.entry_id.hex(),
+                         _first_difference(entry, reasoning, text_parts, calls_t))
             return None
         return entry
 
@@ -292,7 +295,8 @@ def _args_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _first_difference(entry: LedgerEntry, reasoning: str | None, parts: list[str], calls: tuple[Any, ...]) -> str:
+def _first_difference(entry: LedgerEntry, reasoning: str | None, parts: list[str],
+                      calls: tuple[Any, ...]) -> str:
     if reasoning is not None and reasoning != entry.reasoning:
         return f"reasoning differs at char {_diff_pos(reasoning, entry.reasoning)}"
     a, b = "".join(parts), "".join(entry.text_parts)

@@ -37,8 +37,9 @@ Behaviour (reference/deepseek-v41-protocol.md section 1.5, numbers refer to it):
 11. Text after ``</｜DSML｜ calls>`` is kept as content (a new text run).
 12. With tools disabled (no tools, ``tool_choice: none``), blocks are parsed and suppressed.
 A call to a tool the request did not declare (inside a calls block) is passed through as a
-call: the client answers it with its own "no such tool" result, as for any bad call. The V4 spelling (``tool_calls``, no space before ``invoke``/``parameter``) and V3.2
-``function_calls`` are accepted.
+call: the client answers it with its own "no such tool" result, as for any bad call. The V4
+spelling (``tool_calls``, no space before ``invoke``/``parameter``) and V3.2 ``function_calls``
+are accepted.
 """
 
 from __future__ import annotations
@@ -47,12 +48,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from protocol.detokenize import S_DSML, S_END_THINK, S_EOS, S_THINK, SENTINEL_TEXT
 from protocol.parser_args import ArgStreamer, args_json, clean_value, param_value, restore_text
 
-__all__ = ["REASONING", "TEXT", "TOOL", "TOOL_START", "TOOL_ARGS", "ParsedCall", "StreamParser", "restore_text"]
+__all__ = ["REASONING", "TEXT", "TOOL", "TOOL_START", "TOOL_ARGS", "ParsedCall", "StreamParser",
+           "restore_text"]
 
 REASONING = 0
 TEXT = 1
@@ -89,10 +89,12 @@ class ParsedCall:
 class StreamParser:
     """One generation's parser. ``feed`` text as it is detokenized; ``finish`` at the end."""
 
-    __slots__ = ("_buf", "_state", "_text_started", "_after_block", "_tool_params", "_tools_enabled", "num_calls", "_bare",
+    __slots__ = ("_buf", "_state", "_text_started", "_after_block", "_tool_params", "_tools_enabled",
+                 "num_calls", "_bare",
                  "_args", "num_cut_calls", "num_arg_mismatches")
 
-    def __init__(self, thinking: bool, tool_params: dict[str, frozenset[str]] | None = None, tools_enabled: bool = True) -> None:
+    def __init__(self, thinking: bool, tool_params: dict[str, frozenset[str]] | None = None,
+                 tools_enabled: bool = True) -> None:
         self._buf = ""
         self._state = _ST_REASONING if thinking else _ST_CONTENT
         self._text_started = False
@@ -363,7 +365,8 @@ class StreamParser:
         if not declared or len(args) != 1:
             return args
         (key, value), = args.items()
-        if key in ("arguments", "input") and key not in declared and isinstance(value, dict) and set(value) <= declared:
+        if (key in ("arguments", "input") and key not in declared and isinstance(value, dict)
+                and set(value) <= declared):
             return value
         return args
 

@@ -44,7 +44,9 @@ THINK = "<think>"
 END_THINK = "</think>"
 DSML = "｜DSML｜"
 
-EFFORT_TEMPLATE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+EFFORT_TEMPLATE = (
+    "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+)
 RESPONSE_FORMAT_HEAD = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 TOOLS_HEAD = (
@@ -67,7 +69,9 @@ TOOLS_HEAD = (
     f"Otherwise, output directly after {END_THINK} with tool calls or final response.\n\n"
     "### Available Tool Schemas\n\n"
 )
-TOOLS_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+TOOLS_TAIL = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
 FUNCTIONS_OPEN = "<functions>"
 FUNCTIONS_CLOSE = "\n</functions>"
 FUNCTION_OPEN = "\n<function>"
@@ -182,9 +186,9 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
     ``end_think_id`` / ``eos_id`` are needed only to splice ledger ids (IDS segments)."""
     msgs = _preprocess(conv.messages)
     has_tools = bool(conv.tools or conv.tool_catalog)  # deferred tools count: they can be loaded
-    if has_tools or conv.response_format is not None:
-        if not msgs or msgs[0].role != "system":
-            msgs.insert(0, Message(role="system", content=""))
+    needs_system = has_tools or conv.response_format is not None
+    if needs_system and (not msgs or msgs[0].role != "system"):
+        msgs.insert(0, Message(role="system", content=""))
     drop = not has_tools
     thinking = conv.thinking
     if thinking and drop:
@@ -224,7 +228,8 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
         if i + 1 < n and msgs[i + 1].role != "assistant":
             continue
         is_last = i == n - 1
-        if role in ("user", "developer") or (role == "system" and i > 0) or (is_last and role in ("system", "assistant")):
+        if (role in ("user", "developer") or (role == "system" and i > 0)
+                or (is_last and role in ("system", "assistant"))):
             open_think = thinking and (not drop or i >= last_user)
             out.append((OURS, ASSISTANT + (THINK if open_think else END_THINK)))
     return out
@@ -254,7 +259,8 @@ def _render_user_blocks(blocks: list[Block], catalog: dict[str, dict[str, Any]],
             out.append((CLIENT, b.text))
 
 
-def _render_tool_definitions(names: tuple[str, ...], catalog: dict[str, dict[str, Any]], out: list[Segment]) -> None:
+def _render_tool_definitions(names: tuple[str, ...], catalog: dict[str, dict[str, Any]],
+                             out: list[Segment]) -> None:
     """A run of tool references: each tool's schema line, as the tools block prints it."""
     out.append((OURS, FUNCTIONS_OPEN))
     for name in names:

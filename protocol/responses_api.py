@@ -34,7 +34,8 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> tuple[str, str | None]:
     return "auto", None  # a hosted tool type: nothing to force here
 
 
-def prepare_responses(proto: Protocol, data: dict[str, Any], headers: Mapping[str, str] | None) -> PreparedRequest:
+def prepare_responses(proto: Protocol, data: dict[str, Any],
+                      headers: Mapping[str, str] | None) -> PreparedRequest:
     try:
         req = R.ResponsesRequest.model_validate(data)
     except ValidationError as exc:
@@ -47,7 +48,8 @@ def prepare_responses(proto: Protocol, data: dict[str, Any], headers: Mapping[st
     hits, divergences = proto._match_ledger(conv, strict_parts=False)
     ids = proto._tokenize(conv)
     tool_choice, tool_name = _tool_choice(req.tool_choice)
-    check_tool_choice(tool_choice, tool_name, {route.name for route in opts.routes.values()} | set(opts.routes))
+    check_tool_choice(tool_choice, tool_name,
+                      {route.name for route in opts.routes.values()} | set(opts.routes))
     return PreparedRequest(
         api="responses",
         model=req.model,

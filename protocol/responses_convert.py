@@ -21,8 +21,9 @@ the model (no search backend here); any other hosted tool type is refused (400).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -90,12 +91,15 @@ def _tools(raw_tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]]
         if isinstance(t, R.CustomTool):
             hint = "The tool's whole input, as free text"
             if t.format and t.format.get("type") == "grammar":
-                hint += f" in this {t.format.get('syntax', 'grammar')} grammar:\n{t.format.get('definition', '')}"
-            fn["parameters"] = {"type": "object", "properties": {"input": {"type": "string", "description": hint}},
+                syntax, definition = t.format.get("syntax", "grammar"), t.format.get("definition", "")
+                hint += f" in this {syntax} grammar:\n{definition}"
+            fn["parameters"] = {"type": "object",
+                                "properties": {"input": {"type": "string", "description": hint}},
                                 "required": ["input"]}
             routes[prompt_name] = ToolRoute(CUSTOM, t.name, namespace)
         else:
-            fn["parameters"] = t.parameters if t.parameters is not None else {"type": "object", "properties": {}}
+            fn["parameters"] = t.parameters if t.parameters is not None else {
+                "type": "object", "properties": {}}
             routes[prompt_name] = ToolRoute(FUNCTION, t.name, namespace)
         tools.append(fn)
 
@@ -151,12 +155,15 @@ class _Builder:
                 turn.signature = item.encrypted_content or self._own_signature(item.id)
         elif isinstance(item, R.FunctionCallItem):
             name = f"{item.namespace}.{item.name}" if item.namespace else item.name
-            self._assistant(new=False).tool_calls.append(ToolCall(id=item.call_id, name=name, arguments=item.arguments))
+            self._assistant(new=False).tool_calls.append(ToolCall(id=item.call_id, name=name,
+                                                                  arguments=item.arguments))
         elif isinstance(item, R.CustomToolCallItem):
-            self._assistant(new=False).tool_calls.append(ToolCall(id=item.call_id, name=item.name, arguments={"input": item.input}))
+            self._assistant(new=False).tool_calls.append(ToolCall(id=item.call_id, name=item.name,
+                                                                  arguments={"input": item.input}))
         elif isinstance(item, R.CallOutputItem):
             self._turn = None
-            self.messages.append(Message(role="tool", tool_call_id=item.call_id, content=_parts_text(item.output, where)))
+            self.messages.append(Message(role="tool", tool_call_id=item.call_id,
+                                         content=_parts_text(item.output, where)))
 
     def _assistant(self, new: bool) -> Message:
         turn = self._turn
@@ -207,8 +214,8 @@ def responses_conversation(req: R.ResponsesRequest, store: ResponseStore | None,
         if isinstance(item, R.ItemReference):
             ref = store.item(item.id) if store is not None else None
             if ref is None:
-                raise InvalidRequest(f"{where}: item_reference {item.id!r} is not stored here; send the item itself",
-                                     param=where, code="item_not_found")
+                raise InvalidRequest(f"{where}: item_reference {item.id!r} is not stored here; "
+                                     "send the item itself", param=where, code="item_not_found")
             item = _parse_item(ref, where)
         builder.add(item, where)
     if not any(m.role in ("user", "tool") for m in builder.messages):
@@ -221,7 +228,8 @@ def responses_conversation(req: R.ResponsesRequest, store: ResponseStore | None,
     if fmt is not None and fmt.get("type") == "json_schema":  # Responses flattens what chat nests
         fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     conv = Conversation(messages=builder.messages, tools=tools, thinking=thinking,
-                        effort=effort_value(None if effort in (None, "none") else effort), response_format=fmt)
+                        effort=effort_value(None if effort in (None, "none") else effort),
+                        response_format=fmt)
     opts = ResponsesOptions(
         routes=routes,
         store=store if req.store else None,
@@ -236,7 +244,8 @@ def responses_conversation(req: R.ResponsesRequest, store: ResponseStore | None,
             "reasoning": {"effort": effort, "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.store,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": req.text.format.model_dump(exclude_none=True) if req.text and req.text.format else {"type": "text"}},
+            "text": {"format": req.text.format.model_dump(exclude_none=True)
+                     if req.text and req.text.format else {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
             "top_p": 1.0 if req.top_p is None else req.top_p,

@@ -70,7 +70,8 @@ class ResponsesEmitter:
             return
         payload["sequence_number"] = self._seq
         self._seq += 1
-        out.append(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n")
+        out.append(
+            b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n")
 
     def response(self, status: str, usage: dict[str, Any] | None, incomplete: str | None = None,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -114,7 +115,8 @@ class ResponsesEmitter:
             item = {**item, "summary": [part]}
         elif self._open_kind == TEXT:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            self._ev(out, "response.output_text.done", {**ref, "content_index": 0, "text": text, "logprobs": []})
+            self._ev(out, "response.output_text.done",
+                     {**ref, "content_index": 0, "text": text, "logprobs": []})
             self._ev(out, "response.content_part.done", {**ref, "content_index": 0, "part": part})
             item = {**item, "status": "completed", "content": [part]}
         else:  # a call; ``_finish_call`` closes complete ones, so this one was cut
@@ -141,7 +143,8 @@ class ResponsesEmitter:
                 self._delta(out, "response.reasoning_summary_text.delta", payload, {"summary_index": 0})
             elif kind == TEXT:
                 if self._open_kind != TEXT:
-                    item = {"id": _new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+                    item = {"id": _new_id("msg_"), "type": "message", "status": "in_progress",
+                            "role": "assistant", "content": []}
                     self._begin(out, TEXT, item)
                     self._ev(out, "response.content_part.added", {
                         "item_id": item["id"], "output_index": len(self.items), "content_index": 0,
@@ -163,16 +166,19 @@ class ResponsesEmitter:
         self._buf.append(text)
         if self._stream:
             assert self._open is not None
-            self._ev(out, kind, {"item_id": self._open["id"], "output_index": len(self.items), **extra, "delta": text})
+            self._ev(out, kind,
+                     {"item_id": self._open["id"], "output_index": len(self.items), **extra, "delta": text})
 
     def _call_item(self, call_id: str, prompt_name: str) -> dict[str, Any]:
         route = self.opts.routes.get(prompt_name)
         self._route = route
         if route is not None and route.kind == CUSTOM:
-            item = {"id": _new_id("ctc_"), "type": "custom_tool_call", "status": "in_progress", "call_id": call_id,
+            item = {"id": _new_id("ctc_"), "type": "custom_tool_call", "status": "in_progress",
+                    "call_id": call_id,
                     "name": route.name, "input": ""}
         else:  # a declared function, or an undeclared name passed through as is (docs/protocol.md)
-            item = {"id": _new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call_id,
+            item = {"id": _new_id("fc_"), "type": "function_call", "status": "in_progress",
+                    "call_id": call_id,
                     "name": route.name if route is not None else prompt_name, "arguments": ""}
         if route is not None and route.namespace:
             item["namespace"] = route.namespace
@@ -190,7 +196,8 @@ class ResponsesEmitter:
             self._ev(out, "response.custom_tool_call_input.done", {**ref, "input": text})
             done = {**item, "status": "completed", "input": text}
         else:
-            self._ev(out, "response.function_call_arguments.done", {**ref, "name": item["name"], "arguments": call.arguments_json})
+            self._ev(out, "response.function_call_arguments.done",
+                     {**ref, "name": item["name"], "arguments": call.arguments_json})
             done = {**item, "status": "completed", "arguments": call.arguments_json}
         self._open, self._open_kind, self._buf, self._route = None, -1, [], None
         self._ev(out, "response.output_item.done", {"output_index": index, "item": done})
@@ -213,5 +220,6 @@ class ResponsesEmitter:
     def failed(self, code: str, message: str) -> bytes:
         out: list[bytes] = []
         self._close(out, cut=True)
-        self._ev(out, "response.failed", {"response": self.response("failed", None, error={"code": code, "message": message})})
+        self._ev(out, "response.failed",
+                 {"response": self.response("failed", None, error={"code": code, "message": message})})
         return b"".join(out)

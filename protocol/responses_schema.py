@@ -81,7 +81,8 @@ class ItemReference(_Wire):
     id: str = Field(min_length=1)
 
 
-InputItem = Union[MessageItem, FunctionCallItem, CustomToolCallItem, CallOutputItem, ReasoningItem, ItemReference]
+InputItem = Union[MessageItem, FunctionCallItem, CustomToolCallItem, CallOutputItem, ReasoningItem,
+                  ItemReference]
 ITEM_MODELS: dict[str, type[_Wire]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
@@ -116,7 +117,8 @@ class NamespaceTool(_Wire):
 
 
 # hosted tools this server cannot run; a request may carry them, the model is not told of them
-IGNORED_TOOL_TYPES = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26"})
+IGNORED_TOOL_TYPES = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11",
+                                "web_search_2025_08_26"})
 
 
 class Reasoning(_Wire):
@@ -180,7 +182,8 @@ class ResponsesRequest(_Wire):
     @classmethod
     def _no_server_state(cls, v: Any) -> Any:
         if v is not None:
-            raise ValueError("server-side conversations and stored prompt templates are not supported; send input")
+            raise ValueError("server-side conversations and stored prompt templates are not supported; "
+                             "send input")
         return v
 
     @field_validator("top_logprobs")

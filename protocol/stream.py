@@ -66,7 +66,8 @@ class StopMatcher:
 class ResponseStream:
     """See protocol.api for the contract. Not thread-safe."""
 
-    def __init__(self, prepared: PreparedRequest, request_id: str, table: TokenTable, ledger: OutputLedger | None) -> None:
+    def __init__(self, prepared: PreparedRequest, request_id: str, table: TokenTable,
+                 ledger: OutputLedger | None) -> None:
         self.prepared = prepared
         self.request_id = request_id
         self.api = prepared.api
@@ -94,7 +95,8 @@ class ResponseStream:
         self._r: ResponsesEmitter | None = None
         if self.api == "anthropic":
             self.message_id = "msg_" + request_id
-            self._a = AnthropicEmitter(self.message_id, prepared.model, self.signature, prepared.show_reasoning)
+            self._a = AnthropicEmitter(self.message_id, prepared.model, self.signature,
+                                       prepared.show_reasoning)
             self._o = None
         elif self.api == "responses":  # the Responses API (protocol/responses_*.py)
             self.message_id = "resp_" + request_id
@@ -171,7 +173,8 @@ class ResponseStream:
                 break
         return out
 
-    def finish(self, finish_reason: str, num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int) -> bytes:
+    def finish(self, finish_reason: str, num_prompt_tokens: int, num_cached_tokens: int,
+               num_output_tokens: int) -> bytes:
         if self._finished:
             return b""
         head = b"" if self._started else self.start(num_cached_tokens)
@@ -205,7 +208,9 @@ class ResponseStream:
         self._usage = usage_o
         if not self.prepared.stream:
             return head + body
-        return head + body + self._o.finish(FINISH_REASONS[reason], usage_o if self.prepared.include_usage else None)  # type: ignore[union-attr]
+        return head + body + self._o.finish(
+            FINISH_REASONS[reason],
+            usage_o if self.prepared.include_usage else None)  # type: ignore[union-attr]
 
     @staticmethod
     def _merge(events: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
@@ -227,7 +232,8 @@ class ResponseStream:
         return "stop"
 
     def _record(self, engine_reason: str) -> None:
-        if self._ledger is None or self.stop_hit or engine_reason not in ("stop", "length") or not self.output_ids:
+        if (self._ledger is None or self.stop_hit or engine_reason not in ("stop", "length")
+                or not self.output_ids):
             return
         ids = np.asarray(self.output_ids, dtype=np.int32)
         think_end = self._think_end() if self.prepared.thinking else -1

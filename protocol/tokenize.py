@@ -312,7 +312,8 @@ class PromptTokenizer:
             end = len(text) if len(text) - pos <= _CHUNK_CHARS else safe_cut(text, pos + _CHUNK_CHARS // 2,
                                                                                pos + _CHUNK_CHARS)
             chunk = text if pos == 0 and end == len(text) else text[pos:end]
-            ids = np.asarray(self.plain.encode_batch([chunk], add_special_tokens=False)[0].ids, dtype=np.int32)
+            ids = np.asarray(self.plain.encode_batch([chunk], add_special_tokens=False)[0].ids,
+                             dtype=np.int32)
             parts.append(ids)
             num_ids += len(ids)
             pos = end

@@ -183,3 +183,34 @@ def test_spills_keep_the_disk_under_its_bound(tmp_path: Path) -> None:
             store.close()
 
     asyncio.run(main())
+
+
+def test_a_full_disk_costs_the_spill_never_the_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ENOSPC on every write of the first backend: its turn answers as usual, nothing lands on
+    disk (no extent, no leftover .tmp), the failure is counted and logged; the next backend finds
+    nothing, recomputes, and spills again once the disk has room."""
+    import cache.l2_store
+
+    def disk_full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    async def main() -> None:
+        rng = np.random.default_rng(5)
+        prompt = tokens(rng, 300)
+        with monkeypatch.context() as patch:
+            patch.setattr(cache.l2_store, "write_at", disk_full)
+            with caplog.at_level(logging.WARNING, logger="cache.l2_store"):
+                first, counters = await _first_life(tmp_path, prompt)
+        assert len(first.output_ids) == 8
+        assert counters.write_errors >= 1 and counters.saved_blocks == 0
+        assert "No space left on device" in caplog.text
+        assert os.listdir(tmp_path) == []
+        follow = next_prompt(first, tokens(rng, 7))
+        again, store = await _second_life(tmp_path, follow)
+        assert again.admission.num_cached_tokens == 0 and len(again.output_ids) == 8
+        assert store.counters.saved_blocks >= 18  # the disk has room again: this turn spilled
+        assert any(n.endswith(".kv") for n in os.listdir(tmp_path))
+
+    asyncio.run(main())

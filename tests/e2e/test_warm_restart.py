@@ -135,18 +135,38 @@ def test_next_turn_after_a_rank_sigkill_restores_from_l1(tmp_path: Path, backend
     assert _tier_tokens(backend, "l1") - l1_before >= 0.9 * usage["prompt_tokens"]
 
 
-def test_next_turn_after_a_full_backend_restart_restores_from_l2(tmp_path: Path, backends: list[Backend]) -> None:
+def _kill_backend(backend: Backend) -> None:
+    """SIGKILL the backend and its ranks (an OOM kill, a lost host): no flush, no cleanup; the
+    host pool file it leaves in /dev/shm is removed here (a new backend uses its own name)."""
+    pid = backend.proc.pid
+    os.killpg(pid, signal.SIGKILL)
+    backend.proc.wait(timeout=30)
+    for leftover in Path("/dev/shm").glob(f"dib-l1-g{pid}-*"):
+        leftover.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+def test_next_turn_after_a_full_backend_restart_restores_from_l2(
+    tmp_path: Path, backends: list[Backend], stop: str
+) -> None:
+    """SIGTERM: a graceful stop (a redeploy) flushes idle sessions to disk. SIGKILL of the whole
+    backend: what the write-behind spill had saved (the session was written through to L1) is
+    all there is, and it is enough."""
     l2_dir = tmp_path / "l2"
     backend = _start(backends, tmp_path, _config(l2_dir))
     history, first, cold_s = _first_turn(backend, seed=2)
-    backend.stop()  # SIGTERM: a graceful stop (a redeploy); the process exits
+    if stop == "sigterm":
+        backend.stop()
+    else:
+        _wait_saved(backend, 0)
+        _kill_backend(backend)
     assert backend.proc.returncode is not None
     assert any(name.endswith(".kv") for name in os.listdir(l2_dir / "kv"))
     again = _start(backends, tmp_path, _config(l2_dir))
     usage, warm_s = _next_turn(again, history)
     share = _cached_share(usage)
     l2_tokens = _tier_tokens(again, "l2")
-    print(f"\nfull backend restart -> next turn: {usage['prompt_tokens_details']['cached_tokens']} of "
+    print(f"\nfull backend restart ({stop}) -> next turn: {usage['prompt_tokens_details']['cached_tokens']} of "
           f"{usage['prompt_tokens']} prompt tokens cached ({share:.1%}), {l2_tokens:.0f} from L2; "
           f"turn {warm_s:.2f} s (first turn, cold: {cold_s:.2f} s for {first['prompt_tokens']} tokens) [{MODEL}]")
     assert share >= 0.9

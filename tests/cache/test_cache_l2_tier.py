@@ -32,7 +32,8 @@ from tests.cache.cache_harness import BLOCK_SIZE, make_group, next_prompt, run_t
 pytestmark = pytest.mark.timeout(120)
 
 SALT = "reference:test"
-NULL_STAMP = L2Stamp(SALT, BLOCK_SIZE, kv_bytes_per_block(MODEL_SPECS["null"], BLOCK_SIZE, torch.float32), "null")
+NULL_BYTES_PER_BLOCK = kv_bytes_per_block(MODEL_SPECS["null"], BLOCK_SIZE, torch.float32)
+NULL_STAMP = L2Stamp(SALT, BLOCK_SIZE, NULL_BYTES_PER_BLOCK, "null")
 
 
 def _flip_byte(path: str, offset: int) -> None:
@@ -47,7 +48,9 @@ def _stamp(group: LocalRankGroup, layout: str = "null") -> L2Stamp:
     return L2Stamp(SALT, group.block_size, group.bytes_per_block, layout)
 
 
-def _store(group: LocalRankGroup, directory: Path, max_bytes: int = 64 << 20, layout: str = "null") -> L2Store:
+def _store(
+    group: LocalRankGroup, directory: Path, max_bytes: int = 64 << 20, layout: str = "null"
+) -> L2Store:
     assert group.host_pool_path is not None
     host = HostSlots.map_file(group.host_pool_path, group.bytes_per_block, group.num_host_slots)
     store = L2Store(str(directory), max_bytes, _stamp(group, layout), host, io_threads=0, min_free_bytes=0,
@@ -165,7 +168,8 @@ def test_truncated_foreign_or_vanished_files_are_never_loaded_and_the_turn_recom
 def test_spills_keep_the_disk_under_its_bound(tmp_path: Path) -> None:
     async def main() -> None:
         group = await make_group(num_blocks=96, num_ranks=2, host_slots=64)
-        bound = 40 << 10  # the null model's rows are 64 B: one session's extent is 8 KiB (4 KiB aligned header + payload)
+        # The null model's rows are 64 B: one session's extent is 8 KiB (4 KiB aligned header + payload).
+        bound = 40 << 10
         store = _store(group, tmp_path, max_bytes=bound)
         mgr = _manager(group, store)
         rng = np.random.default_rng(4)

@@ -85,7 +85,8 @@ def _wait_restarted(backend: Backend, old_pids: list[int], timeout_s: float = 24
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         pids = set(backend.rank_pids())
-        if len(pids) == len(old_pids) and not pids & set(old_pids) and backend.health().get("status") == "ready":
+        fresh = len(pids) == len(old_pids) and not pids & set(old_pids)
+        if fresh and backend.health().get("status") == "ready":
             return
         time.sleep(0.2)
     raise AssertionError(f"the rank group did not come back: {backend.health()}")
@@ -166,9 +167,10 @@ def test_next_turn_after_a_full_backend_restart_restores_from_l2(
     usage, warm_s = _next_turn(again, history)
     share = _cached_share(usage)
     l2_tokens = _tier_tokens(again, "l2")
-    print(f"\nfull backend restart ({stop}) -> next turn: {usage['prompt_tokens_details']['cached_tokens']} of "
-          f"{usage['prompt_tokens']} prompt tokens cached ({share:.1%}), {l2_tokens:.0f} from L2; "
-          f"turn {warm_s:.2f} s (first turn, cold: {cold_s:.2f} s for {first['prompt_tokens']} tokens) [{MODEL}]")
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    print(f"\nfull backend restart ({stop}) -> next turn: {cached} of {usage['prompt_tokens']} prompt "
+          f"tokens cached ({share:.1%}), {l2_tokens:.0f} from L2; turn {warm_s:.2f} s (first turn, cold: "
+          f"{cold_s:.2f} s for {first['prompt_tokens']} tokens) [{MODEL}]")
     assert share >= 0.9
     assert l2_tokens >= 0.9 * usage["prompt_tokens"]
 
@@ -177,7 +179,8 @@ def _flip_payload_byte(path: Path) -> int:
     """Flip one byte in the middle of an extent's payload (the header stays valid); returns the
     extent's block count. Layout: cache/l2_format.py (payload last, padded to 4 KiB)."""
     raw = path.read_bytes()
-    num_blocks, bytes_per_block = struct.unpack_from("<IQ", raw, 16 + 4)  # after magic/version/len, first_block
+    # After magic, version, header length (16 B) and first_block (4 B).
+    num_blocks, bytes_per_block = struct.unpack_from("<IQ", raw, 16 + 4)
     payload_bytes = -(-num_blocks * bytes_per_block // 4096) * 4096
     offset = len(raw) - payload_bytes + (num_blocks // 2) * bytes_per_block + 1
     with path.open("r+b") as f:
@@ -186,7 +189,9 @@ def _flip_payload_byte(path: Path) -> int:
     return int(num_blocks)
 
 
-def test_a_corrupted_l2_file_costs_cached_tokens_never_the_reply(tmp_path: Path, backends: list[Backend]) -> None:
+def test_a_corrupted_l2_file_costs_cached_tokens_never_the_reply(
+    tmp_path: Path, backends: list[Backend]
+) -> None:
     """'tiny' (its KV is real floats that the reply depends on): the next turn after the restart
     reads the verified prefix of the damaged extent from disk, recomputes the rest, and answers
     exactly as the first backend did with the session warm on its GPU."""
@@ -202,8 +207,9 @@ def test_a_corrupted_l2_file_costs_cached_tokens_never_the_reply(tmp_path: Path,
     usage, reply, _ = _next_turn_reply(again, history)
     l2_tokens = _tier_tokens(again, "l2")
     log_text = again.log_text()
-    print(f"\ncorrupted L2 extents {flipped} -> next turn: {usage['prompt_tokens_details']['cached_tokens']} of "
-          f"{usage['prompt_tokens']} prompt tokens cached, {l2_tokens:.0f} from L2 (the verified prefix)")
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    print(f"\ncorrupted L2 extents {flipped} -> next turn: {cached} of {usage['prompt_tokens']} prompt "
+          f"tokens cached, {l2_tokens:.0f} from L2 (the verified prefix)")
     assert reply == reference_reply
     assert "failed its checksum" in log_text, log_text[-3000:]
     assert 0 < l2_tokens < 0.9 * usage["prompt_tokens"]  # the first extent's blocks before the flipped one

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.l2.l2_helpers import HASHER, STAMP, chain
 
 from cache.l2_format import ALIGN, ExtentHeader, ExtentRejected, decode_header
 from cache.l2_index import L2Extent, L2Index
+from tests.l2.l2_helpers import HASHER, STAMP, chain
 
 
 def header(first: int = 0, n: int = 3) -> ExtentHeader:

@@ -12,11 +12,11 @@ import shutil
 
 import numpy as np
 import pytest
-from tests.l2.l2_helpers import HASHER, ODD_BPB, STAMP, chain, disk_bytes, files, fill, make_store, run
 
 from cache.host_slots import HostSlots
 from cache.l2_format import ExtentHeader
 from cache.l2_scan import read_header
+from tests.l2.l2_helpers import HASHER, ODD_BPB, STAMP, chain, disk_bytes, files, fill, make_store, run
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])

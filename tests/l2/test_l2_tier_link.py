@@ -7,12 +7,12 @@ import asyncio
 import os
 
 import numpy as np
-from tests.l2.l2_helpers import HASHER, ODD_BPB, STAMP, chain, files, fill, make_store, run
 
 from cache.kv_tier import TierLink
 from cache.l1_index import L1Index
 from cache.l2_scan import read_header
 from cache.sessions import SessionId
+from tests.l2.l2_helpers import HASHER, ODD_BPB, STAMP, chain, files, fill, make_store, run
 
 A, B = SessionId("a"), SessionId("b")
 

@@ -65,7 +65,8 @@ def test_pool_bytes_survive_a_rank_sigkill() -> None:
         path = group.host_pool_path
         try:
             prompt = np.random.default_rng(7).integers(3, 129_280, 100).astype(np.int32)
-            _, last = await collect(group.submit(0, EngineRequest("a", prompt, SamplingParams(2, ignore_eos=True))))
+            request = EngineRequest("a", prompt, SamplingParams(2, ignore_eos=True))
+            _, last = await collect(group.submit(0, request))
             kept = list(last.kept_blocks)
             n, bpb = len(kept), group.bytes_per_block
             await group.export_blocks(0, kept, 3)

@@ -16,6 +16,7 @@ error: the turn answers 200 with the same reply and the backend logs why it did 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import struct
 import time
@@ -173,6 +174,10 @@ def test_next_turn_after_a_full_backend_restart_restores_from_l2(
           f"{cold_s:.2f} s for {first['prompt_tokens']} tokens) [{MODEL}]")
     assert share >= 0.9
     assert l2_tokens >= 0.9 * usage["prompt_tokens"]
+    # The protocol state under l2_dir/protocol came back too: the first turn's reply in the output
+    # ledger (its ids re-render exactly) and its tokenized pieces.
+    restored = re.search(r"(\d+) tokenized pieces and (\d+) ledger entries restored", again.log_text())
+    assert restored is not None and int(restored[1]) > 0 and int(restored[2]) >= 1, again.log_text()[-3000:]
 
 
 def _flip_payload_byte(path: Path) -> int:

@@ -15,20 +15,22 @@ vote (``has_unfinished_requests``, an all_reduce over the ranks) runs every step
 ``/v1/messages`` at once, each ``--max-tokens`` long, so every rank decodes ``seqs`` sequences
 per step once the prompts are in.
 
-Printed:
+Printed (``bench/decode_figures.py``):
 * tokens/s: streamed output tokens / wall time, and in steady state (every stream active);
-* per rank step, by phase (``rank/step_profile.py``, ``DIB_RANK_PROFILE``), wall and CPU time
-  (mean over the steady steps, i.e. steps that emitted ``seqs`` tokens, over all ranks):
-  DeepInfer's own step (its scheduler + the null forward + output building) apart from what our
-  code adds (drain of commands, the lockstep vote, the adapter's bookkeeping, stats, encode, zmq
-  send);
+* per rank step, by phase (``rank/step_profile.py``, ``DIB_RANK_PROFILE``), wall and CPU time of
+  the loop thread (mean over the steady steps, i.e. steps that emitted ``seqs`` tokens, over all
+  ranks): DeepInfer's step (its scheduler + the null forward + output building) and DeepInfer's
+  vote apart from what our code adds (command drain, the adapter's bookkeeping, stats, encode, zmq
+  send); then the rank processes' CPU per step by thread (the loop thread, zmq's I/O thread, gloo's
+  threads that carry the vote) over the steady window, and the sum our code adds per step;
 * backend CPU per streamed token, split by component from a py-spy sample of the backend
-  process (``--py-spy``; installed with ``pip install py-spy`` or given by path): receiving the
-  ranks' step messages (``rank/group.py``), detokenize, parse, SSE emit, the HTTP write, the
+  process (``--py-spy``: a py-spy binary, ``auto`` finds one on PATH or next to this Python; py-spy
+  starts the server as its child, and the samples of the server's start and stop are left out):
+  receiving the ranks' step messages (``rank/``), detokenize, parse, SSE emit, the HTTP write, the
   service, admission (prompt rendering, tokenizing, cache);
 * the projection to a node where every rank and the backend have their own core (the
-  assumption): node tokens/s = ranks x seqs / (the longest of: a rank's CPU per step, the
-  backend's CPU per node step).
+  assumption): node tokens/s = ranks x seqs / (the longest of: a rank's whole-process CPU per
+  step, the backend's CPU per node step).
 
 The build machine has 2 shared cores for the client, the backend and every rank, so its wall-clock
 figures understate a node; the CPU times per step are what transfers. Figures are printed, never
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -52,27 +55,19 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import psutil
 
 from bench import serving_bench
+from bench.decode_figures import (
+    print_backend_split,
+    print_projection,
+    print_rank_table,
+    rank_profile,
+    thread_cpu_s,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PREFLIGHT_SKIP = "gpu,model_dir,model_fs,model_read_speed,nccl_env,ready_timeout,timeout_order"
-OURS = ("drain", "vote", "adapter", "stats", "encode", "send", "other")
-# Backend components, matched on a sample's frames from the innermost out: the first frame whose
-# file path contains one of a component's markers names the sample's component.
-COMPONENTS = (
-    ("detokenize", ("protocol/detokenize.py",)),
-    ("parse", ("protocol/parser", "protocol/events.py")),
-    ("sse emit", ("protocol/emit_", "protocol/stream.py", "protocol/responses_emit.py", "protocol/api.py")),
-    ("http write", ("uvicorn/", "h11/", "httptools/", "starlette/", "asyncio/selector_events.py",
-                    "asyncio/transports.py", "server/app.py")),
-    ("rank receive", ("rank/", "zmq/")),
-    ("admission", ("cache/", "protocol/tokenize.py", "protocol/render.py", "protocol/ledger.py",
-                   "protocol/anthropic_schema.py", "protocol/conversation.py", "pydantic/", "tokenizers/")),
-    ("service", ("server/service.py", "server/metrics.py", "prometheus_client/")),
-)
 
 
 @dataclass
@@ -142,67 +137,6 @@ def py_spy_path(given: str) -> str | None:
     return shutil.which("py-spy") or (shutil.which("py-spy", path=str(Path(sys.executable).parent)))
 
 
-def rank_profile(profile_dir: Path, seqs: int) -> dict[str, object]:
-    """Mean wall/CPU microseconds per phase over the steady steps (``seqs`` outputs) of every rank."""
-    rows = []
-    phases: list[str] = []
-    for path in sorted(profile_dir.glob("rank*.json")):
-        data = json.loads(path.read_text())
-        phases = data["phases"]
-        table = np.asarray(data["rows"], dtype=np.int64).reshape(-1, data["row"])
-        rows.append(table)
-    if not rows:
-        return {"steps": 0}
-    table = np.concatenate(rows)
-    steady = table[table[:, -2] == seqs]
-    n = len(phases)
-    out: dict[str, object] = {"steps": len(table), "steady_steps": len(steady), "ranks": len(rows)}
-    if len(steady):
-        out["wall_us"] = {p: float(steady[:, 2 * i].mean() / 1e3) for i, p in enumerate(phases)}
-        out["cpu_us"] = {p: float(steady[:, 2 * i + 1].mean() / 1e3) for i, p in enumerate(phases)}
-        out["tokens_per_step"] = float(steady[:, 2 * n + 1].mean())
-    return out
-
-
-def classify(raw: Path) -> Counter[str]:
-    """py-spy ``--format raw`` (``root;...;leaf count`` per line) -> samples per component."""
-    counts: Counter[str] = Counter()
-    for line in raw.read_text(errors="replace").splitlines():
-        stack, _, num = line.rpartition(" ")
-        if not stack or not num.isdigit():
-            continue
-        name = "other (event loop, GC)"
-        for frame in reversed(stack.split(";")):
-            hit = next((c for c, marks in COMPONENTS if any(m in frame for m in marks)), None)
-            if hit:
-                name = hit
-                break
-        counts[name] += int(num)
-    return counts
-
-
-def thread_cpu_s(procs: list[psutil.Process]) -> Counter[str]:
-    """CPU seconds of the processes' threads, summed by thread name (``/proc/<pid>/task/<tid>/comm``:
-    the loop's ``python``, zmq's ``ZMQbg/...``, gloo's and torch's own)."""
-    out: Counter[str] = Counter()
-    for proc in procs:
-        try:
-            main_tid = proc.pid
-            for t in proc.threads():
-                try:
-                    name = Path(f"/proc/{proc.pid}/task/{t.id}/comm").read_text().strip()
-                except OSError:
-                    continue
-                if t.id == main_tid:
-                    name = "loop thread"
-                elif name.startswith("ZMQ"):
-                    name = name.split("/")[0]
-                out[name] += t.user_time + t.system_time
-        except psutil.NoSuchProcess:
-            continue
-    return out
-
-
 class CpuSampler:
     """CPU seconds of the backend and of its rank processes, sampled with the client's timeline."""
 
@@ -263,28 +197,6 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int, timeout_s: float) -> N
         proc.wait(10)
 
 
-def print_rank_table(prof: dict[str, object]) -> dict[str, float]:
-    wall, cpu = prof["wall_us"], prof["cpu_us"]
-    assert isinstance(wall, dict) and isinstance(cpu, dict)
-    print(f"rank step, mean over {prof['steady_steps']} steady steps of {prof['ranks']} ranks "
-          f"({prof['tokens_per_step']:.0f} tokens per step per rank):")
-    print(f"  {'phase':<28}{'wall us':>10}{'CPU us':>10}")
-    label = {"engine": "DeepInfer step (not ours)", "vote": "lockstep vote (collective)",
-             "drain": "command drain", "adapter": "adapter bookkeeping", "stats": "engine stats",
-             "encode": "wire encode", "send": "zmq send", "other": "loop rest"}
-    for phase in wall:
-        print(f"  {label.get(phase, phase):<28}{wall[phase]:>10.1f}{cpu[phase]:>10.1f}")
-    ours_wall = sum(wall[p] for p in OURS)
-    ours_cpu = sum(cpu[p] for p in OURS)
-    ours_cpu_no_vote = ours_cpu - cpu["vote"]
-    print(f"  {'ours (all but DeepInfer)':<28}{ours_wall:>10.1f}{ours_cpu:>10.1f}")
-    print(f"  {'ours without the vote':<28}{ours_wall - wall['vote']:>10.1f}{ours_cpu_no_vote:>10.1f}")
-    total_cpu = sum(cpu.values())
-    return {"rank_ours_cpu_us": ours_cpu, "rank_ours_cpu_no_vote_us": ours_cpu_no_vote,
-            "rank_ours_wall_us": ours_wall, "rank_step_cpu_us": total_cpu,
-            "rank_engine_cpu_us": cpu["engine"]}
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.decode_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -307,27 +219,27 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     setup = prepare(args)
     log_path = setup.tmp / "server.log"
     cmd = [sys.executable, "-m", "deepinfer_backend", "serve", "--config", str(setup.config_path)]
+    raw = setup.tmp / "backend.pyspy.txt"
+    spy_bin = py_spy_path(args.py_spy)
+    if spy_bin:  # py-spy starts the server as its child (attaching to a running one is refused on some hosts)
+        cmd = [spy_bin, "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(raw), "--", *cmd]
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=setup.env, cwd=REPO)
-    spy: subprocess.Popen[bytes] | None = None
-    raw = setup.tmp / "backend.pyspy.txt"
+    server: psutil.Process | None = None
     url = f"http://127.0.0.1:{args.port}"
     streams = args.ranks * args.seqs
     figures: dict[str, float] = {}
+    threads_s: Counter[str] = Counter()  # the ranks' CPU seconds by thread over the window
+    tokens = 0.0
     try:
         serving_bench._wait_ready(url, proc, 900)
         server = psutil.Process(proc.pid)
-        spy_bin = py_spy_path(args.py_spy)
         if spy_bin:
-            spy = subprocess.Popen([spy_bin, "record", "--pid", str(proc.pid), "--format", "raw", "--rate", "250",
-                                    "--nonblocking", "-o", str(raw)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            server = next(p for p in server.children() if "deepinfer_backend" in " ".join(p.cmdline()))
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.ranks} ranks x {args.seqs} "
               f"streams x {args.max_tokens} tokens, core {args.core}, null forward")
         sampler = CpuSampler(server)
         stats, start_s, samples = asyncio.run(drive(url, streams, args.max_tokens, sampler))
-        if spy is not None:
-            stop_process(spy, signal.SIGINT, 30)
         args.concurrency = streams
         figures = serving_bench.report(stats, start_s, args, samples)
         ok = [s for s in stats if s.status == 200 and not s.error]
@@ -347,41 +259,23 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             print(f"CPU over {span_s:.1f} s ({window}): backend "
                   f"{figures['backend_cpu_us_per_token']:.1f} us/token, ranks "
                   f"{figures['ranks_cpu_us_per_token']:.1f} us/token (all ranks)")
-            if threads_s:
-                per_step = {name: 1e6 * sec * args.seqs / max(tokens, 1) for name, sec in threads_s.most_common()}
-                figures.update({f"rank_thread_{name}_us_per_step": us for name, us in per_step.items()})
-                print("rank process CPU per step by thread: "
-                      + ", ".join(f"{n} {us:.0f} us" for n, us in per_step.items()))
     finally:
-        if spy is not None:
-            stop_process(spy, signal.SIGINT, 30)
+        if spy_bin and server is not None and proc.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                server.send_signal(signal.SIGTERM)  # py-spy writes its file when the server exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(90)
         stop_process(proc, signal.SIGTERM, 60)
     prof = rank_profile(setup.profile_dir, args.seqs)
     if prof.get("steady_steps"):
-        figures.update(print_rank_table(prof))
+        threads_us = {name: 1e6 * sec * args.seqs / max(tokens, 1) for name, sec in threads_s.most_common()}
+        figures.update(print_rank_table(prof, threads_us))
     else:
         print(f"rank profile: no steady steps ({prof.get('steps', 0)} steps recorded); log: {log_path}")
     if raw.exists() and "backend_cpu_us_per_token" in figures:
-        counts = classify(raw)
-        total = sum(counts.values()) or 1
-        per_token = figures["backend_cpu_us_per_token"]
-        print(f"backend CPU per token by component (py-spy, {total} samples, share x {per_token:.1f} us):")
-        for name, n in counts.most_common():
-            figures[f"backend_{name.split()[0]}_us_per_token"] = per_token * n / total
-            print(f"  {name:<24}{100 * n / total:>6.1f} %{per_token * n / total:>8.2f} us")
+        figures.update(print_backend_split(raw, figures["backend_cpu_us_per_token"]))
     if "rank_step_cpu_us" in figures and "backend_cpu_us_per_token" in figures:
-        tokens_per_step = args.ranks * args.seqs
-        backend_step_us = figures["backend_cpu_us_per_token"] * tokens_per_step
-        # A rank's whole process (zmq and gloo I/O threads, heartbeats, the kernel's share)
-        # costs more than its loop thread: take the larger of the two.
-        rank_process_us = figures["ranks_cpu_us_per_token"] * args.seqs
-        rank_us = max(figures["rank_step_cpu_us"], rank_process_us)
-        figures["rank_process_cpu_us_per_step"] = rank_process_us
-        figures["projected_node_tokens_per_s"] = tokens_per_step / max(rank_us, backend_step_us) * 1e6
-        print(f"projection (one core per rank and one for the backend, null forward): a node step is "
-              f"bounded by max(rank CPU {rank_us:.0f} us (loop thread {figures['rank_step_cpu_us']:.0f}, process "
-              f"{rank_process_us:.0f}), backend CPU {backend_step_us:.0f} us for {tokens_per_step} tokens) -> "
-              f"{figures['projected_node_tokens_per_s']:,.0f} tokens/s for the node")
+        print_projection(figures, args.ranks, args.seqs)
     print(f"files: {setup.tmp}")
     return figures
 

@@ -32,8 +32,7 @@ import orjson
 import xxhash
 from pydantic import BaseModel, ValidationError
 
-from protocol import anthropic_schema as A
-from protocol import openai_schema as O
+from protocol import anthropic_schema as A, openai_schema as O
 from protocol.api_types import PreparedRequest
 from protocol.conversation import Conversation, anthropic_conversation, openai_conversation
 from protocol.depth import check_json_depth, check_json_text_depth

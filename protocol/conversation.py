@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol import anthropic_schema as A
-from protocol import openai_schema as O
+from protocol import anthropic_schema as A, openai_schema as O
 from protocol.errors import InvalidRequest
 
 # --- reasoning effort -------------------------------------------------------------------------

@@ -40,8 +40,10 @@ def prepare_responses(proto: Protocol, data: dict[str, Any],
         req = R.ResponsesRequest.model_validate(data)
     except ValidationError as exc:
         raise InvalidRequest.from_validation(exc) from None
-    from protocol.api import _tool_params as tool_params  # the facade's helpers (they import us)
-    from protocol.api import check_tool_choice
+    from protocol.api import (
+        _tool_params as tool_params,  # the facade's helpers (they import us)
+        check_tool_choice,
+    )
 
     proto._check_model(req.model)
     conv, opts = responses_conversation(req, proto.responses_store, proto.ledger.signature)

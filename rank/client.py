@@ -70,13 +70,15 @@ class RequestStream:
     previous non-final output it made is still buffered (the consumer has not taken it), the new
     ids are appended to that output instead of buffering another one, so a consumer that fell
     behind takes one output for several steps (the same ids in the same order) and the producer
-    builds no object per request per step. An output is never changed once it was taken. Iteration raises the failure (``RankFailed``, or ``EngineMisuse`` when the engine
+    builds no object per request per step. An output is never changed once it was taken.
+    Iteration raises the failure (``RankFailed``, or ``EngineMisuse`` when the engine
     rejected the request) after any outputs that arrived before it. ``abort()`` asks the engine
     to stop the request (the stream then ends with an ABORT output). Not thread-safe: producer
     and consumer share one event loop.
     """
 
-    __slots__ = ("request_id", "rank", "epoch", "num_prompt_tokens", "num_cached_tokens", "_outputs", "_error",
+    __slots__ = ("request_id", "rank", "epoch", "num_prompt_tokens", "num_cached_tokens", "_outputs",
+                 "_error",
                  "_waiter", "_done", "_abort_fn", "_open")
 
     def __init__(

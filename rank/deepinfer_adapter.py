@@ -76,6 +76,13 @@ import numpy as np
 
 from protocol.sampling import sampling_error
 from rank.config import RankConfig
+from rank.deepinfer_settings import (
+    DEEPINFER_BLOCK_SIZE,
+    DeepInferSettings,
+    apply_environment,
+    import_deepinfer,
+    patch_missing_reason,
+)
 from rank.engine import (
     CapacityExhausted,
     Engine,
@@ -84,13 +91,6 @@ from rank.engine import (
     EngineStats,
     FinishReason,
     RequestOutput,
-)
-from rank.deepinfer_settings import (
-    DEEPINFER_BLOCK_SIZE,
-    DeepInferSettings,
-    apply_environment,
-    import_deepinfer,
-    patch_missing_reason,
 )
 
 if TYPE_CHECKING:
@@ -150,14 +150,16 @@ class DeepInferEngine(Engine):
 
     Invariants (``check_accounting``): every block with a cache ref is in ``_cache_refs`` with
     the number of pins the adapter holds on it; every sequence DeepInfer may still hold blocks
-    for is in ``_live_seqs()`` (an active request's, or one in ``_releasing``); free blocks = ``num_blocks - 1`` - |cache blocks U live tables|, and
-    free state slots = slots - 1 - |live sequences holding a slot|. A request is in ``_active``
-    from ``add`` until the step that returns its terminal output, never after.
+    for is in ``_live_seqs()`` (an active request's, or one in ``_releasing``); free blocks =
+    ``num_blocks - 1`` - |cache blocks U live tables|, and free state slots = slots - 1 - |live
+    sequences holding a slot|. A request is in ``_active`` from ``add`` until the step that
+    returns its terminal output, never after.
     """
 
     owns_lockstep = True
 
-    def __init__(self, settings: DeepInferSettings, host_pool: HostPool | None = None, api: Any = None) -> None:
+    def __init__(self, settings: DeepInferSettings, host_pool: HostPool | None = None,
+                 api: Any = None) -> None:
         if api is None:
             apply_environment(settings.environment())
             api = import_deepinfer()
@@ -166,7 +168,8 @@ class DeepInferEngine(Engine):
         missing = patch_missing_reason(api)
         self.patch_present = missing is None
         if not settings.prefix_cache:
-            self.prefix_cache_supported, self.prefix_cache_reason = False, "prefix_cache is off in the workload config"
+            self.prefix_cache_supported = False
+            self.prefix_cache_reason = "prefix_cache is off in the workload config"
         elif missing is not None:
             self.prefix_cache_supported = False
             self.prefix_cache_reason = (
@@ -183,7 +186,8 @@ class DeepInferEngine(Engine):
             raise RuntimeError(f"DeepInfer block size {self.block_size}, expected {DEEPINFER_BLOCK_SIZE}")
         self._bm = self.llm.block_manager
         self._sm = self.llm.state_manager
-        self.num_blocks = int(self._bm.num_blocks if self.patch_present else self.llm.cache_config.num_gpu_blocks)
+        self.num_blocks = int(self._bm.num_blocks
+                              if self.patch_present else self.llm.cache_config.num_gpu_blocks)
         self._num_states = int(self._sm.num_blocks) if (self._sm is not None and self.patch_present) else 0
         self._vocab_size = int(self.llm.model_config.get_vocab_size())
         self._finished_status = int(api.SequenceStatus.FINISHED_STOPPED)
@@ -219,15 +223,18 @@ class DeepInferEngine(Engine):
         self._active[request.request_id] = req
         self._num_prompt_tokens_total += int(prompt.size)
         if seq is None:  # DeepInfer drops a request silently (e.g. ids outside its vocabulary)
-            self._owe_terminal(req, FinishReason.ERROR, "DeepInfer refused the request (invalid prompt token ids)")
+            self._owe_terminal(req, FinishReason.ERROR,
+                               "DeepInfer refused the request (invalid prompt token ids)")
             return
         if prefix:
             try:
-                self.llm.enqueue_with_prefix(seq, prefix, request.num_cached_tokens, request.num_cached_tokens)
+                self.llm.enqueue_with_prefix(seq, prefix, request.num_cached_tokens,
+                                             request.num_cached_tokens)
             except RuntimeError as exc:  # validated before any change on DeepInfer's side too
                 del self._active[request.request_id]
                 self._num_prompt_tokens_total -= int(prompt.size)
-                raise EngineMisuse(f"request {request.request_id!r}: DeepInfer refused the prefix: {exc}") from None
+                raise EngineMisuse(
+                    f"request {request.request_id!r}: DeepInfer refused the prefix: {exc}") from None
             self._num_cached_tokens_total += request.num_cached_tokens
 
     def _validate(self, request: EngineRequest) -> np.ndarray:
@@ -237,7 +244,8 @@ class DeepInferEngine(Engine):
         if rid in self._active:
             raise EngineMisuse(f"request {rid!r} is already queued or running")
         prompt = request.prompt_ids
-        if not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu":
+        if (not isinstance(prompt, np.ndarray) or prompt.ndim != 1 or prompt.size == 0
+                or prompt.dtype.kind not in "iu"):
             raise EngineMisuse(f"request {rid!r}: prompt_ids must be a non-empty 1-D integer array")
         if int(prompt.min()) < 0 or int(prompt.max()) >= self._vocab_size:
             raise EngineMisuse(f"request {rid!r}: token ids must be in [0, {self._vocab_size})")
@@ -256,8 +264,8 @@ class DeepInferEngine(Engine):
             if not self.prefix_cache_supported:
                 raise EngineMisuse(f"request {rid!r}: prefix blocks given but {self.prefix_cache_reason}")
             if num_cached > prompt.size - 1:
-                raise EngineMisuse(f"request {rid!r}: num_cached_tokens {num_cached} leaves nothing to compute "
-                                   f"of a {prompt.size}-token prompt")
+                raise EngineMisuse(f"request {rid!r}: num_cached_tokens {num_cached} leaves nothing "
+                                   f"to compute of a {prompt.size}-token prompt")
             self._check_ids(prefix, f"request {rid!r} prefix", need_cache_ref=True)
         return np.ascontiguousarray(prompt, dtype=np.int32)
 
@@ -282,7 +290,9 @@ class DeepInferEngine(Engine):
                 raise EngineMisuse(f"{what}: block {b} is not allocated")
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        to_abort = [rid for rid in dict.fromkeys(request_ids) if rid in self._active and rid not in self._aborting]
+        to_abort = [rid
+                    for rid in dict.fromkeys(request_ids)
+                    if rid in self._active and rid not in self._aborting]
         if to_abort:
             self.llm.abort_request(to_abort)
             self._aborting.extend(to_abort)
@@ -432,7 +442,8 @@ class DeepInferEngine(Engine):
         if num_blocks < 1:
             raise EngineMisuse(f"need at least one block, got {num_blocks}")
         if not 0 <= host_slot <= self.host_pool.num_slots - num_blocks:
-            raise EngineMisuse(f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.host_pool.num_slots}")
+            raise EngineMisuse(f"host slots [{host_slot}, {host_slot + num_blocks}) outside "
+                               f"0..{self.host_pool.num_slots}")
         return self.host_pool
 
     def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
@@ -475,9 +486,11 @@ class DeepInferEngine(Engine):
                 waiting_tokens += req.num_prompt_tokens - req.num_cached_tokens
         return EngineStats(
             num_blocks=self.num_blocks, num_free_blocks=int(self._bm.get_num_free_blocks()),
-            num_cached_blocks=len(self._cache_refs), num_running=int(num_running), num_waiting=int(num_waiting),
+            num_cached_blocks=len(self._cache_refs), num_running=int(num_running),
+            num_waiting=int(num_waiting),
             running_tokens=running_tokens, waiting_tokens=waiting_tokens,
-            num_cached_tokens_total=self._num_cached_tokens_total, num_prompt_tokens_total=self._num_prompt_tokens_total,
+            num_cached_tokens_total=self._num_cached_tokens_total,
+            num_prompt_tokens_total=self._num_prompt_tokens_total,
         )
 
     def _live_blocks(self) -> set[int]:

@@ -93,7 +93,8 @@ class DeepInferSettings:
             max_num_batched_tokens=config.max_num_batched_tokens,
             gpu_memory_utilization=config.gpu_memory_utilization, eplb=config.eplb,
             extra_experts=config.extra_experts, prefill_attempt_interval=config.prefill_attempt_interval,
-            prefill_any_attempt_interval=config.prefill_any_attempt_interval, prefix_cache=config.prefix_cache,
+            prefill_any_attempt_interval=config.prefill_any_attempt_interval,
+            prefix_cache=config.prefix_cache,
             extra_env=tuple(sorted(config.deepinfer_env.items())),
         )
 
@@ -109,7 +110,8 @@ class DeepInferSettings:
             "DEEPINFER_PREFILL_ATTEMPT_INTERVAL": str(self.prefill_attempt_interval),
             "DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL": str(self.prefill_any_attempt_interval),
             "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": str(self.extra_experts),
-            "DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL": str(EPLB_REARRANGEMENT_INTERVAL_STEPS if self.eplb else 0),
+            "DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL": str(EPLB_REARRANGEMENT_INTERVAL_STEPS
+                                                                if self.eplb else 0),
             # Text only: skip the multimodal worker's 8 GB pinned host pool.
             "DEEPINFER_USE_MULTIMODAL_POOL": "0",
         }

@@ -170,5 +170,5 @@ class Engine(abc.ABC):
     def check_accounting(self) -> None:
         """Raise AssertionError if block bookkeeping is inconsistent (tests call it)."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:  # an optional hook: engines with nothing to close keep this one
         """Free resources (GPU memory, host mappings)."""

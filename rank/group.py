@@ -40,7 +40,7 @@ from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, EngineSt
 from rank.errors import RankFailed, RankUnavailable
 from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
 from rank.launch import BACKEND_ROOT, master_port_for, rank_env, rank_python, worker_argv
-from rank.link import RankLink, Tracked, describe_exit
+from rank.link import RankLink, Tracked, describe_exit, prefix_cache_support
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,8 @@ class RankGroup:
                 await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), SHUTDOWN_GRACE_S)
             num_exited = sum(p.returncode is not None for p in procs)
             log.info("rank group %s: %d of %d ranks exited on shutdown within %.1fs%s", self.name, num_exited,
-                     len(procs), time.monotonic() - started, "" if num_exited == len(procs) else "; killing the rest")
+                     len(procs), time.monotonic() - started,
+                     "" if num_exited == len(procs) else "; killing the rest")
         self._fail_epoch("rank group closed")
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -204,7 +205,8 @@ class RankGroup:
             self.last_failure = reason
             consecutive_failures = 0 if was_ready else consecutive_failures + 1
             if consecutive_failures >= self.max_start_failures:
-                log.error("rank group %s: giving up after %d failed starts: %s", self.name, consecutive_failures, reason)
+                log.error("rank group %s: giving up after %d failed starts: %s", self.name,
+                          consecutive_failures, reason)
                 self._set_state(GroupState.FAILED)
                 return
             self.epoch += 1
@@ -213,7 +215,7 @@ class RankGroup:
             for fn in list(self._listeners):
                 try:
                     fn(self.epoch)
-                except Exception:  # noqa: BLE001 - a listener bug must not stop the restart
+                except Exception:  # a listener bug must not stop the restart
                     log.exception("restart listener %r failed", fn)
             if not was_ready:
                 await asyncio.sleep(self.restart_backoff_s)
@@ -238,16 +240,13 @@ class RankGroup:
         if failure.done():
             return failure.result(), False
         infos = [r.ready for r in self._ranks]
-        geometry = {(i["block_size"], i["num_blocks"], i["bytes_per_block"], i["num_host_slots"]) for i in infos if i}
+        geometry = {(i["block_size"], i["num_blocks"], i["bytes_per_block"], i["num_host_slots"])
+                    for i in infos if i}
         if len(geometry) != 1:
             return f"ranks disagree on KV geometry: {sorted(geometry)}", False
         self.block_size, self.num_blocks, self.bytes_per_block, self.num_host_slots = geometry.pop()
-        off = [(r.rank, i) for r, i in zip(self._ranks, infos) if i and not i.get("prefix_cache_supported", True)]
-        self.prefix_cache_supported = not off
-        self.prefix_cache_reason = (
-            f"rank {off[0][0]}: {off[0][1].get('prefix_cache_reason') or 'not supported by the engine'}" if off
-            else next((i.get("prefix_cache_reason") for i in infos if i and i.get("prefix_cache_reason")), None))
-        if off:
+        self.prefix_cache_supported, self.prefix_cache_reason = prefix_cache_support(self._ranks)
+        if not self.prefix_cache_supported:
             log.warning("rank group %s: prefix cache NOT supported (%s)", self.name, self.prefix_cache_reason)
         log.info(
             "rank group %s epoch %d ready in %.1fs: %d ranks, %d blocks x %d tokens per rank, %d host slots",
@@ -279,7 +278,8 @@ class RankGroup:
                 *args, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE, cwd=BACKEND_ROOT,
             )
-            log.info("rank group %s epoch %d: started rank %d (pid %d)", self.name, self.epoch, rank, r.proc.pid)
+            log.info("rank group %s epoch %d: started rank %d (pid %d)", self.name, self.epoch, rank,
+                     r.proc.pid)
             self._tasks += [
                 asyncio.create_task(self._receive(r)),
                 asyncio.create_task(self._wait_exit(r)),
@@ -357,7 +357,8 @@ class RankGroup:
                 limit = self.heartbeat_timeout_s if r.ready else self.loading_heartbeat_timeout_s
                 if silent_s > limit:
                     self._fail_epoch(
-                        f"rank {r.rank} (pid {r.proc.pid if r.proc else '?'}) stalled: no heartbeat for {silent_s:.1f}s"
+                        f"rank {r.rank} (pid {r.proc.pid if r.proc else '?'}) stalled: no heartbeat for "
+                        f"{silent_s:.1f}s"
                     )
                 elif r.busy_s > self.step_timeout_s:
                     self._fail_epoch(f"rank {r.rank} stuck in one step for {r.busy_s:.0f}s (step_timeout_s)")
@@ -412,7 +413,8 @@ class RankGroup:
 
     def _ready_rank(self, rank: int) -> RankLink:
         if self.state != GroupState.READY:
-            raise RankUnavailable(f"rank group is {self.state.value}" + (f" ({self.last_failure})" if self.last_failure else ""))
+            raise RankUnavailable(f"rank group is {self.state.value}"
+                                  + (f" ({self.last_failure})" if self.last_failure else ""))
         if not 0 <= rank < self.num_ranks:
             raise EngineMisuse(f"rank {rank} outside 0..{self.num_ranks - 1}")
         return self._ranks[rank]
@@ -428,8 +430,10 @@ class RankGroup:
         handle = r.next_handle
         r.next_handle = (handle + 1) & 0x7FFFFFFF
         self._send(r, wire.encode_add(request, handle))
-        stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id),
-                               num_prompt_tokens=len(request.prompt_ids), num_cached_tokens=request.num_cached_tokens)
+        stream = RequestStream(request.request_id, rank, self.epoch,
+                               lambda: self.abort(rank, request.request_id),
+                               num_prompt_tokens=len(request.prompt_ids),
+                               num_cached_tokens=request.num_cached_tokens)
         r.requests[handle] = Tracked(stream, request.request_id, stream.push_tokens)
         return stream
 
@@ -456,7 +460,8 @@ class RankGroup:
         await self._command(rank, {"op": "release", "ids": [int(b) for b in block_ids]})
 
     async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None:
-        await self._command(rank, {"op": "export", "ids": [int(b) for b in block_ids], "slot": int(host_slot)})
+        await self._command(rank,
+                            {"op": "export", "ids": [int(b) for b in block_ids], "slot": int(host_slot)})
 
     async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]:
         return list(await self._command(rank, {"op": "import", "slot": int(host_slot), "n": int(num_blocks)}))
@@ -481,19 +486,7 @@ class RankGroup:
             "last_failure": self.last_failure,
             "prefix_cache_supported": self.prefix_cache_supported,
             "prefix_cache_reason": self.prefix_cache_reason,
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "pid": r.proc.pid if r.proc else None,
-                    "alive": r.proc is not None and r.proc.returncode is None,
-                    "phase": r.phase,
-                    "progress": r.progress,
-                    "last_heartbeat_s_ago": round(now - r.last_seen, 3),
-                    "in_flight": len(r.requests),
-                    "prefix_cache_supported": r.ready.get("prefix_cache_supported", True) if r.ready else None,
-                }
-                for r in self._ranks
-            ],
+            "ranks": [r.health(now) for r in self._ranks],
         }
 
     def pids(self) -> list[int]:

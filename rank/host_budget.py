@@ -100,14 +100,16 @@ def plan_host_pool_bytes(l1_host_gb: float, num_ranks: int, shm_dir: str = SHM_D
     """The shared pool's size: ``l1_host_gb`` per rank, lowered to what the machine can spare.
 
     Returns (bytes, reason). The RAM rule is ``plan_l1_budget``'s (available RAM minus a safety
-    margin), so the pool the ranks map, the L1 index and the preflight report agree. On top of it the pool must fit in 90% of ``shm_dir``'s free space:
-    the pool is a tmpfs file, and writing past the filesystem kills the writer with SIGBUS.
+    margin), so the pool the ranks map, the L1 index and the preflight report agree. On top of it
+    the pool must fit in 90% of ``shm_dir``'s free space: the pool is a tmpfs file, and writing
+    past the filesystem kills the writer with SIGBUS.
     """
     budget = plan_l1_budget(l1_cache=True, l1_host_gb=l1_host_gb, num_ranks=num_ranks, bytes_per_block=1)
     stat = os.statvfs(shm_dir)
     shm_free = int(stat.f_bavail * stat.f_frsize * 0.9)
     pool_bytes = min(budget.pool_bytes, shm_free)
-    reason = f"L1 host pool {pool_bytes / GIB:.2f} GiB ({budget.reason}; {shm_dir} allows {shm_free / GIB:.2f} GiB)"
+    reason = (f"L1 host pool {pool_bytes / GIB:.2f} GiB ({budget.reason}; {shm_dir} allows "
+              f"{shm_free / GIB:.2f} GiB)")
     return pool_bytes, reason
 
 

@@ -90,7 +90,8 @@ class HostPool:
         ptr, size = self.tensor.data_ptr(), self.tensor.numel()
         err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of the L1 host pool ({size} bytes) failed: error {int(err)}")
+            raise RuntimeError(
+                f"cudaHostRegister of the L1 host pool ({size} bytes) failed: error {int(err)}")
         self._registered_ptr = ptr
 
     def slot(self, host_slot: int) -> torch.Tensor:
@@ -101,7 +102,8 @@ class HostPool:
         if self.tensor is None:
             raise RuntimeError("host pool is not open")
         if num_blocks < 1 or host_slot < 0 or host_slot + num_blocks > self.num_slots:
-            raise ValueError(f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.num_slots}")
+            raise ValueError(
+                f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.num_slots}")
         return self.tensor[host_slot : host_slot + num_blocks]
 
     def copy_from_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:

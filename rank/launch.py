@@ -96,7 +96,8 @@ def rank_env(config: RankConfig, num_ranks: int, rank: int, master_port: int,
     return env
 
 
-def worker_argv(python: str, config: RankConfig, rank: int, num_ranks: int, *, config_path: str, cmd_addr: str,
+def worker_argv(python: str, config: RankConfig, rank: int, num_ranks: int, *, config_path: str,
+                cmd_addr: str,
                 out_addr: str, master_port: int, host_pool_path: str, host_pool_bytes: int,
                 parent_pid: int) -> list[str]:
     """The command line of rank process ``rank`` (``python -m rank.worker``, see its ``parse_args``);

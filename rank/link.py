@@ -80,6 +80,19 @@ class RankLink:
         out.bind(out_addr)
         return cls(rank, cmd, out, last_seen=now)
 
+    def health(self, now: float) -> dict[str, Any]:
+        """This rank's entry in the group's /healthz ranks list."""
+        return {
+            "rank": self.rank,
+            "pid": self.proc.pid if self.proc else None,
+            "alive": self.proc is not None and self.proc.returncode is None,
+            "phase": self.phase,
+            "progress": self.progress,
+            "last_heartbeat_s_ago": round(now - self.last_seen, 3),
+            "in_flight": len(self.requests),
+            "prefix_cache_supported": self.ready.get("prefix_cache_supported", True) if self.ready else None,
+        }
+
     async def receive(self, on_message: Callable[[RankLink, list[bytes]], None]) -> None:
         """Wake on readiness, then drain every queued message (module docstring)."""
         loop = asyncio.get_running_loop()
@@ -140,7 +153,19 @@ class RankLink:
                 start = end
         for req, (i, reason, n_prompt, n_cached, kept, error) in finished:
             ids = tokens[i : i + 1] if ends is None else tokens[(ends[i - 1] if i else 0) : ends[i]]
-            req.stream.push(RequestOutput(req.request_id, ids, True, FinishReason(reason), n_prompt, n_cached, kept, error))
+            req.stream.push(RequestOutput(req.request_id, ids, True, FinishReason(reason), n_prompt, n_cached,
+                                          kept, error))
+
+
+def prefix_cache_support(links: list[RankLink]) -> tuple[bool, str | None]:
+    """Whether every rank's engine keeps a prefix cache (from their ready reports), and the reason
+    the first one that does not gives (else any rank's remark)."""
+    for r in links:
+        if r.ready and not r.ready.get("prefix_cache_supported", True):
+            reason = r.ready.get("prefix_cache_reason") or "not supported by the engine"
+            return False, f"rank {r.rank}: {reason}"
+    remarks = (r.ready.get("prefix_cache_reason") for r in links if r.ready)
+    return True, next((remark for remark in remarks if remark), None)
 
 
 def describe_exit(code: int) -> str:

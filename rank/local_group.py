@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+
 from rank.client import GroupState, RequestStream
 from rank.config import RankConfig
 from rank.engine import Engine, EngineMisuse, EngineRequest, EngineStats, RequestOutput
@@ -56,7 +57,8 @@ class LocalRankGroup:
 
     @classmethod
     def from_config(
-        cls, config: RankConfig, *, num_ranks: int | None = None, host_pool_bytes: int = 0, name: str | None = None,
+        cls, config: RankConfig, *, num_ranks: int | None = None, host_pool_bytes: int = 0,
+        name: str | None = None,
         step_s: float = 0.0,
     ) -> LocalRankGroup:
         """Engines from ``make_engine``; a shared host pool of ``host_pool_bytes`` if > 0."""
@@ -67,7 +69,8 @@ class LocalRankGroup:
             unlink_host_pool(path)
             host_pool = HostPool(path, host_pool_bytes)
         n = num_ranks if num_ranks is not None else config.ep
-        return cls(lambda rank: make_engine(config, rank, host_pool), n, host_pool=host_pool, host_pool_path=path,
+        return cls(lambda rank: make_engine(config, rank, host_pool), n, host_pool=host_pool,
+                   host_pool_path=path,
                    step_s=step_s)
 
     @property
@@ -145,7 +148,8 @@ class LocalRankGroup:
     def submit(self, rank: int, request: EngineRequest) -> RequestStream:
         engine = self._check(rank)
         engine.add(request)  # raises EngineMisuse with nothing changed
-        stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id))
+        stream = RequestStream(request.request_id, rank, self.epoch,
+                               lambda: self.abort(rank, request.request_id))
         self._streams[rank][request.request_id] = stream
         self._wake.set()
         return stream

@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -290,7 +290,8 @@ class ReferenceEngine(Engine):
 
     def _unservable(self, seq: _Seq) -> str | None:
         if seq.num_prompt >= self.config.max_model_len:
-            return f"prompt of {seq.num_prompt} tokens leaves no room under max_model_len {self.config.max_model_len}"
+            return (f"prompt of {seq.num_prompt} tokens leaves no room under max_model_len "
+                    f"{self.config.max_model_len}")
         need = -(-(seq.num_prompt + 1) // self.block_size)
         if need > self.num_blocks - 1:
             return f"prompt needs {need} KV blocks; the pool has {self.num_blocks - 1}"
@@ -308,7 +309,8 @@ class ReferenceEngine(Engine):
             start = seq.num_computed
             token_chunks.append(seq.prompt_ids[start : start + chunk])
             pos_chunks.append(np.arange(start, start + chunk, dtype=np.int64))
-            items.append(SeqBatchItem(row, chunk, start, self._table(seq) if self.model is not None else seq.block_table))
+            items.append(SeqBatchItem(row, chunk, start,
+                                      self._table(seq) if self.model is not None else seq.block_table))
             row += chunk
             seq.num_computed += chunk
             if seq.num_computed == seq.num_prompt:
@@ -336,7 +338,8 @@ class ReferenceEngine(Engine):
         if self.model is not None:
             items = [SeqBatchItem(i, 1, int(positions[i]), self._table(s)) for i, s in enumerate(batch)]
         else:  # the null model indexes plain lists; no per-sequence tensors
-            items = [SeqBatchItem(i, 1, int(positions[i]), s.block_table) for i, s in enumerate(batch)]  # type: ignore[arg-type]
+            items = [SeqBatchItem(i, 1, int(positions[i]), s.block_table)
+                     for i, s in enumerate(batch)]  # type: ignore[arg-type]
         for seq in batch:
             seq.num_computed += 1
         self._emit(batch, self._forward(token_ids, positions, items, list(range(len(batch))), batch), outputs)
@@ -395,9 +398,11 @@ class ReferenceEngine(Engine):
             return self._finish(seq, FinishReason.STOP, new_token=token)
         if len(seq.output_ids) >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return self._finish(seq, FinishReason.LENGTH, new_token=token)
-        return RequestOutput(seq.request_id, [token], False, None, seq.num_prompt, seq.request.num_cached_tokens)
+        return RequestOutput(seq.request_id, [token], False, None, seq.num_prompt,
+                             seq.request.num_cached_tokens)
 
-    def _finish(self, seq: _Seq, reason: FinishReason, error: str | None = None, new_token: int | None = None) -> RequestOutput:
+    def _finish(self, seq: _Seq, reason: FinishReason, error: str | None = None,
+                new_token: int | None = None) -> RequestOutput:
         del self._running[seq.request_id]
         kept: list[int] = []
         table = seq.block_table

@@ -89,7 +89,8 @@ def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> 
     return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
-def random_weights(spec: ModelSpec, seed: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(spec: ModelSpec, seed: int, device: torch.device,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in weight_shapes(spec).items():
@@ -102,7 +103,8 @@ def random_weights(spec: ModelSpec, seed: int, device: torch.device, dtype: torc
     return weights
 
 
-def load_weights(spec: ModelSpec, path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(spec: ModelSpec, path: Path, device: torch.device,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file  # optional dependency, only for real weights
 
     loaded = load_file(str(path), device="cpu")
@@ -110,7 +112,8 @@ def load_weights(spec: ModelSpec, path: Path, device: torch.device, dtype: torch
     missing = sorted(set(expected) - set(loaded))
     extra = sorted(set(loaded) - set(expected))
     if missing or extra:
-        raise ValueError(f"weights {path}: missing {missing[:5]} unexpected {extra[:5]} for model {spec.name}")
+        raise ValueError(
+            f"weights {path}: missing {missing[:5]} unexpected {extra[:5]} for model {spec.name}")
     for name, shape in expected.items():
         if tuple(loaded[name].shape) != shape:
             raise ValueError(f"weights {path}: {name} has shape {tuple(loaded[name].shape)}, want {shape}")
@@ -142,7 +145,8 @@ class ReferenceModel:
         device = weights["embed.weight"].device
         self.device = device
         self.dtype = weights["embed.weight"].dtype
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2,
+                                                           dtype=torch.float64) / spec.head_dim))
         self._inv_freq = inv_freq.to(device)
         self._rope_cache_len = 0
         self._cos = self._sin = torch.empty(0)
@@ -199,7 +203,10 @@ class ReferenceModel:
         cos, sin = self._rope(pos_padded)
         kv = self.kv_view(pool)
         # Where each row's K/V goes: block id and offset (padding rows go nowhere).
-        blocks = torch.cat([it.block_table[(it.start_pos + torch.arange(it.num_rows, device=self.device)) // self.block_size] for it in items])
+        blocks = torch.cat([
+            it.block_table[(it.start_pos + torch.arange(it.num_rows, device=self.device)) // self.block_size]
+            for it in items
+        ])
         offsets = positions % self.block_size
         q_all = torch.empty(padded, s.num_heads, s.head_dim, device=self.device, dtype=self.dtype)
         k_all = torch.empty(padded, s.num_kv_heads, s.head_dim, device=self.device, dtype=self.dtype)
@@ -236,7 +243,8 @@ class ReferenceModel:
             logits[t] = F.linear(self._rms(hs[t], self.w["norm.weight"]), self.w["lm_head.weight"]).float()
         return logits[:num_sample]
 
-    def _gather_kv(self, kv_layer: torch.Tensor, table: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_kv(self, kv_layer: torch.Tensor, table: torch.Tensor,
+                   num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[0, num_keys)`` (num_keys a multiple of block_size) as
         ``[heads, num_keys, head_dim]`` with the KV heads repeated for GQA."""
         s = self.spec
@@ -247,7 +255,8 @@ class ReferenceModel:
         v = kvb[:, 1].reshape(num_keys, s.num_kv_heads, s.head_dim).repeat_interleave(rep, dim=1)
         return k.transpose(0, 1), v.transpose(0, 1)
 
-    def _attention_exact(self, q_all: torch.Tensor, kv_layer: torch.Tensor, items: list[SeqBatchItem], out: torch.Tensor) -> None:
+    def _attention_exact(self, q_all: torch.Tensor, kv_layer: torch.Tensor, items: list[SeqBatchItem],
+                         out: torch.Tensor) -> None:
         s, bs, tile = self.spec, self.block_size, self.attn_tile
         scale = 1.0 / math.sqrt(s.head_dim)
         for it in items:
@@ -269,10 +278,12 @@ class ReferenceModel:
                 scores = scores.float().masked_fill(future, float("-inf"))
                 probs = torch.softmax(scores, dim=-1).to(self.dtype)
                 o = torch.matmul(probs, v)  # [H, tile, hd]
-                out[rows] = o.transpose(0, 1)[pos - tile_start : tile_end - tile_start].reshape(-1, s.num_heads * s.head_dim)
+                o_rows = o.transpose(0, 1)[pos - tile_start : tile_end - tile_start]
+                out[rows] = o_rows.reshape(-1, s.num_heads * s.head_dim)
                 pos = tile_end
 
-    def _attention_fast(self, q_all: torch.Tensor, kv_layer: torch.Tensor, items: list[SeqBatchItem], out: torch.Tensor) -> None:
+    def _attention_fast(self, q_all: torch.Tensor, kv_layer: torch.Tensor, items: list[SeqBatchItem],
+                        out: torch.Tensor) -> None:
         s, bs = self.spec, self.block_size
         decode = [it for it in items if it.num_rows == 1]
         for it in items:
@@ -284,7 +295,8 @@ class ReferenceModel:
             q = q_all[it.row_start : it.row_start + it.num_rows].transpose(0, 1)
             qpos = torch.arange(it.start_pos, end, device=self.device)
             allowed = torch.arange(num_keys, device=self.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=allowed)
+            o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                               attn_mask=allowed)
             out[it.row_start : it.row_start + it.num_rows] = o[0].transpose(0, 1).reshape(it.num_rows, -1)
         if not decode:
             return
@@ -297,8 +309,10 @@ class ReferenceModel:
         kvb = kv_layer[tables]  # [B, nb, 2, bs, kvh, hd]
         rep = s.num_heads // s.num_kv_heads
         num_keys = max_blocks * bs
-        k = kvb[:, :, 0].reshape(len(decode), num_keys, s.num_kv_heads, s.head_dim).repeat_interleave(rep, dim=2)
-        v = kvb[:, :, 1].reshape(len(decode), num_keys, s.num_kv_heads, s.head_dim).repeat_interleave(rep, dim=2)
+        k = kvb[:, :, 0].reshape(len(decode), num_keys, s.num_kv_heads,
+                                 s.head_dim).repeat_interleave(rep, dim=2)
+        v = kvb[:, :, 1].reshape(len(decode), num_keys, s.num_kv_heads,
+                                 s.head_dim).repeat_interleave(rep, dim=2)
         rows = torch.tensor([it.row_start for it in decode], device=self.device)
         qpos = torch.tensor([it.start_pos for it in decode], device=self.device)
         q = q_all[rows].unsqueeze(2)  # [B, H, 1, hd]
@@ -324,13 +338,16 @@ def null_forward(
             slots[it.row_start] = table[p // bs] * bs + p % bs
         else:
             pos = positions[it.row_start : it.row_start + it.num_rows]
-            slots[it.row_start : it.row_start + it.num_rows] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            span = slice(it.row_start, it.row_start + it.num_rows)
+            slots[span] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
     flat = pool.view(torch.int32).view(-1)
-    flat[torch.from_numpy(slots).to(pool.device)] = torch.from_numpy(token_ids.astype(np.int32)).to(pool.device)
+    values = torch.from_numpy(token_ids.astype(np.int32)).to(pool.device)
+    flat[torch.from_numpy(slots).to(pool.device)] = values
     if not sample_rows:
         return []
     idx = np.asarray(sample_rows, dtype=np.int64)
-    x = (token_ids[idx].astype(np.uint64) * np.uint64(0x9E3779B1) + positions[idx].astype(np.uint64) * np.uint64(0x85EBCA77)
+    x = (token_ids[idx].astype(np.uint64) * np.uint64(0x9E3779B1)
+         + positions[idx].astype(np.uint64) * np.uint64(0x85EBCA77)
          + seeds * np.uint64(0xC2B2AE3D)) & np.uint64(0xFFFFFFFF)
     x ^= x >> np.uint64(15)
     x = (x * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)

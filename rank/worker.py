@@ -36,6 +36,7 @@ the CI stand-in as a multi-process group), and lifts the Python 3.12 requirement
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -140,7 +141,9 @@ class RankLoop:
         status.phase, status.progress = "loading", f"building {config.engine} engine"
         from rank.engines import make_engine
 
-        stand_in = (os.environ.get(TEST_DEEPINFER_MODULE_ENV) or None) if config.engine == "deepinfer" else None
+        stand_in = None
+        if config.engine == "deepinfer":
+            stand_in = os.environ.get(TEST_DEEPINFER_MODULE_ENV) or None
         self.engine = make_engine(config, self.rank, host_pool, deepinfer_module=stand_in)
         bytes_per_block = int(getattr(self.engine, "bytes_per_block", 0))
         if host_pool is not None and not host_pool.is_open and bytes_per_block:
@@ -153,9 +156,11 @@ class RankLoop:
         if self.owns_lockstep:
             # DeepInfer built its default group while loading; ours would collide with it.
             if not dist.is_initialized():
-                raise RuntimeError(f"engine {config.engine!r} owns the lockstep but created no torch.distributed group")
+                raise RuntimeError(f"engine {config.engine!r} owns the lockstep but created no "
+                                   "torch.distributed group")
             if dist.get_world_size() != args.world_size:
-                raise RuntimeError(f"engine's group has {dist.get_world_size()} ranks, the supervisor started {args.world_size}")
+                raise RuntimeError(f"engine's group has {dist.get_world_size()} ranks, the supervisor "
+                                   f"started {args.world_size}")
             self.control_group = dist.new_group(backend="gloo")  # collective: every rank, same point
         else:
             use_nccl = config.engine == "reference" and config.uses_gpu
@@ -292,7 +297,8 @@ class RankLoop:
                 etype = "EngineMisuse" if isinstance(exc, EngineMisuse) else "InvalidCommand"
                 if etype != "EngineMisuse":
                     log.warning("rank %d: add refused: %s", self.rank, traceback.format_exc())
-                self.send(self.wire.pack({"t": "reject", "h": header.get("h"), "etype": etype, "msg": str(exc)}))
+                self.send(self.wire.pack({"t": "reject", "h": header.get("h"), "etype": etype,
+                                          "msg": str(exc)}))
             return
         if op == "abort":
             self.engine.abort(header["rids"])
@@ -325,10 +331,8 @@ class RankLoop:
         self.engine.close()
         if self.host_pool is not None:
             self.host_pool.close()
-        try:
+        with contextlib.suppress(Exception):  # best effort at exit
             self.dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
         self.cmd.close(0)
         self.out.close()
 
@@ -347,14 +351,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--min-python", default="")
     p.add_argument("--parent-pid", type=int, default=0,
-                   help="the supervisor's pid: the rank exits when it is no longer its parent (default: the parent at start)")
+                   help="the supervisor's pid: the rank exits when it is no longer its parent (default: the "
+                        "parent at start)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parent_pid = args.parent_pid or os.getppid()
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="exit-with-parent", daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="exit-with-parent",
+                     daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"rank{args.rank} %(levelname)s %(name)s: %(message)s")
     import zmq
 
@@ -367,12 +373,14 @@ def main(argv: list[str] | None = None) -> int:
                     os.environ[TEST_DEEPINFER_MODULE_ENV])
         need = MIN_PYTHON
     if sys.version_info[: len(need)] < need:
-        msg = f"rank {args.rank}: Python {sys.version.split()[0]} at {sys.executable} is too old; need {'.'.join(map(str, need))}+"
+        msg = (f"rank {args.rank}: Python {sys.version.split()[0]} at {sys.executable} is too old; "
+               f"need {'.'.join(map(str, need))}+")
         _send_fatal(ctx, args.out_addr, msg)
         return 2
     status = _Status()
     stop = threading.Event()
-    hb = threading.Thread(target=_heartbeat_loop, args=(ctx, args.out_addr, args.rank, status, stop), daemon=True)
+    hb = threading.Thread(target=_heartbeat_loop, args=(ctx, args.out_addr, args.rank, status, stop),
+                          daemon=True)
     hb.start()
     loop: RankLoop | None = None
     try:

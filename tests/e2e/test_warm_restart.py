@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import struct
 import time
@@ -276,3 +277,30 @@ def test_spills_hold_the_disk_bound(tmp_path: Path, backends: list[Backend]) -> 
     assert gauges["deepinfer_cache_l2_used_bytes"] <= bound
     assert gauges["deepinfer_cache_l2_evicted_extents"] >= 1  # the bound was reached and held by eviction
     assert gauges["deepinfer_cache_l2_write_errors"] == 0
+
+
+def test_a_vanished_l2_directory_is_recreated_and_the_sessions_spill_again(
+    tmp_path: Path, backends: list[Backend]
+) -> None:
+    """``kv/`` is removed under a running backend (rm -rf, an unmounted disk): the next spill
+    fails, the store forgets its index and recreates the directory, and the graceful stop writes
+    every idle session again, so a new backend still finds both sessions on disk."""
+    l2_dir = tmp_path / "l2"
+    backend = _start(backends, tmp_path, _config(l2_dir))
+    first_history, _, _ = _first_turn(backend, seed=5)
+    saved = _wait_saved(backend, 0)
+    shutil.rmtree(l2_dir / "kv")
+    second_history, _, _ = _first_turn(backend, seed=6)
+    deadline = time.monotonic() + 60
+    while backend.metric_sum("deepinfer_cache_l2_write_errors") < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "is gone" in backend.log_text(), backend.log_text()[-3000:]
+    assert (l2_dir / "kv").is_dir()
+    backend.stop()
+    again = _start(backends, tmp_path, _config(l2_dir))
+    prompt_tokens = 0
+    for history in (first_history, second_history):
+        usage, _ = _next_turn(again, history)
+        assert _cached_share(usage) >= 0.9, (saved, usage)
+        prompt_tokens += usage["prompt_tokens"]
+    assert _tier_tokens(again, "l2") >= 0.9 * prompt_tokens

@@ -209,7 +209,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=18471)
     parser.add_argument("--prefill-interval", type=int, default=70,
                         help="DeepInfer's prefill vote interval in decode steps (its default 70; ANY: 100)")
-    parser.add_argument("--work-dir", default=None, help="for the config, logs and profiles (default: a new temp dir)")
+    parser.add_argument("--work-dir", default=None,
+                        help="for the config, logs and profiles (default: a new temp dir)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON last")
     return parser.parse_args(argv)
 
@@ -222,7 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     raw = setup.tmp / "backend.pyspy.txt"
     spy_bin = py_spy_path(args.py_spy)
     if spy_bin:  # py-spy starts the server as its child (attaching to a running one is refused on some hosts)
-        cmd = [spy_bin, "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(raw), "--", *cmd]
+        cmd = [spy_bin, "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(raw), "--",
+               *cmd]
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=setup.env, cwd=REPO)
     server: psutil.Process | None = None
@@ -236,7 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         server = psutil.Process(proc.pid)
         if spy_bin:
             server = next(p for p in server.children() if "deepinfer_backend" in " ".join(p.cmdline()))
-        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.ranks} ranks x {args.seqs} "
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+              f"{args.ranks} ranks x {args.seqs} "
               f"streams x {args.max_tokens} tokens, core {args.core}, null forward")
         sampler = CpuSampler(server)
         stats, start_s, samples = asyncio.run(drive(url, streams, args.max_tokens, sampler))

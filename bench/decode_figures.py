@@ -108,7 +108,8 @@ def print_rank_table(prof: dict[str, object], threads_us: dict[str, float]) -> d
     io_us = sum(threads_us.get(name, 0.0) for name in OUR_THREADS)
     figures["rank_added_cpu_us"] = ours_cpu + io_us
     print(f"added per rank step by our code: {ours_cpu:.0f} us loop thread + {io_us:.0f} us zmq I/O thread = "
-          f"{ours_cpu + io_us:.0f} us CPU (DeepInfer's vote: {cpu['vote']:.0f} us loop thread + its gloo threads)")
+          f"{ours_cpu + io_us:.0f} us CPU (DeepInfer's vote: {cpu['vote']:.0f} us loop thread "
+          "+ its gloo threads)")
     return figures
 
 

@@ -19,7 +19,8 @@ def _free_port() -> int:
 
 def test_decode_bench_streams_everything_and_profiles_each_rank(tmp_path, capsys) -> None:
     args = parse_args(["--core", "stand-in", "--ranks", str(RANKS), "--seqs", str(SEQS), "--max-tokens",
-                       str(TOKENS), "--py-spy", "off", "--prefill-interval", "1", "--port", str(_free_port()), "--work-dir", str(tmp_path)])
+                       str(TOKENS), "--py-spy", "off", "--prefill-interval", "1", "--port", str(_free_port()),
+                       "--work-dir", str(tmp_path)])
     figures = run(args)
     assert figures["errors"] == 0 and figures["output_tokens"] == RANKS * SEQS * TOKENS
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0.json", "rank1.json"]

@@ -4,8 +4,7 @@ id-by-id loop gives, for any ids (control tokens, byte pieces, out of range) and
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from protocol.detokenize import IncrementalDetokenizer, TokenTable
 from protocol.tokenize import PromptTokenizer

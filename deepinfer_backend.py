@@ -347,7 +347,8 @@ def _cli_config(args: argparse.Namespace) -> WorkloadConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{args.config}: the workload config must be a JSON object")
     overrides = {"engine": args.engine, "script_file": args.script, "host": args.host, "port": args.port,
-                 "ep": args.ranks, "api_key": args.api_key, "api_key_file": getattr(args, "api_key_file", None),
+                 "ep": args.ranks, "api_key": args.api_key,
+                 "api_key_file": getattr(args, "api_key_file", None),
                  "reference_model": args.reference_model,
                  "http_header_timeout_secs": getattr(args, "header_timeout", None),
                  "http_max_header_bytes": getattr(args, "max_header_bytes", None),
@@ -408,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                        "(http_max_header_bytes, default 65536)")
     serve.add_argument("--max-connections", type=int, help="open client connections at most "
                        "(http_max_connections, default 2048)")
-    serve.add_argument("--keep-alive", type=float, help="idle keep-alive seconds (http_keep_alive_secs, default 75)")
+    serve.add_argument("--keep-alive", type=float,
+                       help="idle keep-alive seconds (http_keep_alive_secs, default 75)")
     sub.add_parser("preflight", help="check the machine against a workload config "
                    "(--config FILE [--json] [--skip CHECK]); see server/preflight.py")
     args = parser.parse_args(argv)
@@ -426,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = new_event_loop()
     try:
         loop.run_until_complete(_serve_forever(config))
-    except Exception as exc:  # noqa: BLE001 - one line for the operator; details are in the log
+    except Exception as exc:  # one line for the operator; details are in the log
         log.exception("serve failed")
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

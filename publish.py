@@ -85,7 +85,7 @@ def project_version(pyproject: Path = REPO_ROOT / "pyproject.toml") -> str:
 
         return str(tomllib.loads(text)["project"]["version"])
     except ModuleNotFoundError:  # Python 3.10
-        match = re.search(r'^\[project\][^\[]*?^version\s*=\s*"([^"]+)"', text, re.M | re.S)
+        match = re.search(r'^\[project\][^\[]*?^version\s*=\s*"([^"]+)"', text, re.MULTILINE | re.DOTALL)
         if not match:
             raise PublishError(f"no [project].version in {pyproject}") from None
         return match.group(1)
@@ -117,7 +117,8 @@ def collect_code(root: Path = REPO_ROOT) -> list[StagedFile]:
 def git_commit(root: Path) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None

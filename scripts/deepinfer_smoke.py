@@ -21,7 +21,8 @@ def main() -> int:
 
     print(f"deepinfer {deepinfer.__version__} from {deepinfer.__file__}; _C from {engine.__name__}")
     reason = patch_missing_reason(
-        SimpleNamespace(Scheduler=engine.Scheduler, BlockManager=engine.BlockManager, Sequence=engine.Sequence))
+        SimpleNamespace(Scheduler=engine.Scheduler, BlockManager=engine.BlockManager,
+                        Sequence=engine.Sequence))
     print("prefix-cache patch:", "present" if reason is None else f"MISSING ({reason})")
     bm = engine.BlockManager(100)
     assert bm.get_num_free_blocks() == 99, "block 0 must be reserved"

@@ -1,8 +1,8 @@
 """The HTTP surface: Starlette routes served by uvicorn, orjson bodies, SSE streams.
 
 Routes: ``POST /v1/messages`` (``?beta=true`` accepted), ``POST /v1/messages/count_tokens``,
-``POST /v1/chat/completions``, ``POST /v1/responses`` (OpenAI Responses API), ``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` and
-``HEAD``/``GET /`` (Claude Code preconnects with ``HEAD /``).
+``POST /v1/chat/completions``, ``POST /v1/responses`` (OpenAI Responses API), ``GET /v1/models``,
+``GET /healthz``, ``GET /metrics`` and ``HEAD``/``GET /`` (Claude Code preconnects with ``HEAD /``).
 
 Every error reaches the caller in its own API's shape (Anthropic for ``/v1/messages*``, OpenAI
 otherwise), from ``protocol.errors``; nothing else escapes (an unexpected exception is logged
@@ -34,6 +34,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from protocol.api import session_hint
 from protocol.errors import (
     InternalError,
     InvalidRequest,
@@ -46,11 +47,9 @@ from protocol.errors import (
     error_from_exception,
     with_request_id,
 )
-from protocol.api import session_hint
 from server.auth import ApiKeyCheck
 from server.config import WorkloadConfig
-from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from server.metrics import ServerMetrics
+from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from server.prepare import RequestPreparer
 
 log = logging.getLogger("deepinfer.server")
@@ -195,7 +194,8 @@ class StreamResponse(Response):
         if started:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         else:  # nothing was produced at all: still answer
-            await error_response(InternalError("empty response"), self._api, self._request_id)(scope, receive, send)
+            await error_response(InternalError("empty response"), self._api,
+                                 self._request_id)(scope, receive, send)
 
 
 class ClientGone(Exception):
@@ -384,7 +384,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     api = api_of_path(request.url.path)
     if exc.status_code == 405:
         perr: ProtocolError = InvalidRequest(f"method {request.method} is not allowed on {request.url.path}")
-        return json_response(405, perr.body(api), {"allow": exc.headers.get("allow", "") if exc.headers else ""})
+        return json_response(405, perr.body(api),
+                             {"allow": exc.headers.get("allow", "") if exc.headers else ""})
     if exc.status_code == 404:
         perr = NotFound(f"no route {request.method} {request.url.path}")
     else:

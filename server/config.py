@@ -144,7 +144,8 @@ class WorkloadConfig(BaseModel):
         "byte, to finish the request line and headers; then 408 and close (slow-header clients).",
     )
     http_max_header_bytes: int = Field(
-        64 * 1024, ge=4096, le=64 * 1024, description="Bound on a request line + headers; over it 431 and close.",
+        64 * 1024, ge=4096, le=64 * 1024,
+        description="Bound on a request line + headers; over it 431 and close.",
     )
     http_max_connections: int = Field(
         2048, ge=16, description="Open client connections at most (lowered to fit ulimit -n); one more "
@@ -208,7 +209,8 @@ class WorkloadConfig(BaseModel):
             try:
                 key = Path(self.api_key_file).read_text(encoding="utf-8").strip()
             except (OSError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"config key 'api_key_file': cannot read {self.api_key_file}: {exc}") from None
+                raise ConfigError(
+                    f"config key 'api_key_file': cannot read {self.api_key_file}: {exc}") from None
             if not key:
                 raise ConfigError(f"config key 'api_key_file': {self.api_key_file} is empty")
             return key
@@ -241,7 +243,8 @@ class WorkloadConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization, eplb=self.eplb,
             extra_experts=self.extra_experts, prefill_attempt_interval=self.prefill_attempt_interval,
             prefill_any_attempt_interval=self.prefill_any_attempt_interval, prefix_cache=self.prefix_cache,
-            l1_cache=self.l1_cache, l1_host_gb=self.l1_host_gb, load_timeout_seconds=self.load_timeout_seconds,
+            l1_cache=self.l1_cache, l1_host_gb=self.l1_host_gb,
+            load_timeout_seconds=self.load_timeout_seconds,
             model_dir=str(model_dir) if model_dir is not None else None, deepinfer_venv=self.deepinfer_venv,
             master_port=self.master_port, env=self.env, deepinfer_env=self.deepinfer_env,
             reference_model=self.reference_model, reference_device=self.reference_device,

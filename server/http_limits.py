@@ -143,7 +143,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._answer(self._refusal or InvalidRequest(f"invalid HTTP request: {msg}"))
 
     def _too_large(self) -> ProtocolError:
-        self._refusal = HeadersTooLarge(f"the request line and headers exceed {self.limits.max_header_bytes} bytes")
+        self._refusal = HeadersTooLarge(f"the request line and headers exceed {self.limits.max_header_bytes} "
+                                        "bytes")
         return self._refusal
 
     def _answer(self, perr: ProtocolError) -> None:
@@ -175,7 +176,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self._await_headers()  # a pipelined request behind a response still being sent: later
             return
-        self._answer(HeadersTimeout(f"the request headers did not arrive within {self.limits.header_timeout_s:g} s"))
+        self._answer(HeadersTimeout("the request headers did not arrive within "
+                                    f"{self.limits.header_timeout_s:g} s"))
 
 
 def protocol_class(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:

@@ -155,7 +155,8 @@ class ServerMetrics:
                                     buckets=_QUEUE_BUCKETS_S, registry=r)
         self.request_seconds = Histogram("deepinfer_request_duration_seconds", "Whole request",
                                          ["api"], buckets=_TTFT_BUCKETS_S, registry=r)
-        self.disconnects = Counter("deepinfer_client_disconnects", "Requests (streaming or not) the client dropped",
+        self.disconnects = Counter("deepinfer_client_disconnects",
+                                   "Requests (streaming or not) the client dropped",
                                    registry=r)
         self.timeouts = Counter("deepinfer_request_timeouts", "Requests cut by request_timeout_secs",
                                 registry=r)

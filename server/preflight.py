@@ -29,15 +29,27 @@ from server.preflight_checks.context import MIB, rank_env, uses_gpu
 from server.preflight_checks.gpu import check_gpus
 from server.preflight_checks.l2_disk import check_l2_dir
 from server.preflight_checks.model_dir import (
-    ModelFacts, check_model_files, check_model_filesystem, check_read_speed,
+    ModelFacts,
+    check_model_files,
+    check_model_filesystem,
+    check_read_speed,
 )
 from server.preflight_checks.network import check_http_port, check_master_port, check_nccl_env
 from server.preflight_checks.probe import GpuQuery, RdmaInfo, RealSystemProbe, SystemProbe
 from server.preflight_checks.report import (
-    CheckResult, PreflightError, PreflightReport, Status, skipped, warn,
+    CheckResult,
+    PreflightError,
+    PreflightReport,
+    Status,
+    skipped,
+    warn,
 )
 from server.preflight_checks.resources import (
-    L1BudgetPlan, check_disk, check_host_ram, l1_budget_bytes, plan_l1_budget,
+    L1BudgetPlan,
+    check_disk,
+    check_host_ram,
+    l1_budget_bytes,
+    plan_l1_budget,
 )
 from server.preflight_checks.timeouts import check_ready_timeout, check_timeout_order
 from server.preflight_checks.venv import IMPORT_TIMEOUT_S, check_prefix_api, check_venv, probe_venv

@@ -181,7 +181,8 @@ class Runtime:
             cfg = self.config
             # Tests size the pool with l1_host_gb directly (per rank, as in the seed guide).
             pool_bytes = int(cfg.l1_host_gb * (1 << 30)) * cfg.ep if cfg.l1_cache else 0
-            return LocalRankGroup.from_config(cfg.rank_config(), host_pool_bytes=pool_bytes, name=f"rt-{id(self):x}")
+            return LocalRankGroup.from_config(cfg.rank_config(), host_pool_bytes=pool_bytes,
+                                              name=f"rt-{id(self):x}")
         from rank.group import RankGroup
 
         return RankGroup(self.config.rank_config())
@@ -210,7 +211,8 @@ class Runtime:
         self._socket = sock
         from server.http_limits import HttpLimits
 
-        limits = HttpLimits(header_timeout_s=cfg.http_header_timeout_secs, max_header_bytes=cfg.http_max_header_bytes,
+        limits = HttpLimits(header_timeout_s=cfg.http_header_timeout_secs,
+                            max_header_bytes=cfg.http_max_header_bytes,
                             max_connections=cfg.http_max_connections, keep_alive_s=cfg.http_keep_alive_secs)
         uv_config = uvicorn.Config(
             self.app, http=_http_impl(limits), loop="none", lifespan="off", access_log=False,
@@ -261,7 +263,8 @@ class Runtime:
         if not cfg.prefix_cache:
             reasons.append("prefix cache off (config prefix_cache: false)")
         elif getattr(self.group, "prefix_cache_supported", True) is False:
-            reasons.append(f"prefix cache off: {getattr(self.group, 'prefix_cache_reason', None) or 'not supported'}")
+            reasons.append("prefix cache off: "
+                           f"{getattr(self.group, 'prefix_cache_reason', None) or 'not supported'}")
         if not cfg.l1_cache:
             reasons.append("L1 host cache off (config l1_cache: false)")
         elif self.cache is not None and not self.cache.l1_enabled:

@@ -156,17 +156,20 @@ class ChatService:
                                     max_tokens_is_default=prepared.max_tokens_is_default) as turn:
             await self._run_turn(turn, prepared, rs, flight, write)
 
-    async def _run_turn(self, turn: Turn, prepared: Any, rs: Any, flight: _Flight, write: Write | None) -> None:
+    async def _run_turn(self, turn: Turn, prepared: Any, rs: Any, flight: _Flight,
+                        write: Write | None) -> None:
         admission = turn.admission
         engine_stream: RequestStream | None = None
         symptoms = self._symptoms
         if symptoms is not None:
             symptoms.observe_request_start(prepared.session_key)
-            symptoms.observe_turn(prepared.session_key, prepared.num_prompt_tokens, admission.num_cached_tokens)
+            symptoms.observe_turn(prepared.session_key, prepared.num_prompt_tokens,
+                                  admission.num_cached_tokens)
         try:
             self._count_admission(admission, flight)
             # max_output_tokens: max_tokens, or the KV room left when max_tokens was a default
-            sampling = SamplingParams(max_tokens=admission.max_output_tokens, temperature=prepared.temperature,
+            sampling = SamplingParams(max_tokens=admission.max_output_tokens,
+                                      temperature=prepared.temperature,
                                       top_p=prepared.top_p, top_k=prepared.top_k, seed=prepared.seed)
             request = turn.engine_request(flight.request_id, sampling)
             try:

@@ -127,7 +127,8 @@ class RuntimeSymptoms:
     ) -> None:
         self.settings = s = settings or SymptomSettings()
         self._clock = clock
-        self._log = _RateLimitedLog(logger or logging.getLogger("deepinfer_backend.symptoms"), s.log_interval_s)
+        self._log = _RateLimitedLog(logger or logging.getLogger("deepinfer_backend.symptoms"),
+                                    s.log_interval_s)
         self._active: dict[str, tuple[str, float]] = {}  # symptom -> (message, expires at)
         # uncached repeats
         self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> turns seen (LRU bounded)
@@ -146,12 +147,14 @@ class RuntimeSymptoms:
         self.m_repeat_turns = Counter("deepinfer_symptom_repeat_turns", "Repeat turns (turn 2+) of a session "
                                       "with a cacheable prompt", registry=registry)
         self.m_uncached_repeat_turns = Counter(
-            "deepinfer_symptom_uncached_repeat_turns", "Repeat turns that reused 0 cached tokens", registry=registry)
+            "deepinfer_symptom_uncached_repeat_turns", "Repeat turns that reused 0 cached tokens",
+            registry=registry)
         self.m_unknown_model = Counter(
             "deepinfer_symptom_unknown_model_requests", "Requests for a model this endpoint does not serve "
             f"(first {s.max_model_labels} names, then '{OTHER_LABEL}')", ["model"], registry=registry)
         self.m_prompt_too_long = Counter(
-            "deepinfer_symptom_prompt_too_long", "Requests refused because prompt > max_model_len", registry=registry)
+            "deepinfer_symptom_prompt_too_long", "Requests refused because prompt > max_model_len",
+            registry=registry)
         self.m_serial_run = Gauge(
             "deepinfer_symptom_serial_run_requests", "Consecutive requests that started with nothing else in "
             "flight", registry=registry)
@@ -161,7 +164,8 @@ class RuntimeSymptoms:
             self.m_active.labels(symptom=name).set(0)
 
     @classmethod
-    def from_config(cls, config: WorkloadConfig, registry: CollectorRegistry, **kwargs: object) -> RuntimeSymptoms:
+    def from_config(cls, config: WorkloadConfig, registry: CollectorRegistry,
+                    **kwargs: object) -> RuntimeSymptoms:
         settings = SymptomSettings(
             prefix_cache_enabled=config.prefix_cache, block_size=config.block_size,
             capacity_slots=config.ep * config.max_num_seqs, served_model_name=config.model_name,
@@ -219,10 +223,11 @@ class RuntimeSymptoms:
             and self._num_back_to_back >= s.serial_back_to_back_ratio * s.serial_window_requests
         ):
             message = (
-                f"serial_requests: the last {len(self._serial_window)} requests from {sessions} sessions arrived "
-                f"strictly one at a time, {self._num_back_to_back} of them right after the previous one ended, "
-                f"while the ranks could run {s.capacity_slots}: a queue in front of the backend. Fix: raise the "
-                f"worker's Concurrent requests for this workload (a pinned workload starts at 1) to {s.capacity_slots}."
+                f"serial_requests: the last {len(self._serial_window)} requests from {sessions} sessions "
+                f"arrived strictly one at a time, {self._num_back_to_back} of them right after the previous "
+                f"one ended, while the ranks could run {s.capacity_slots}: a queue in front of the backend. "
+                "Fix: raise the worker's Concurrent requests for this workload (a pinned workload starts "
+                f"at 1) to {s.capacity_slots}."
             )
             self._log.warning("serial_requests", t, message)
             self._activate("serial_requests", message, t)
@@ -271,12 +276,14 @@ class RuntimeSymptoms:
         self.m_uncached_repeat_turns.inc()
         if first_divergent_pos is None and prompt_ids is not None and previous_prompt_ids is not None:
             first_divergent_pos = first_divergent_position(
-                previous_prompt_ids, previous_output_ids if previous_output_ids is not None else (), prompt_ids
+                previous_prompt_ids, previous_output_ids if previous_output_ids is not None else (),
+                prompt_ids
             )
         where = self._divergence_text(first_divergent_pos)
         self._log.warning(
             "uncached_turn", t,
-            f"uncached_repeat: session {session_key[:24]} turn {turns + 1}: 0 of {num_prompt_tokens} prompt tokens cached; {where}",
+            f"uncached_repeat: session {session_key[:24]} turn {turns + 1}: 0 of {num_prompt_tokens} prompt "
+            f"tokens cached; {where}",
         )
         num, size = self._num_uncached_in_window, len(self._uncached_window)
         if num >= s.uncached_min_turns and num / size >= s.uncached_ratio:
@@ -284,7 +291,8 @@ class RuntimeSymptoms:
                 "uncached_repeat",
                 f"uncached_repeat: {num} of the last {size} repeat turns reused no cached tokens ({where}). "
                 "Fix: install DeepInfer with the prefix-cache patch (inferencekey/deepinfer-sm100-cu132) if "
-                "prefix_cache_api warned at startup; otherwise find what changes the prompt's start between turns.",
+                "prefix_cache_api warned at startup; otherwise find what changes the prompt's start between "
+                "turns.",
                 t,
             )
 
@@ -307,7 +315,8 @@ class RuntimeSymptoms:
         self.m_unknown_model.labels(model=label).inc()
         t = self._now(now)
         if _CLAUDE_RE.search(str(name)):
-            first, second = ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_MODEL") if "haiku" in str(name).lower() \
+            first, second = ("ANTHROPIC_DEFAULT_HAIKU_MODEL",
+                             "ANTHROPIC_MODEL") if "haiku" in str(name).lower() \
                 else ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL")
             fix = f"set {first} and {second} to {s.served_model_name} in Claude Code's environment"
         else:
@@ -317,16 +326,19 @@ class RuntimeSymptoms:
         self._log.warning(f"unknown_model:{label}", t, message)
         self._activate("unknown_model", message, t)
 
-    def observe_prompt_too_long(self, num_prompt_tokens: int, max_model_len: int, now: float | None = None) -> None:
-        """A 400 'prompt is too long'. Claude Code compacts on it; repeated ones mean its window is too big."""
+    def observe_prompt_too_long(self, num_prompt_tokens: int, max_model_len: int,
+                                now: float | None = None) -> None:
+        """A 400 'prompt is too long'. Claude Code compacts on it; repeated ones mean its window is
+        too big."""
         t = self._now(now)
         self.m_prompt_too_long.inc()
         self._too_long_times.append(t)
         if (len(self._too_long_times) == self._too_long_times.maxlen
                 and t - self._too_long_times[0] <= self.settings.warning_ttl_s):
-            message = (f"prompt_too_long: {len(self._too_long_times)} prompts over max_model_len {max_model_len} "
-                       f"recently (last {num_prompt_tokens} tokens). Fix: set CLAUDE_CODE_MAX_CONTEXT_TOKENS below "
-                       f"{max_model_len} (e.g. 500000) so Claude Code compacts before the limit.")
+            message = (
+                f"prompt_too_long: {len(self._too_long_times)} prompts over max_model_len {max_model_len} "
+                f"recently (last {num_prompt_tokens} tokens). Fix: set CLAUDE_CODE_MAX_CONTEXT_TOKENS "
+                f"below {max_model_len} (e.g. 500000) so Claude Code compacts before the limit.")
             self._log.warning("prompt_too_long", t, message)
             self._activate("prompt_too_long", message, t)
 

@@ -40,10 +40,10 @@ import enum
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence as Seq
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -416,7 +416,8 @@ class Scheduler:
                 break
         if not scheduled and not ignored:
             return None
-        return SchedulerOutputs(scheduled, True, num_batched, [], ignored, seqlens, num_cached_gpu, zero_states)
+        return SchedulerOutputs(scheduled, True, num_batched, [], ignored, seqlens, num_cached_gpu,
+                                zero_states)
 
     def _schedule_decode(self) -> SchedulerOutputs:
         finished = [s for s in self.running if s.is_finished()]
@@ -445,7 +446,8 @@ class Scheduler:
                     self.block_manager.unlock()
             scheduled.append(seq)
         self.running = [s for s in self.running if s.status != SequenceStatus.FINISHED_PREEMPTED]
-        return SchedulerOutputs(scheduled, False, len(scheduled), finished, ignored, [1] * len(scheduled), 0, [])
+        return SchedulerOutputs(scheduled, False, len(scheduled), finished, ignored,
+                                [1] * len(scheduled), 0, [])
 
     def process_outputs(self, so: SchedulerOutputs, accepted_token_ids: Any, output_token_ids: torch.Tensor,
                         so_status: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -487,10 +489,14 @@ class PatchedScheduler(Scheduler):
         blocks = [int(b) for b in blocks]
         _check(seq.status == SequenceStatus.WAITING and not seq._table and seq.state_id == -1
                and not seq.prefix_pending, "add_sequence_with_prefix: sequence is not new")
-        _check(num_cached > 0 and num_cached % bs == 0, "num_cached", num_cached, "is not a positive multiple of", bs)
-        _check(len(blocks) * bs == num_cached, "num_cached", num_cached, "!= block_size x", len(blocks), "blocks")
-        _check(num_cached <= seq.get_len() - 1, "num_cached", num_cached, "leaves nothing to compute of", seq.get_len())
-        _check(0 <= swa_valid_start <= num_cached, "swa_valid_start", swa_valid_start, "outside [0, num_cached]")
+        _check(num_cached > 0 and num_cached % bs == 0, "num_cached", num_cached,
+               "is not a positive multiple of", bs)
+        _check(len(blocks) * bs == num_cached, "num_cached", num_cached, "!= block_size x", len(blocks),
+               "blocks")
+        _check(num_cached <= seq.get_len() - 1, "num_cached", num_cached, "leaves nothing to compute of",
+               seq.get_len())
+        _check(0 <= swa_valid_start <= num_cached, "swa_valid_start", swa_valid_start,
+               "outside [0, num_cached]")
         _check(len(set(blocks)) == len(blocks), "duplicate block ids in prefix")
         self.block_manager.lock()
         try:
@@ -510,7 +516,8 @@ class PatchedScheduler(Scheduler):
     def _admit_prefix(self, seq: Sequence, zero_states: list[int]) -> None:
         self.block_manager.lock()
         try:
-            seq._table = seq._table + self.block_manager.allocate_nolock(seq.num_blocks_needed() - len(seq._table))
+            seq._table = seq._table + self.block_manager.allocate_nolock(
+                seq.num_blocks_needed() - len(seq._table))
             if self.state_manager is not None:
                 seq.state_id = self.state_manager.allocate_nolock(1)[0]
                 zero_states.append(seq.state_id)
@@ -530,8 +537,8 @@ class PatchedScheduler(Scheduler):
 class RequestOutput:
     """Outputs live in a pool and are read through ``get_<field>(ptr)`` (pybind_output.cpp)."""
 
-    _live: dict[int, dict[str, Any]] = {}
-    _released: set[int] = set()
+    _live: ClassVar[dict[int, dict[str, Any]]] = {}
+    _released: ClassVar[set[int]] = set()
     _next = itertools.count(1)
 
     def __init__(self, fields: dict[str, Any]) -> None:
@@ -585,7 +592,7 @@ def build_request_outputs(*, scheduler_outputs: SchedulerOutputs, token_logprobs
     return np.asarray(ptrs, dtype=np.uint64)
 
 
-def process_MTPInfo(*args: Any) -> None:  # noqa: N802 - DeepInfer's name
+def process_MTPInfo(*args: Any) -> None:  # DeepInfer's name
     del args
 
 
@@ -694,10 +701,12 @@ class FakeLLMEngine:
 
     # -- requests
     def add_request(self, user_id: str, request_id: str, sampling_params: dict | None,
-                    prompt_token_ids: np.ndarray, multi_modal_data: Any = None, arrival_time: float | None = None,
+                    prompt_token_ids: np.ndarray, multi_modal_data: Any = None,
+                    arrival_time: float | None = None,
                     extra: dict | None = None, enqueue: bool = True) -> Any:
         del user_id, multi_modal_data, extra
-        sp = dict(temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=False, max_tokens=16, prompt_logprobs=False,
+        sp = dict(temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=False, max_tokens=16,
+                  prompt_logprobs=False,
                   top_logprobs=0, first_n_token_no_eos=0, so_args=None, golden_token_ids=None, seq_seed=0)
         sp.update({k: v for k, v in (sampling_params or {}).items() if v is not None})
         sp["eos_id"] = self.eos_id
@@ -717,7 +726,8 @@ class FakeLLMEngine:
             return self.core.Sequence(next(self._seq_ids), prompt, request_id, sp)
         return self.core.Sequence(
             seq_id=next(self._seq_ids), prompt_token_ids=prompt, compressed_prompt_token_ids=prompt.copy(),
-            multi_modal_data=None, block_size=BLOCK_SIZE, request_id=request_id, user_id="0", sampling_params=sp,
+            multi_modal_data=None, block_size=BLOCK_SIZE, request_id=request_id, user_id="0",
+            sampling_params=sp,
             arrival_time=arrival_time or time.perf_counter(), golden_token_ids=None)
 
     def abort_request(self, request_id: str | Iterable[str]) -> tuple[int, int]:
@@ -826,7 +836,8 @@ class FakeLLMEngine:
     def _next_token(self, seq: Any, dev: list[int], num_positions: int, sp: Any) -> int:
         if self.has_block_table:
             table = seq.block_table
-            kv = torch.cat([self._kv[table[j]] for j in range((num_positions + BLOCK_SIZE - 1) // BLOCK_SIZE)])
+            kv = torch.cat([self._kv[table[j]]
+                            for j in range((num_positions + BLOCK_SIZE - 1) // BLOCK_SIZE)])
             ctx = kv[:num_positions].to(torch.int64)
             _check(bool((ctx > 0).all()), f"{seq.request_id}: read KV that was never written")
             ctx = ctx - 1
@@ -856,7 +867,8 @@ class _PrefixEnqueue:
     def enqueue_with_prefix(self, seq: Any, blocks: Seq[int], num_cached: int,
                             swa_valid_start: int | None = None) -> None:
         start = num_cached if swa_valid_start is None else swa_valid_start
-        self.scheduler.add_sequence_with_prefix(seq, np.asarray(blocks, dtype=np.int32).tolist(), num_cached, start)
+        self.scheduler.add_sequence_with_prefix(seq, np.asarray(blocks, dtype=np.int32).tolist(), num_cached,
+                                                start)
 
 
 def make_api(patched: bool = True, core: Any = None, **options: Any) -> SimpleNamespace:

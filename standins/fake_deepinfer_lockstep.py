@@ -73,7 +73,8 @@ class _GroupMember:
             raise RuntimeError("torch.distributed is already initialised: DeepInfer creates the default "
                                "group itself, the caller must not")
         if "MASTER_PORT" not in os.environ:
-            raise KeyError("MASTER_PORT is not set (DeepInfer's rendezvous is MASTER_PORT-50+engine_group_rank)")
+            raise KeyError("MASTER_PORT is not set (DeepInfer's rendezvous is "
+                           "MASTER_PORT-50+engine_group_rank)")
         port = int(os.environ["MASTER_PORT"]) - 50 + int(args.engine_group_rank)
         addr = os.environ.get("MASTER_ADDR", "localhost")
         timeout_s = int(os.environ.get("DEEPINFER_GLOO_TIMEOUT", "14400"))
@@ -118,7 +119,8 @@ def deepinfer_api() -> SimpleNamespace:
     patched = bool(options.pop("patched", True))
     core = options.pop("core", "stand-in")
     # Read at import time, as DeepInfer's SchedulerConfig defaults are (the adapter sets it).
-    options.setdefault("prefill_attempt_interval", int(os.environ.get("DEEPINFER_PREFILL_ATTEMPT_INTERVAL", "1")))
+    options.setdefault("prefill_attempt_interval",
+                       int(os.environ.get("DEEPINFER_PREFILL_ATTEMPT_INTERVAL", "1")))
     if core == "installed":
         return _installed_api(options)
     if core != "stand-in":

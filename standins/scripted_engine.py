@@ -221,7 +221,8 @@ class ScriptedEngine(Engine):
             start = len(seq.output_ids)
             new_ids = seq.plan_ids[start : start + seq.tokens_per_step]
             # KV of every token but the newest: the blocks this step writes into
-            num_new = -(-(seq.prompt_len + start + len(new_ids) - 1) // self.block_size) - len(seq.block_table)
+            num_tokens = seq.prompt_len + start + len(new_ids) - 1
+            num_new = -(-num_tokens // self.block_size) - len(seq.block_table)
             if num_new > 0 and not self._pool.can_allocate(num_new):
                 out = self._finish(seq, FinishReason.ERROR, keep=False)
                 out.error = "KV pool exhausted during decode"

@@ -46,7 +46,7 @@ def classify_fs(fstype: str | None) -> str:
     t = fstype.lower()
     if t in LOCAL_FS_TYPES:
         return "local"
-    if t in NETWORK_FS_TYPES or t.startswith("fuse") or t.startswith("nfs"):
+    if t in NETWORK_FS_TYPES or t.startswith(("fuse", "nfs")):
         return "network"
     return "unknown"
 
@@ -77,13 +77,17 @@ def check_model_files(config: WorkloadConfig, model_dir: Path | None) -> tuple[C
                 name, True, "no model directory configured",
                 "Set env.DEEPINFER_HF_MODEL_DIR (or model_dir) to the local HF directory of the weights.",
             ), ModelFacts()
-        return skipped(name, f"no model_dir; engine '{config.engine}' uses the bundled tokenizer"), ModelFacts()
+        return skipped(name,
+                       f"no model_dir; engine '{config.engine}' uses the bundled tokenizer"), ModelFacts()
     if not model_dir.is_dir():
         return problem(
             name, deepinfer, f"{model_dir} does not exist or is not a directory",
-            "Download the weights to local disk (seed guide step 1) and point DEEPINFER_HF_MODEL_DIR at them.",
+            "Download the weights to local disk (seed guide step 1) and point DEEPINFER_HF_MODEL_DIR at "
+            "them.",
         ), ModelFacts()
-    missing = [f for f in ("config.json", "tokenizer.json", "tokenizer_config.json") if not (model_dir / f).is_file()]
+    missing = [f
+               for f in ("config.json", "tokenizer.json", "tokenizer_config.json")
+               if not (model_dir / f).is_file()]
     if (model_dir / "config.json").is_file():
         try:
             orjson.loads((model_dir / "config.json").read_bytes())
@@ -104,7 +108,9 @@ def check_model_files(config: WorkloadConfig, model_dir: Path | None) -> tuple[C
             "Finish the download of deepseek-ai/DeepSeek-V4.1-Flash-1017 into this directory "
             "(snapshot_download resumes where it stopped).", **data,
         ), facts
-    return ok(name, f"{model_dir}: config, tokenizer and {len(shards)} shard(s), {human_bytes(weights_bytes)}", **data), facts
+    return ok(name,
+              f"{model_dir}: config, tokenizer and {len(shards)} shard(s), {human_bytes(weights_bytes)}",
+              **data), facts
 
 
 def check_model_filesystem(config: WorkloadConfig, model_dir: Path | None, probe: SystemProbe) -> CheckResult:
@@ -148,13 +154,15 @@ def check_read_speed(
     if speed is None:
         return skipped(name, f"read 0 bytes from {shard.name}", **data), None
     cached = "" if sample.cache_dropped else " (page cache not dropped: may be optimistic)"
-    text = f"{speed / 1e6:,.0f} MB/s sequential, {sample.num_bytes / MIB:.0f} MiB of {shard.name} in {sample.elapsed_s:.2f} s{cached}"
+    text = (f"{speed / 1e6:,.0f} MB/s sequential, {sample.num_bytes / MIB:.0f} MiB of {shard.name} in "
+            f"{sample.elapsed_s:.2f} s{cached}")
     if sample.num_bytes < MIN_JUDGED_SAMPLE_BYTES:
         return ok(name, text + "; sample too small to judge the disk", **data), speed
     if speed < SLOW_READ_BYTES_PER_S:
         total = sum(p.stat().st_size for p in shards)
         return warn(
-            name, text + f"; reading {total / GIB:.0f} GiB of weights takes about {total / speed / 60:.0f} min",
+            name,
+            text + f"; reading {total / GIB:.0f} GiB of weights takes about {total / speed / 60:.0f} min",
             "Move the weights to local NVMe (about 2 GB/s or more per stream) and raise ready_timeout_secs "
             "to cover the load meanwhile.", **data,
         ), speed

@@ -99,7 +99,8 @@ def check_nccl_env(
                      "multicast cannot be created (CUDA error 401)")
         expected["NCCL_NVLS_ENABLE"] = "0"
         if deepinfer:
-            expected["DEEPINFER_NCCL_NVLS_ENABLE"] = "0"  # upstream pops NCCL_NVLS_ENABLE; the patch honours this
+            # upstream pops NCCL_NVLS_ENABLE; the patch honours this one
+            expected["DEEPINFER_NCCL_NVLS_ENABLE"] = "0"
     elif num_gpus >= FULL_NODE_GPUS:
         facts.append(f"the container sees {num_gpus} GPUs (a whole node; NVLS may stay on)")
     else:
@@ -107,7 +108,8 @@ def check_nccl_env(
     if rdma.usable:
         facts.append(f"RDMA devices {', '.join(rdma.verbs_devices)}")
     else:
-        where = "no /dev/infiniband" if not rdma.dev_infiniband else "no verbs devices in /sys/class/infiniband"
+        where = ("no /dev/infiniband" if not rdma.dev_infiniband
+                 else "no verbs devices in /sys/class/infiniband")
         facts.append(f"no RDMA ({where})")
         expected["NCCL_IB_DISABLE"] = "1"
         if deepinfer:
@@ -126,6 +128,7 @@ def check_nccl_env(
         add = ", ".join(f'"{k}": "{v}"' for k, v in wrong.items())
         fix = f"Add {{{add}}} to deepinfer_env" if wrong else ""
         if forbidden:
-            fix = (fix + " and remove " if fix else "Remove ") + ", ".join(forbidden) + " from the environment"
+            fix = (fix + " and remove "
+                   if fix else "Remove ") + ", ".join(forbidden) + " from the environment"
         return warn(name, "; ".join(parts), fix + ".", **data)
     return ok(name, f"{detail}; settings match" if expected else detail, **data)

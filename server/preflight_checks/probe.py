@@ -127,9 +127,9 @@ def fs_type_for(path: Path, mounts: Sequence[tuple[str, str]]) -> str | None:
     best: tuple[int, str] | None = None
     for point, fstype in mounts:
         prefix = point.rstrip("/") + "/"
-        if target == point or target.startswith(prefix) or point == "/":
-            if best is None or len(point) >= best[0]:
-                best = (len(point), fstype)
+        inside = target == point or target.startswith(prefix) or point == "/"
+        if inside and (best is None or len(point) >= best[0]):
+            best = (len(point), fstype)
     return best[1] if best else None
 
 
@@ -186,7 +186,7 @@ class RealSystemProbe:
         try:
             proc = subprocess.run(
                 list(argv), capture_output=True, text=True, timeout=timeout_s,
-                env=dict(env) if env is not None else None, stdin=subprocess.DEVNULL,
+                env=dict(env) if env is not None else None, stdin=subprocess.DEVNULL, check=False,
             )
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""

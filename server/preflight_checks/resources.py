@@ -67,7 +67,8 @@ class L1BudgetPlan:
 def engine_host_bytes_per_rank(config: L1Settings) -> int:
     if config.engine != "deepinfer":
         return REFERENCE_PROCESS_BYTES
-    mm_pool = 0 if env_flag_off(config.deepinfer_env, "DEEPINFER_USE_MULTIMODAL_POOL") else DEEPINFER_MM_POOL_BYTES
+    mm_pool = 0 if env_flag_off(config.deepinfer_env,
+                                "DEEPINFER_USE_MULTIMODAL_POOL") else DEEPINFER_MM_POOL_BYTES
     return mm_pool + DEEPINFER_PROCESS_BYTES
 
 
@@ -98,7 +99,8 @@ def plan_l1_budget(
         limited_by = "ram"
     if engine and limited_by != "disabled":
         reason += f" (after about {gib(engine)} for the ranks themselves)"
-    if limited_by != "disabled" and shm_free_bytes is not None and granted > shm_free_bytes - SHM_MARGIN_BYTES:
+    if (limited_by != "disabled" and shm_free_bytes is not None
+            and granted > shm_free_bytes - SHM_MARGIN_BYTES):
         granted = max(0, shm_free_bytes - SHM_MARGIN_BYTES) // MIB * MIB
         limited_by = "shm"
         reason = f"/dev/shm has {gib(shm_free_bytes)} free, so the shared pool gets {gib(granted)}"
@@ -139,10 +141,13 @@ def check_host_ram(config: L1Settings, memory: MemoryInfo, shm_free_bytes: int |
             "Free host RAM or use a machine with more of it; the ranks may be killed for memory.", **data,
         )
     if plan.limited_by in ("request", "disabled"):
-        l1 = "L1 off by config" if plan.limited_by == "disabled" else \
-            f"L1 gets {gib(plan.granted_total_bytes)} ({gib(plan.granted_per_rank_bytes)} x {config.ep} ranks)"
+        l1 = "L1 off by config"
+        if plan.limited_by != "disabled":
+            per_rank = gib(plan.granted_per_rank_bytes)
+            l1 = f"L1 gets {gib(plan.granted_total_bytes)} ({per_rank} x {config.ep} ranks)"
         return ok(name, f"{seen}; {l1}", **data)
-    fix = (f"Lower l1_host_gb to {plan.granted_per_rank_bytes / GIB:.1f} or less to make the budget explicit, "
+    fix = (
+        f"Lower l1_host_gb to {plan.granted_per_rank_bytes / GIB:.1f} or less to make the budget explicit, "
            "or give the machine more RAM." if plan.limited_by == "ram" else
            "Enlarge /dev/shm (e.g. docker --shm-size or a bigger tmpfs) or lower l1_host_gb.")
     if plan.granted_per_rank_bytes == 0:
@@ -162,7 +167,8 @@ def check_disk(paths: Mapping[str, Path], free_bytes: Mapping[str, int | None]) 
         parts.append(f"{label} {path}: {gib(free)} free")
         if free < MIN_FREE_DISK_BYTES:
             low.append(f"{label} ({gib(free)})")
-    data = {"free_bytes": {k: v for k, v in free_bytes.items()}, "paths": {k: str(v) for k, v in paths.items()}}
+    data = {"free_bytes": {k: v for k, v in free_bytes.items()},
+            "paths": {k: str(v) for k, v in paths.items()}}
     if low:
         return warn(
             name, "; ".join(parts), f"Free at least {gib(MIN_FREE_DISK_BYTES)} on {', '.join(low)} for "

@@ -51,11 +51,14 @@ def check_ready_timeout(config: WorkloadConfig, facts: ModelFacts) -> CheckResul
     data = {"ready_timeout_secs": ready, "read_s": read_s, "estimated_ready_s": need_s,
             "weights_bytes": facts.weights_bytes, "read_bytes_per_s": facts.read_bytes_per_s}
     text = (f"reading {human_bytes(facts.weights_bytes)} at {facts.read_bytes_per_s / 1e6:,.0f} MB/s takes "
-            f"about {read_s:,.0f} s, ready in about {need_s:,.0f} s with margins; ready_timeout_secs is {ready:g}")
-    fix = f"Set ready_timeout_secs to at least {max(GUIDE_READY_S, round(need_s * 1.5, -2)):.0f} in the workload config."
+            f"about {read_s:,.0f} s, ready in about {need_s:,.0f} s with margins; "
+            f"ready_timeout_secs is {ready:g}")
+    least = max(GUIDE_READY_S, round(need_s * 1.5, -2))
+    fix = f"Set ready_timeout_secs to at least {least:.0f} in the workload config."
     if read_s > ready:
         # Cannot finish even with no init at all: stop now with the reason, not after the timeout.
-        return problem(name, deepinfer, text + ": the worker will kill setup() before the load ends", fix, **data)
+        return problem(name, deepinfer, text + ": the worker will kill setup() before the load ends", fix,
+                       **data)
     if need_s > ready:
         return warn(name, text + ": likely to time out", fix, **data)
     return ok(name, text, **data)
@@ -79,7 +82,8 @@ def check_timeout_order(config: WorkloadConfig, facts: ModelFacts) -> CheckResul
     if estimate is not None and estimate[1] > load:
         return warn(
             name, f"load_timeout_seconds {load:g} is below the estimated load time of {estimate[1]:,.0f} s",
-            f"Raise load_timeout_seconds to at least {estimate[1] * 1.5:.0f} (and ready_timeout_secs above it).",
+            f"Raise load_timeout_seconds to at least {estimate[1] * 1.5:.0f} (and ready_timeout_secs above "
+            "it).",
             **data,
         )
     return ok(name, f"load_timeout_seconds {load:g} < ready_timeout_secs {ready:g}", **data)

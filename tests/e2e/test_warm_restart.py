@@ -198,9 +198,10 @@ def _flip_payload_byte(path: Path) -> int:
 def test_a_corrupted_l2_file_costs_cached_tokens_never_the_reply(
     tmp_path: Path, backends: list[Backend]
 ) -> None:
-    """'tiny' (its KV is real floats that the reply depends on): the next turn after the restart
-    reads the verified prefix of the damaged extent from disk, recomputes the rest, and answers
-    exactly as the first backend did with the session warm on its GPU."""
+    """'tiny' (real float KV): the next turn after the restart reads the verified prefix of the
+    damaged extent from disk, recomputes the rest, and answers exactly as the first backend did
+    with the session warm on its GPU. The L2 token count and the log line are what would catch a
+    skipped checksum (one flipped byte left the 8-token greedy reply unchanged when tried)."""
     l2_dir = tmp_path / "l2"
     backend = _start(backends, tmp_path, _config(l2_dir, model="tiny"))
     history, _, _ = _first_turn(backend, seed=3)

@@ -37,7 +37,7 @@ from cache.hashing import ChainHasher
 from cache.l0_index import L0Index
 from cache.manager import CacheManager
 from cache.metrics import CacheMetrics
-from cache.sessions import SessionId, SessionTable, StopKind
+from cache.sessions import SessionTable, StopKind, session_id_for_hint
 from cache.turns import Tier
 from rank.engine import SamplingParams
 
@@ -62,7 +62,7 @@ def lookup_insert_times(num_tokens: int, num_ranks: int, repeats: int) -> list[t
     output = rng.integers(0, 129_000, 300, dtype=np.int32)
     full = np.concatenate([prompt, output])
     hasher = ChainHasher(BLOCK_SIZE)
-    sid = SessionId("hint:bench")
+    sid = session_id_for_hint("bench")
     hashes = hasher.hashes(prompt)
     n_kept = (len(full) - 1) // BLOCK_SIZE
     rows: list[tuple[str, float]] = []

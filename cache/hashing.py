@@ -14,14 +14,14 @@ about 2 ms for a 1M-token prompt at 128 tokens per block on one core (``python -
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from typing import NewType
-
 import numpy as np
 import xxhash
 
-# Why a NewType: block hashes, block ids and host slots are all ints; mixing them up is the
-# classic bug in a cache index, and the type checker can catch it when each has its own name.
-BlockHash = NewType("BlockHash", int)
+# A NewType (rank/ids.py, with BlockId and HostSlot): block hashes, block ids and host slots are
+# all ints; mixing them up is the classic bug in a cache index, and a type checker catches it.
+from rank.ids import BlockHash
+
+__all__ = ["BlockHash", "as_token_array", "chain_hashes", "filed_prefix_length", "root_hash"]
 
 _ROOT_TAG = b"deepinfer-backend/kv-block-chain/v1"
 

@@ -24,15 +24,25 @@ with few running turns but many homed sessions is not free.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache.sessions import Session
+from rank.ids import Rank
+
+
+class RouteReason(str, enum.Enum):
+    """Which rule placed a turn (module docstring): its value is the metric/log label."""
+
+    HOME = "home"  # rule 1: a known session's home rank
+    MOVE = "move"  # rule 2: the session moves off an overloaded home
+    NEW = "new"  # rule 3: a new session, on the cheapest rank
 
 
 @dataclass(frozen=True, slots=True)
 class RankLoad:
-    rank: int
+    rank: Rank
     running_tokens: int
     waiting_tokens: int
     idle_tokens: int
@@ -45,9 +55,9 @@ class RankLoad:
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    rank: int
-    reason: str  # "home", "new", "move"
-    move_from: int | None = None
+    rank: Rank
+    reason: RouteReason
+    move_from: Rank | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,19 +86,19 @@ class Router:
         if home is not None:
             target = self._move_target(session, loads, can_move, now_s)
             if target is not None:
-                return RouteDecision(target, "move", move_from=home)
-            return RouteDecision(home, "home")
+                return RouteDecision(target, RouteReason.MOVE, move_from=home)
+            return RouteDecision(home, RouteReason.HOME)
 
         def cost(load: RankLoad) -> tuple[int, int, int]:
             cached_tokens = min(num_prompt_tokens, matched_blocks[load.rank] * self.block_size)
             uncached_tokens = num_prompt_tokens - cached_tokens
             return (load.load_tokens + uncached_tokens, -load.num_free_blocks, load.rank)
 
-        return RouteDecision(min(loads, key=cost).rank, "new")
+        return RouteDecision(min(loads, key=cost).rank, RouteReason.NEW)
 
     def _move_target(
         self, session: Session, loads: Sequence[RankLoad], can_move: bool, now_s: float
-    ) -> int | None:
+    ) -> Rank | None:
         cfg = self.config
         home = session.home_rank
         if (

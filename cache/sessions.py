@@ -21,11 +21,15 @@ import enum
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NewType
+from rank.ids import BlockHash, Rank, SessionId
 
-from cache.hashing import BlockHash
+_HINT_PREFIX = "hint:"
 
-SessionId = NewType("SessionId", str)
+
+def session_id_for_hint(hint: str) -> SessionId:
+    """The session id of a client's session hint (its session header). Sessions without a hint
+    get ``anon:<n>`` ids, so a hint can never collide with one."""
+    return SessionId(_HINT_PREFIX + hint)
 
 
 class StopKind(str, enum.Enum):
@@ -76,7 +80,7 @@ class Session:
     hint-less continuation is recognised)."""
 
     session_id: SessionId
-    home_rank: int | None = None
+    home_rank: Rank | None = None
     num_in_flight: int = 0
     last_stop: StopKind = StopKind.UNKNOWN
     last_finish_s: float | None = None  # end of its last turn; None while it never finished one
@@ -124,7 +128,7 @@ class SessionTable:
         if hint:
             # The header is authoritative: a new id is a new session even if its prompt extends
             # another one's (routing still sends it to the rank with that prefix, by cost).
-            return self._sessions.get(SessionId("hint:" + hint))
+            return self._sessions.get(session_id_for_hint(hint))
         by_tail = self._by_tail
         for h in reversed(prompt_hashes):
             session = by_tail.get(h)
@@ -133,7 +137,7 @@ class SessionTable:
         return None
 
     def create(self, hint: str | None, now_s: float) -> Session:
-        sid = SessionId("hint:" + hint) if hint else SessionId(f"anon:{next(self._anon_ids)}")
+        sid = session_id_for_hint(hint) if hint else SessionId(f"anon:{next(self._anon_ids)}")
         assert sid not in self._sessions, sid
         gaps = GapModel(self.fleet_gaps.tool_gap_s, self.fleet_gaps.human_gap_s)
         session = Session(session_id=sid, last_seen_s=now_s, gaps=gaps)

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from protocol.responses_convert import ResponsesOptions
+
+
+class TurnFinish(str, enum.Enum):
+    """How a response ended, in API-neutral words; each emitter maps it to its API's name
+    (``STOP_REASONS`` / ``FINISH_REASONS``). The value is the OpenAI Chat spelling."""
+
+    STOP = "stop"  # the model ended its answer
+    LENGTH = "length"  # max_tokens (or the context) cut it
+    TOOL_CALLS = "tool_calls"  # it ended in tool calls: the client comes back with results
+    STOP_SEQUENCE = "stop_sequence"  # a client stop sequence matched
 
 
 @dataclass(slots=True)
@@ -16,7 +30,7 @@ class PreparedRequest:
     ``max_tokens >= 1`` and ``num_prompt_tokens + max_tokens <= max_model_len``.
     """
 
-    api: str  # "openai" | "anthropic"
+    api: str  # "openai" | "anthropic" | "responses"
     model: str
     stream: bool
     prompt_ids: np.ndarray
@@ -43,4 +57,4 @@ class PreparedRequest:
     num_ledger_divergences: int = 0  # turns whose client view differed from the ledger
     # internal, for the stream: tool name -> declared parameter names (wrapper collapse)
     tool_params: dict[str, frozenset[str]] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    responses: ResponsesOptions | None = None  # the Responses API's options (api == "responses")

@@ -13,6 +13,7 @@ loading a tool never changes the prompt before it (docs/protocol.md, "Deferred t
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +40,12 @@ IMAGE_TEXT = "[Unsupported image]"  # no vision path on this deployment; see doc
 # ``[Unsupported <type>]`` too: they hold the client's type string), or a run of tool references
 # (payload: the tuple of tool names it loads). No kind is template text: nothing a client sends
 # is ever rendered as ours (where special-token strings become control tokens).
-PART_CLIENT = 1
-PART_TOOL_REFS = 2
+class PartKind(enum.IntEnum):
+    CLIENT = 1  # payload: str
+    TOOL_REFS = 2  # payload: tuple[str, ...] (the tool names)
+
+
+PART_CLIENT, PART_TOOL_REFS = PartKind.CLIENT, PartKind.TOOL_REFS
 
 
 @dataclass(slots=True)
@@ -52,7 +57,7 @@ class Block:
     kind: str
     text: str = ""
     tool_use_id: str = ""
-    parts: list[tuple[int, Any]] = field(default_factory=list)
+    parts: list[tuple[PartKind, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -111,12 +116,12 @@ def effort_value(name: str | int | None) -> int:
 
 
 # --- Anthropic ----------------------------------------------------------------------------------
-def _tool_result_parts(content: str | list[Any] | None) -> list[tuple[int, Any]]:
+def _tool_result_parts(content: str | list[Any] | None) -> list[tuple[PartKind, Any]]:
     if content is None:
         return [(PART_CLIENT, "")]
     if isinstance(content, str):
         return [(PART_CLIENT, content)]
-    parts: list[tuple[int, Any]] = []
+    parts: list[tuple[PartKind, Any]] = []
     for p in content:
         if p.type == "tool_reference":
             if parts and parts[-1][0] == PART_TOOL_REFS:  # one definitions block per run

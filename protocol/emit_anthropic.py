@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START
+from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, Event
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                 "stop_sequence": "stop_sequence"}
@@ -90,7 +90,7 @@ class AnthropicEmitter:
             self._pinged = True
             out.append(_PING)
 
-    def emit(self, events: list[tuple[int, Any]], call_ids: list[str]) -> bytes:
+    def emit(self, events: list[Event], call_ids: list[str]) -> bytes:
         out: list[bytes] = []
         for kind, payload in events:
             if kind == TEXT:
@@ -139,7 +139,7 @@ def anthropic_body(
     model: str,
     reasoning: str | None,
     signature: str,
-    blocks: list[tuple[int, Any]],
+    blocks: list[Event],
     call_ids: list[str],
     stop_reason: str,
     stop_sequence: str | None,

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from protocol.parser import REASONING, TEXT, TOOL_ARGS, TOOL_START, ParsedCall
+from protocol.parser import REASONING, TEXT, TOOL_ARGS, TOOL_START, Event, ParsedCall
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "stop_sequence": "stop"}
 
@@ -44,7 +44,7 @@ class OpenAIEmitter:
     def start(self) -> bytes:
         return self._head + b'"role":"assistant","content":""' + self._tail
 
-    def emit(self, events: list[tuple[int, Any]], call_ids: list[str]) -> bytes:
+    def emit(self, events: list[Event], call_ids: list[str]) -> bytes:
         out: list[bytes] = []
         for kind, payload in events:
             if kind == TEXT:

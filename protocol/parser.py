@@ -44,6 +44,7 @@ are accepted.
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -51,14 +52,23 @@ from typing import Any
 from protocol.detokenize import S_DSML, S_END_THINK, S_EOS, S_THINK, SENTINEL_TEXT
 from protocol.parser_args import ArgStreamer, args_json, clean_value, param_value, restore_text
 
-__all__ = ["REASONING", "TEXT", "TOOL", "TOOL_START", "TOOL_ARGS", "ParsedCall", "StreamParser",
+__all__ = ["REASONING", "TEXT", "TOOL", "TOOL_START", "TOOL_ARGS", "Event", "EventKind", "ParsedCall",
+           "StreamParser",
            "restore_text"]
 
-REASONING = 0
-TEXT = 1
-TOOL = 2
-TOOL_START = 3
-TOOL_ARGS = 4
+
+class EventKind(enum.IntEnum):
+    """What a parser event ``(kind, payload)`` carries (the module docstring has the order)."""
+
+    REASONING = 0  # str: reasoning text
+    TEXT = 1  # str: content text
+    TOOL = 2  # ParsedCall: the call is complete
+    TOOL_START = 3  # (index, name): a tool call begins (its name is known)
+    TOOL_ARGS = 4  # str: the next piece of the current call's arguments JSON
+
+
+REASONING, TEXT, TOOL, TOOL_START, TOOL_ARGS = EventKind
+Event = tuple[EventKind, Any]
 
 _ST_REASONING = 0
 _ST_CONTENT = 1
@@ -111,16 +121,16 @@ class StreamParser:
     def done(self) -> bool:
         return self._state == _ST_END
 
-    def feed(self, text: str) -> list[tuple[int, Any]]:
+    def feed(self, text: str) -> list[Event]:
         if self._state == _ST_END or not text:
             return []
         self._buf += text
-        events: list[tuple[int, Any]] = []
+        events: list[Event] = []
         self._run(events, final=False)
         return events
 
-    def finish(self) -> list[tuple[int, Any]]:
-        events: list[tuple[int, Any]] = []
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
         if self._state != _ST_END:
             self._run(events, final=True)
             self._state = _ST_END
@@ -128,7 +138,7 @@ class StreamParser:
         return events
 
     # --- driver ---------------------------------------------------------------------------------
-    def _run(self, events: list[tuple[int, Any]], final: bool) -> None:
+    def _run(self, events: list[Event], final: bool) -> None:
         while self._state != _ST_END:
             if self._state == _ST_BLOCK:
                 progressed = self._scan_block(events, final)
@@ -137,7 +147,7 @@ class StreamParser:
             if not progressed:
                 return
 
-    def _emit(self, events: list[tuple[int, Any]], kind: int, text: str) -> None:
+    def _emit(self, events: list[Event], kind: EventKind, text: str) -> None:
         if not text:
             return
         if kind == TEXT:
@@ -147,10 +157,10 @@ class StreamParser:
         else:
             events.append((kind, text))
 
-    def _kind(self) -> int:
+    def _kind(self) -> EventKind:
         return REASONING if self._state == _ST_REASONING else TEXT
 
-    def _emit_run(self, events: list[tuple[int, Any]], text: str, final: bool) -> str:
+    def _emit_run(self, events: list[Event], text: str, final: bool) -> str:
         """Emit the safe part of ``text`` (no sentinel inside); return what must be held."""
         kind = self._kind()
         if final:
@@ -177,7 +187,7 @@ class StreamParser:
         return text[cut:]
 
     # --- reasoning / content --------------------------------------------------------------------
-    def _scan_text(self, events: list[tuple[int, Any]], final: bool) -> bool:
+    def _scan_text(self, events: list[Event], final: bool) -> bool:
         buf = self._buf
         m = _SENTINEL_RE.search(buf)
         if m is None:
@@ -238,7 +248,7 @@ class StreamParser:
         return True
 
     # --- DSML block -------------------------------------------------------------------------------
-    def _scan_block(self, events: list[tuple[int, Any]], final: bool) -> bool:
+    def _scan_block(self, events: list[Event], final: bool) -> bool:
         buf = self._buf
         eos = buf.find(S_EOS)
         if eos >= 0:
@@ -293,7 +303,7 @@ class StreamParser:
         self._after_block = True
         self._text_started = False
 
-    def _stream_args(self, events: list[tuple[int, Any]], body: str) -> None:
+    def _stream_args(self, events: list[Event], body: str) -> None:
         """An invoke still open: start its call once the name is known, stream its arguments."""
         if not self._tools_enabled:
             return  # (12) suppressed
@@ -309,7 +319,7 @@ class StreamParser:
         assert m is not None
         self._emit(events, TOOL_ARGS, self._args.advance(body[m.end() :]))
 
-    def _emit_call(self, events: list[tuple[int, Any]], call: tuple[str, dict[str, Any]]) -> None:
+    def _emit_call(self, events: list[Event], call: tuple[str, dict[str, Any]]) -> None:
         if not self._tools_enabled:
             return  # (12) suppressed
         name, args = call

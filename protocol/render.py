@@ -21,6 +21,7 @@ promises the model). Loading a tool therefore only appends to the prompt.
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
@@ -31,9 +32,17 @@ import xxhash
 from protocol.conversation import PART_TOOL_REFS, Block, Conversation, Message, ToolCall
 from protocol.depth import check_json_text_depth
 
-OURS = 0
-CLIENT = 1
-IDS = 2
+
+
+class SegmentKind(enum.IntEnum):
+    """What a segment's payload is (module docstring); the tokenizer treats each differently."""
+
+    OURS = 0  # template text: special-token strings in it become control tokens
+    CLIENT = 1  # client text: never turned into control tokens
+    IDS = 2  # token ids from the output ledger, taken verbatim
+
+
+OURS, CLIENT, IDS = SegmentKind.OURS, SegmentKind.CLIENT, SegmentKind.IDS
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -77,7 +86,7 @@ FUNCTIONS_CLOSE = "\n</functions>"
 FUNCTION_OPEN = "\n<function>"
 FUNCTION_CLOSE = "</function>"
 
-Segment = tuple[int, Any]
+Segment = tuple[SegmentKind, Any]
 
 
 def to_json(value: Any) -> str:

@@ -71,6 +71,6 @@ def prepare_responses(proto: Protocol, data: dict[str, Any],
         num_ledger_hits=hits,
         num_ledger_divergences=divergences,
         tool_params=tool_params(conv),
-        extra={"responses": opts},
+        responses=opts,
     )
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, ParsedCall
+from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, Event, ParsedCall
 from protocol.responses_convert import CUSTOM, ResponsesOptions, ToolRoute
 
 
@@ -128,7 +128,7 @@ class ResponsesEmitter:
         if not cut:
             self.items.append(item)
 
-    def emit(self, events: list[tuple[int, Any]], call_ids: list[str]) -> bytes:
+    def emit(self, events: list[Event], call_ids: list[str]) -> bytes:
         out: list[bytes] = []
         for kind, payload in events:
             if kind == REASONING:

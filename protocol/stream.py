@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from protocol.api_types import PreparedRequest
+from protocol.api_types import PreparedRequest, TurnFinish
 from protocol.detokenize import IncrementalDetokenizer, TokenTable
 from protocol.emit_anthropic import STOP_REASONS, AnthropicEmitter, anthropic_body, anthropic_usage
 from protocol.emit_openai import FINISH_REASONS, OpenAIEmitter, openai_body, openai_usage
 from protocol.errors import error_from_exception
 from protocol.ledger import LedgerEntry, OutputLedger
-from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, ParsedCall, StreamParser
+from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, Event, ParsedCall, StreamParser
 from protocol.responses_emit import ResponsesEmitter, responses_usage
 
 
@@ -87,7 +87,7 @@ class ResponseStream:
         self._blocks: list[tuple[int, Any]] = []
         self._calls: list[ParsedCall] = []
         self._call_ids: list[str] = []
-        self._finish_reason = "stop"
+        self._finish_reason = TurnFinish.STOP
         self._usage: dict[str, Any] = {}
         self._entry_id = ledger.new_entry_id() if ledger is not None else os.urandom(16)
         self.signature = ledger.signature(self._entry_id) if ledger is not None else ""
@@ -100,7 +100,8 @@ class ResponseStream:
             self._o = None
         elif self.api == "responses":  # the Responses API (protocol/responses_*.py)
             self.message_id = "resp_" + request_id
-            self._r = ResponsesEmitter(self.message_id, prepared.model, prepared.extra["responses"],
+            assert prepared.responses is not None, "a Responses API request carries its options"
+            self._r = ResponsesEmitter(self.message_id, prepared.model, prepared.responses,
                                        "rs_" + self._entry_id.hex(), self.signature, prepared.stream)
             self._a = self._o = None
         else:
@@ -129,7 +130,7 @@ class ResponseStream:
         events = self._parser.feed(self._detok.feed(token_ids))
         return head + self._consume(events) if events else head
 
-    def _consume(self, events: list[tuple[int, Any]], apply_stops: bool = True) -> bytes:
+    def _consume(self, events: list[Event], apply_stops: bool = True) -> bytes:
         if self._stops is not None and apply_stops:
             events = self._apply_stops(events)
         for kind, payload in events:
@@ -154,10 +155,10 @@ class ResponseStream:
             return self._a.emit(events, self._call_ids)
         return self._o.emit(events, self._call_ids)  # type: ignore[union-attr]
 
-    def _apply_stops(self, events: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    def _apply_stops(self, events: list[Event]) -> list[Event]:
         stops = self._stops
         assert stops is not None
-        out: list[tuple[int, Any]] = []
+        out: list[Event] = []
         for kind, payload in events:
             if kind != TEXT:
                 pending = stops.flush()  # a partial match followed by a non-text event is no match
@@ -213,8 +214,8 @@ class ResponseStream:
             usage_o if self.prepared.include_usage else None)  # type: ignore[union-attr]
 
     @staticmethod
-    def _merge(events: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-        out: list[tuple[int, Any]] = []
+    def _merge(events: list[Event]) -> list[Event]:
+        out: list[Event] = []
         for kind, payload in events:
             if out and kind in (REASONING, TEXT, TOOL_ARGS) and out[-1][0] == kind:
                 out[-1] = (kind, out[-1][1] + payload)
@@ -222,14 +223,19 @@ class ResponseStream:
                 out.append((kind, payload))
         return out
 
-    def _reason(self, engine_reason: str) -> str:
+    @property
+    def finish_reason(self) -> TurnFinish:
+        """How the response ended (``STOP`` until ``finish`` decided it)."""
+        return self._finish_reason
+
+    def _reason(self, engine_reason: str) -> TurnFinish:
         if self.stop_hit:
-            return "stop_sequence"
+            return TurnFinish.STOP_SEQUENCE
         if engine_reason == "length":
-            return "length"  # cut: said so even when complete calls came before the cut
+            return TurnFinish.LENGTH  # cut: said so even when complete calls came before the cut
         if self._calls:
-            return "tool_calls"
-        return "stop"
+            return TurnFinish.TOOL_CALLS
+        return TurnFinish.STOP
 
     def _record(self, engine_reason: str) -> None:
         if (self._ledger is None or self.stop_hit or engine_reason not in ("stop", "length")

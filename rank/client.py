@@ -10,10 +10,11 @@ import asyncio
 import enum
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rank.engine import EngineRequest, EngineStats, RequestOutput
 from rank.errors import RankFailed, RankUnavailable
+from rank.ids import BlockId, Epoch, HostSlot, Rank
 
 __all__ = ["GroupState", "RankClient", "RankFailed", "RankUnavailable", "RequestStream"]
 
@@ -40,26 +41,42 @@ class RankClient(Protocol):
     num_blocks: int  # per rank, including scratch block 0
     bytes_per_block: int  # bytes of one KV block row (= one L1 host slot)
     num_host_slots: int  # slots of the shared L1 host pool (0 when there is none)
-    epoch: int
+    epoch: Epoch
     state: GroupState
+    # False when any rank's engine cannot start from cached blocks (DeepInfer without the
+    # prefix-cache patch): the cache then keeps nothing; the reason is for /healthz and the log.
+    prefix_cache_supported: bool
+    prefix_cache_reason: str | None
 
-    def submit(self, rank: int, request: EngineRequest) -> RequestStream:
+    async def start(self) -> None:
+        """Bring the group up; returns once READY (raises RankFailed if it gives up)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop every rank and fail anything in flight; nothing of the group is left after it."""
+        ...
+
+    def submit(self, rank: Rank, request: EngineRequest) -> RequestStream:
         """Queue a request on ``rank``. Raises RankUnavailable unless READY."""
         ...
 
-    def abort(self, rank: int, request_id: str) -> None:
+    def abort(self, rank: Rank, request_id: str) -> None:
         """Fire and forget; the stream then ends with finish_reason ABORT (if not done yet)."""
         ...
 
-    async def release(self, rank: int, block_ids: list[int]) -> None: ...
+    async def release(self, rank: Rank, block_ids: list[BlockId]) -> None: ...
 
-    async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None: ...
+    async def export_blocks(self, rank: Rank, block_ids: list[BlockId], host_slot: HostSlot) -> None: ...
 
-    async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]: ...
+    async def import_blocks(self, rank: Rank, host_slot: HostSlot, num_blocks: int) -> list[BlockId]: ...
 
-    def stats(self, rank: int) -> EngineStats: ...
+    def stats(self, rank: Rank) -> EngineStats: ...
 
-    def add_restart_listener(self, fn: Callable[[int], None]) -> None: ...
+    def add_restart_listener(self, fn: Callable[[Epoch], None]) -> None: ...
+
+    def health(self) -> dict[str, Any]:
+        """Group state for /healthz (JSON-ready): state, epoch, restarts, last failure, ranks."""
+        ...
 
 
 class RequestStream:
@@ -82,7 +99,7 @@ class RequestStream:
                  "_waiter", "_done", "_abort_fn", "_open")
 
     def __init__(
-        self, request_id: str, rank: int, epoch: int, abort_fn: Callable[[], None] | None = None,
+        self, request_id: str, rank: Rank, epoch: Epoch, abort_fn: Callable[[], None] | None = None,
         *, num_prompt_tokens: int = 0, num_cached_tokens: int = 0,
     ) -> None:
         self.request_id = request_id

@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from rank.ids import BlockId, HostSlot
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -81,7 +83,7 @@ class EngineRequest:
     request_id: str
     prompt_ids: np.ndarray  # int32, 1-D, non-empty
     sampling: SamplingParams
-    prefix_blocks: Sequence[int] = ()
+    prefix_blocks: Sequence[BlockId] = ()
     num_cached_tokens: int = 0
     keep_blocks: bool = True
 
@@ -96,7 +98,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    kept_blocks: list[int] = field(default_factory=list)
+    kept_blocks: list[BlockId] = field(default_factory=list)
     error: str | None = None
 
 
@@ -125,10 +127,26 @@ def usable_prefix_blocks(num_matched_blocks: int, prompt_len: int, block_size: i
 
 
 class Engine(abc.ABC):
-    """One rank's engine. Not thread-safe: the rank loop calls it from one thread."""
+    """One rank's engine. Not thread-safe: the rank loop calls it from one thread.
+
+    The attributes below are what the rank loop (rank/worker.py) and the in-process group
+    (rank/local_group.py) read; the class-level values are the defaults an engine overrides.
+    """
 
     block_size: int
-    num_blocks: int
+    num_blocks: int  # including scratch block 0
+    bytes_per_block: int = 0  # bytes of one KV block row (= one L1 host slot); 0: no host tier
+    # True when the engine runs the ranks' lockstep itself (DeepInfer: its own torch.distributed
+    # group and per-step collectives); the worker then builds only a side group for its votes.
+    owns_lockstep: bool = False
+    # False when prefix blocks cannot be used (e.g. DeepInfer without our patch): ``add`` then
+    # rejects ``prefix_blocks`` and nothing is kept; ``prefix_cache_reason`` says why (or, when
+    # supported, what enabled it) for the operator.
+    prefix_cache_supported: bool = True
+    prefix_cache_reason: str | None = None
+    # Set by the lockstep worker for engines that do not own the lockstep: a collective the
+    # engine calls once per (placeholder) step, as a real model's forward would. Others ignore it.
+    step_collective: Callable[[], None] | None = None
 
     @abc.abstractmethod
     def add(self, request: EngineRequest) -> None:
@@ -151,15 +169,15 @@ class Engine(abc.ABC):
         """True while any request is waiting, running, or owes a terminal output."""
 
     @abc.abstractmethod
-    def release(self, block_ids: Sequence[int]) -> None:
+    def release(self, block_ids: Sequence[BlockId]) -> None:
         """Drop one cache ref on each block (validated first: in range and cache-held)."""
 
     @abc.abstractmethod
-    def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
+    def export_blocks(self, block_ids: Sequence[BlockId], host_slot: HostSlot) -> None:
         """Copy blocks into consecutive L1 host slots starting at ``host_slot``."""
 
     @abc.abstractmethod
-    def import_blocks(self, host_slot: int, num_blocks: int) -> list[int]:
+    def import_blocks(self, host_slot: HostSlot, num_blocks: int) -> list[BlockId]:
         """Allocate ``num_blocks`` fresh blocks (cache refs) and fill them from host slots."""
 
     @abc.abstractmethod

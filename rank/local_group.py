@@ -50,6 +50,8 @@ class LocalRankGroup:
         self.state = GroupState.STOPPED
         self.restarts = 0
         self.last_failure: str | None = None
+        self.prefix_cache_supported = True
+        self.prefix_cache_reason: str | None = None
         self._streams: list[dict[str, RequestStream]] = []
         self._listeners: list[Callable[[int], None]] = []
         self._wake = asyncio.Event()
@@ -91,7 +93,11 @@ class LocalRankGroup:
         self.engines = [self._factory(rank) for rank in range(self.num_ranks)]
         first = self.engines[0]
         self.block_size, self.num_blocks = first.block_size, first.num_blocks
-        self.bytes_per_block = int(getattr(first, "bytes_per_block", 0))
+        self.bytes_per_block = first.bytes_per_block
+        off = [(rank, e) for rank, e in enumerate(self.engines) if not e.prefix_cache_supported]
+        self.prefix_cache_supported = not off
+        self.prefix_cache_reason = (f"rank {off[0][0]}: {off[0][1].prefix_cache_reason or 'not supported by the engine'}"
+                                    if off else first.prefix_cache_reason)
         pool = self.host_pool
         if pool is not None and not pool.is_open and self.bytes_per_block:
             pool.open(self.bytes_per_block)
@@ -173,6 +179,15 @@ class LocalRankGroup:
 
     def add_restart_listener(self, fn: Callable[[int], None]) -> None:
         self._listeners.append(fn)
+
+    def health(self) -> dict[str, Any]:
+        """Group state for /healthz (the engines run in this process: no pids or heartbeats)."""
+        return {
+            "state": self.state.value, "epoch": self.epoch, "num_ranks": self.num_ranks,
+            "restarts": self.restarts, "last_failure": self.last_failure,
+            "prefix_cache_supported": self.prefix_cache_supported,
+            "prefix_cache_reason": self.prefix_cache_reason,
+        }
 
     def check_accounting(self) -> None:
         for engine in self.engines:

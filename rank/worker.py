@@ -145,13 +145,13 @@ class RankLoop:
         if config.engine == "deepinfer":
             stand_in = os.environ.get(TEST_DEEPINFER_MODULE_ENV) or None
         self.engine = make_engine(config, self.rank, host_pool, deepinfer_module=stand_in)
-        bytes_per_block = int(getattr(self.engine, "bytes_per_block", 0))
+        bytes_per_block = self.engine.bytes_per_block
         if host_pool is not None and not host_pool.is_open and bytes_per_block:
             host_pool.open(bytes_per_block)
         self.host_pool = host_pool
         status.progress = "joining the rank group"
         self.dist = dist
-        self.owns_lockstep = bool(getattr(self.engine, "owns_lockstep", False))
+        self.owns_lockstep = self.engine.owns_lockstep
         self.control_group: Any = None
         if self.owns_lockstep:
             # DeepInfer built its default group while loading; ours would collide with it.
@@ -173,7 +173,7 @@ class RankLoop:
         self.vote_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.vote = torch.zeros(2, dtype=torch.int32, device=self.vote_device)
         self._tick = torch.zeros(1, dtype=torch.int32, device=self.vote_device)
-        if hasattr(self.engine, "step_collective"):
+        if not self.owns_lockstep:
             self.engine.step_collective = lambda: dist.all_reduce(self._tick)
         self.handles: dict[str, int] = {}
         self.shutdown = False
@@ -193,11 +193,11 @@ class RankLoop:
         pool = self.host_pool
         self.send(self.wire.pack({
             "t": "ready", "rank": self.rank, "pid": os.getpid(), "block_size": e.block_size,
-            "num_blocks": e.num_blocks, "bytes_per_block": int(getattr(e, "bytes_per_block", 0)),
+            "num_blocks": e.num_blocks, "bytes_per_block": e.bytes_per_block,
             "num_host_slots": pool.num_slots if pool is not None and pool.is_open else 0,
             "python": sys.version.split()[0], "stats": self.wire.stats_list(e.stats()),
-            "prefix_cache_supported": bool(getattr(e, "prefix_cache_supported", True)),
-            "prefix_cache_reason": getattr(e, "prefix_cache_reason", None),
+            "prefix_cache_supported": e.prefix_cache_supported,
+            "prefix_cache_reason": e.prefix_cache_reason,
         }))
         self.status.phase, self.status.progress = "ready", ""
 

@@ -262,17 +262,15 @@ class Runtime:
         cfg = self.config
         if not cfg.prefix_cache:
             reasons.append("prefix cache off (config prefix_cache: false)")
-        elif getattr(self.group, "prefix_cache_supported", True) is False:
-            reasons.append("prefix cache off: "
-                           f"{getattr(self.group, 'prefix_cache_reason', None) or 'not supported'}")
+        elif not self.group.prefix_cache_supported:
+            reasons.append(f"prefix cache off: {self.group.prefix_cache_reason or 'not supported'}")
         if not cfg.l1_cache:
             reasons.append("L1 host cache off (config l1_cache: false)")
         elif self.cache is not None and not self.cache.l1_enabled:
             reasons.append(f"L1 host cache off ({self.cache.l1_off_reason})")
         details: dict[str, Any] = {"engine": cfg.engine, "rank_group": state, "epoch": self.group.epoch,
                                    "num_ranks": self.group.num_ranks}
-        if hasattr(self.group, "health"):
-            details["ranks"] = self.group.health()
+        details["ranks"] = self.group.health()
         return HealthReport("degraded" if reasons else "ready", reasons, warnings, details)
 
     def _snapshot(self) -> StateSnapshot:

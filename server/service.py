@@ -27,10 +27,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cache.sessions import StopKind
 from cache.turns import Turn
+from protocol.api_types import TurnFinish
 from protocol.errors import (
     InternalError,
     Overloaded,
@@ -44,6 +45,9 @@ from rank.engine import EngineMisuse, FinishReason, RequestOutput, SamplingParam
 from rank.errors import RankFailed, RankUnavailable
 from server.config import WorkloadConfig
 from server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from protocol.stream import ResponseStream
 
 log = logging.getLogger("deepinfer.service")
 
@@ -324,14 +328,12 @@ class ChatService:
                  flight.num_output_tokens, ttft_ms, (now - flight.arrival_s) * 1e3)
 
 
-def _stop_kind(rs: Any) -> StopKind:
+def _stop_kind(rs: ResponseStream) -> StopKind:
     """How the turn ended, for the cache's eviction value (a tool call returns in seconds)."""
-    # ResponseStream keeps its API-level finish reason private; "tool_calls" is its name for
-    # a turn that ended in tool calls on both APIs.
-    reason = getattr(rs, "finish_reason", None) or getattr(rs, "_finish_reason", "")
-    if reason == "tool_calls":
+    reason = rs.finish_reason
+    if reason is TurnFinish.TOOL_CALLS:
         return StopKind.TOOL_USE
-    if reason == "stop":
+    if reason is TurnFinish.STOP:
         return StopKind.END_TURN
     return StopKind.UNKNOWN
 

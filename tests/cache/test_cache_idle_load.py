@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache.idle_load import IdleLoad
-from cache.sessions import SessionId, SessionTable, StopKind
+from cache.sessions import SessionTable, StopKind, session_id_for_hint
 
 HORIZON_S = 900.0
 
@@ -42,7 +42,7 @@ def test_idle_load_equals_the_walk(ops: list[tuple[str, int, float]], kinds: lis
     now = [1000.0]
 
     def session(i: int):  # noqa: ANN202
-        s = table.get(SessionId(f"hint:s{i}"))
+        s = table.get(session_id_for_hint(f"s{i}"))
         return s if s is not None else table.create(f"s{i}", now[0])
 
     for kind, i, value in ops:

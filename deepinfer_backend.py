@@ -147,15 +147,11 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 
 def run_preflight(config: WorkloadConfig) -> Any | None:
-    """Run the preflight checks when the module is present; raise on a fatal finding.
+    """Run the preflight checks; raise on a fatal finding.
 
     TESTS ONLY: ``DIB_PREFLIGHT_SKIP`` (comma-separated check names) skips checks that need the
     B200 machine itself; the worker stand-in sets it for engine 'deepinfer' on a CPU machine."""
-    try:
-        from server import preflight
-    except ImportError:
-        log.warning("server.preflight is not available; skipping preflight checks")
-        return None
+    from server import preflight
     skip = frozenset(filter(None, os.environ.get(PREFLIGHT_SKIP_ENV, "").split(",")))
     if skip:
         log.warning("%s: TEST knob, preflight checks skipped: %s", PREFLIGHT_SKIP_ENV,

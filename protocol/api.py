@@ -39,7 +39,7 @@ from protocol.depth import check_json_depth, check_json_text_depth
 from protocol.detokenize import TokenTable
 from protocol.errors import InvalidRequest, ModelNotAvailable, PromptTooLong, ProtocolError, lower_headers
 from protocol.ledger import OutputLedger
-from protocol.render import render
+from protocol.render import ToolsTextCache, render
 from protocol.responses_api import prepare_responses
 from protocol.responses_store import ResponseStore
 from protocol.sampling import engine_sampling
@@ -116,7 +116,8 @@ def _parse_args(arguments: Any) -> Any:
 
 
 class Protocol:
-    """Holds the tokenizer (with its piece cache), the token table and the ledger."""
+    """Holds the tokenizer (with its piece cache), the token table, the ledger and the tool
+    schema text cache."""
 
     def __init__(
         self,
@@ -131,6 +132,7 @@ class Protocol:
         self.max_model_len = max_model_len
         self.table = TokenTable(tokenizer.full)
         self.responses_store = ResponseStore()  # previous_response_id / item_reference (bounded)
+        self._tools_text = ToolsTextCache()  # tool schema text by tools hash (bounded LRU)
 
     # --- requests ----------------------------------------------------------------------------------
     def prepare_anthropic(self, body: bytes | dict[str, Any],
@@ -237,7 +239,7 @@ class Protocol:
     def _tokenize(self, conv: Conversation) -> Any:
         """The prompt ids; a prompt over ``max_model_len - 1`` tokens is refused as soon as that
         is known (the tokenizer stops there), with an estimate of its length."""
-        segments = render(conv, self.table.end_think_id, self.table.eos_id)
+        segments = render(conv, self.table.end_think_id, self.table.eos_id, self._tools_text.text)
         limit = self.max_model_len - 1
         try:
             return self.tokenizer.encode_segments(segments, max_tokens=limit)

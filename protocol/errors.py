@@ -213,13 +213,6 @@ class HeadersTooLarge(ProtocolError):
     openai_type = "invalid_request_error"
 
 
-class RateLimited(ProtocolError):
-    http_status = 429
-    anthropic_type = "rate_limit_error"
-    openai_type = "rate_limit_error"
-    retryable = True
-
-
 class InternalError(ProtocolError):
     http_status = 500
     anthropic_type = "api_error"

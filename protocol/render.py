@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import orjson
 import xxhash
 
@@ -97,23 +99,47 @@ def to_json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=True, default=str)
 
 
-_TOOLS_TEXT_CACHE: dict[int, str] = {}  # tools are byte-identical across a session's turns
+SchemaText = Callable[[list[dict[str, Any]]], str]
 
 
 def tools_schema_text(tools: list[dict[str, Any]]) -> str:
-    """One schema per line. Memoized by a hash of the tools' compact JSON (json.dumps of a
-    70 KB tool list costs milliseconds on every turn otherwise)."""
-    try:
-        key = xxhash.xxh3_128_intdigest(orjson.dumps(tools))
-    except TypeError:
-        return "\n".join(to_json(t) for t in tools)
-    text = _TOOLS_TEXT_CACHE.get(key)
-    if text is None:
-        text = "\n".join(to_json(t) for t in tools)
-        if len(_TOOLS_TEXT_CACHE) >= 256:
-            _TOOLS_TEXT_CACHE.clear()
-        _TOOLS_TEXT_CACHE[key] = text
-    return text
+    """One schema per line (uncached; ``ToolsTextCache.text`` is the memoized form)."""
+    return "\n".join(to_json(t) for t in tools)
+
+
+class ToolsTextCache:
+    """``tools_schema_text`` memoized by a 128-bit hash of the tools' compact JSON, least
+    recently used out past ``max_entries``. Tools are byte-identical across a session's turns,
+    and json.dumps of a 70 KB tool list costs milliseconds on every turn otherwise.
+    Thread-safe: requests are prepared in worker threads."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._texts: OrderedDict[int, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def text(self, tools: list[dict[str, Any]]) -> str:
+        try:
+            key = xxhash.xxh3_128_intdigest(orjson.dumps(tools))
+        except TypeError:  # not plain JSON (json.dumps' default=str handles it): not cached
+            return tools_schema_text(tools)
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+                return text
+        text = tools_schema_text(tools)
+        with self._lock:
+            self._texts[key] = text
+            self._texts.move_to_end(key)
+            while len(self._texts) > self.max_entries:
+                self._texts.popitem(last=False)
+        return text
 
 
 def arguments_dict(arguments: Any) -> dict[str, Any]:
@@ -189,10 +215,12 @@ def _drop_thinking(messages: list[Message]) -> list[Message]:
 
 
 # --- rendering ------------------------------------------------------------------------------------
-def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | None = None) -> list[Segment]:
+def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | None = None,
+           schema_text: SchemaText = tools_schema_text) -> list[Segment]:
     """Segments of the whole prompt, BOS first, generation header last.
 
-    ``end_think_id`` / ``eos_id`` are needed only to splice ledger ids (IDS segments)."""
+    ``end_think_id`` / ``eos_id`` are needed only to splice ledger ids (IDS segments);
+    ``schema_text`` prints tool schemas (the protocol passes its ``ToolsTextCache.text``)."""
     msgs = _preprocess(conv.messages)
     has_tools = bool(conv.tools or conv.tool_catalog)  # deferred tools count: they can be loaded
     needs_system = has_tools or conv.response_format is not None
@@ -217,7 +245,7 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
             out.append((CLIENT, m.content))
             if i == 0 and has_tools:
                 out.append((OURS, "\n\n" + TOOLS_HEAD))
-                out.append((CLIENT, tools_schema_text(conv.tools)))
+                out.append((CLIENT, schema_text(conv.tools)))
                 out.append((OURS, TOOLS_TAIL))
             if i == 0 and conv.response_format is not None:
                 out.append((OURS, "\n\n" + RESPONSE_FORMAT_HEAD))
@@ -227,7 +255,7 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
             out.append((CLIENT, m.content))
         elif role == "user":
             out.append((OURS, USER))
-            _render_user_blocks(m.blocks or [], conv.tool_catalog, out)
+            _render_user_blocks(m.blocks or [], conv.tool_catalog, schema_text, out)
         elif role == "assistant":
             with_reasoning = thinking and (not drop or i > last_user)
             _render_assistant(m, with_reasoning, out, end_think_id, eos_id)
@@ -244,7 +272,8 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
     return out
 
 
-def _render_user_blocks(blocks: list[Block], catalog: dict[str, dict[str, Any]], out: list[Segment]) -> None:
+def _render_user_blocks(blocks: list[Block], catalog: dict[str, dict[str, Any]], schema_text: SchemaText,
+                        out: list[Segment]) -> None:
     first = True
     for b in blocks:
         if not first:
@@ -260,7 +289,7 @@ def _render_user_blocks(blocks: list[Block], catalog: dict[str, dict[str, Any]],
                     out.append((OURS, "\n\n"))
                 first_part = False
                 if kind == PART_TOOL_REFS:
-                    _render_tool_definitions(payload, catalog, out)
+                    _render_tool_definitions(payload, catalog, schema_text, out)
                 else:
                     out.append((CLIENT, payload))
             out.append((OURS, "</tool_result>"))
@@ -269,12 +298,13 @@ def _render_user_blocks(blocks: list[Block], catalog: dict[str, dict[str, Any]],
 
 
 def _render_tool_definitions(names: tuple[str, ...], catalog: dict[str, dict[str, Any]],
+                             schema_text: SchemaText,
                              out: list[Segment]) -> None:
     """A run of tool references: each tool's schema line, as the tools block prints it."""
     out.append((OURS, FUNCTIONS_OPEN))
     for name in names:
         out.append((OURS, FUNCTION_OPEN))
-        out.append((CLIENT, tools_schema_text([catalog[name]])))
+        out.append((CLIENT, schema_text([catalog[name]])))
         out.append((OURS, FUNCTION_CLOSE))
     out.append((OURS, FUNCTIONS_CLOSE))
 
@@ -324,7 +354,3 @@ def segments_text(segments: list[Segment]) -> str:
             raise ValueError("ledger ids have no text form")
         parts.append(payload)
     return "".join(parts)
-
-
-def ids_array(ids: Any) -> np.ndarray:
-    return np.asarray(ids, dtype=np.int32)

@@ -305,10 +305,6 @@ class ResponseStream:
         )
 
     @property
-    def reasoning_text(self) -> str:
-        return "".join(self._reasoning)
-
-    @property
     def text(self) -> str:
         return "".join(piece for k, p in self._blocks if k == TEXT for piece in p)
 

@@ -46,7 +46,3 @@ def uses_gpu(config: WorkloadConfig) -> bool:
 
 def env_flag_off(env: Mapping[str, str], key: str) -> bool:
     return env.get(key, "").strip().lower() in ("0", "false", "no", "off")
-
-
-def env_flag_on(env: Mapping[str, str], key: str) -> bool:
-    return env.get(key, "").strip().lower() in ("1", "true", "yes", "on")

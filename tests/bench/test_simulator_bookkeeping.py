@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,12 +42,28 @@ def test_virtual_time_jumps_and_detects_deadlock() -> None:
         run_virtual(stuck())
 
 
+@pytest.fixture
+def groups(monkeypatch: pytest.MonkeyPatch) -> list[SimGroup]:
+    """Every SimGroup built during the test (simulate_step creates its own), tracked by wrapping
+    ``SimGroup.__init__`` for this test only."""
+    made: list[SimGroup] = []
+    orig_init = SimGroup.__init__
+
+    def tracking_init(self: SimGroup, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(SimGroup, "__init__", tracking_init)
+    return made
+
+
 @pytest.mark.parametrize(
     ("policy", "gpu_tokens", "arrivals"),  # roomy, and tight (evictions, L1 restores, queueing)
     [("seed", 400_000, "steady"), ("ours", 400_000, "steady"), ("seed", 60_000, "steady"),
      ("ours", 60_000, "steady"), ("seed", 400_000, "fresh"), ("seed", 400_000, "seed")],
 )
-def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens: int, arrivals: str) -> None:
+def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens: int, arrivals: str,
+                                                         groups: list[SimGroup]) -> None:
     config = _small(policy, gpu_tokens, arrivals)
     peaks: list[int] = []
 
@@ -55,7 +72,7 @@ def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens
         while not task.done():
             await asyncio.sleep(0.5)
             # the group is created inside simulate_step; sample it through the task's frame-free API
-            for group in _groups:
+            for group in groups:
                 for rank in range(group.num_ranks):
                     st = group.stats(rank)
                     assert 0 <= st.num_free_blocks <= st.num_blocks - 1
@@ -64,7 +81,6 @@ def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens
                     peaks.append(held)
         return task.result()
 
-    _groups.clear()
     result = run_virtual(run())
     t = result.totals
     assert t.num_submitted > 50
@@ -78,22 +94,10 @@ def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens
     assert sum(r.output_tokens for r in ok) <= t.output_tokens_received
     assert sum(r.total_input_tokens for r in ok) == t.prompt_tokens
     assert all(r.ttft_s is not None and r.ttft_s >= 0 for r in ok)
-    assert peaks and max(peaks) <= config.deployment.for_context(20_000).num_blocks - 1
+    assert groups and peaks and max(peaks) <= config.deployment.for_context(20_000).num_blocks - 1
     # after the run nothing is running and no sequence holds a block
     for r in result.group.ranks:
         assert not r.running and not r.waiting and not r.seq_refs.any()
-
-
-_groups: list[SimGroup] = []
-_orig_init = SimGroup.__init__
-
-
-def _tracking_init(self: SimGroup, *args: object, **kwargs: object) -> None:
-    _orig_init(self, *args, **kwargs)
-    _groups.append(self)
-
-
-SimGroup.__init__ = _tracking_init  # type: ignore[method-assign]
 
 
 def test_engine_rejects_bad_prefix_and_reports_capacity() -> None:

@@ -281,8 +281,9 @@ class Protocol:
         if metadata and isinstance(metadata.get("user_id"), str):
             try:
                 uid = orjson.loads(metadata["user_id"])
-                if isinstance(uid, dict) and isinstance(uid.get("session_id"), str) and uid["session_id"]:
-                    return uid["session_id"]
+                uid_session = uid.get("session_id") if isinstance(uid, dict) else None
+                if isinstance(uid_session, str) and uid_session:
+                    return uid_session
             except orjson.JSONDecodeError:
                 pass
         # the conversation head: system text + first user turn (stable across a session's turns)

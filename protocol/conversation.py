@@ -149,8 +149,8 @@ def _anthropic_system_text(system: str | list[A.TextBlock] | None) -> str | None
 def anthropic_conversation(
     req: A.MessagesRequest | A.CountTokensRequest, raw_tools: list[dict[str, Any]] | None
 ) -> Conversation:
-    declared = [_anthropic_tool(t, (raw_tools or [None] * len(req.tools))[k])
-                for k, t in enumerate(req.tools or [])]
+    raw: list[dict[str, Any] | None] = list(raw_tools) if raw_tools else [None] * len(req.tools or [])
+    declared = [_anthropic_tool(t, raw[k]) for k, t in enumerate(req.tools or [])]
     tools = [fn for t, fn in zip(req.tools or [], declared) if not t.defer_loading]
     catalog: dict[str, dict[str, Any]] = {}
     for fn in declared:
@@ -167,7 +167,7 @@ def anthropic_conversation(
             if isinstance(m.content, str):
                 text = m.content
             else:
-                text = "\n\n".join(b.text for b in m.content if b.type == "text")
+                text = "\n\n".join(b.text for b in m.content if isinstance(b, A.TextBlock))
             msgs.append(Message(role="system", content=text))
         else:
             msgs.append(Message(role="user", blocks=_anthropic_user_blocks(m.content, i, catalog, loaded)))

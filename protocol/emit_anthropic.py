@@ -62,7 +62,7 @@ class AnthropicEmitter:
     def start(self, num_prompt_tokens: int, num_cached_tokens: int) -> bytes:
         usage = anthropic_usage(num_prompt_tokens, num_cached_tokens, 0)
         usage["output_tokens"] = 1
-        message = {
+        message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",

@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from protocol.conversation import PART_TOOL_REFS, Block, Conversation, Message, ToolCall
+from protocol.conversation import PART_CLIENT, PART_TOOL_REFS, Block, Conversation, Message, ToolCall
 from protocol.depth import check_json_text_depth
 
 
@@ -169,7 +169,7 @@ def _preprocess(messages: list[Message]) -> list[Message]:
     merged: list[Message] = []
     for m in messages:
         if m.role == "tool":
-            block = Block(kind="tool_result", tool_use_id=m.tool_call_id, parts=[(True, m.content)])
+            block = Block(kind="tool_result", tool_use_id=m.tool_call_id, parts=[(PART_CLIENT, m.content)])
             if merged and merged[-1].role == "user":
                 merged[-1].blocks.append(block)  # type: ignore[union-attr]
             else:

@@ -103,7 +103,8 @@ def _tools(raw_tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]]
             routes[prompt_name] = ToolRoute(FUNCTION, t.name, namespace)
         tools.append(fn)
 
-    models = {"function": R.FunctionTool, "custom": R.CustomTool, "namespace": R.NamespaceTool}
+    models: dict[str, type[R.FunctionTool | R.CustomTool | R.NamespaceTool]] = {
+        "function": R.FunctionTool, "custom": R.CustomTool, "namespace": R.NamespaceTool}
     for k, raw in enumerate(raw_tools or []):
         kind = raw.get("type") if isinstance(raw, dict) else None
         if kind in R.IGNORED_TOOL_TYPES:
@@ -120,7 +121,7 @@ def _tools(raw_tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]]
             for inner in tool.tools:
                 add(inner, tool.name)
         else:
-            add(tool, None)  # type: ignore[arg-type]
+            add(tool, None)
     return tools, routes
 
 

@@ -109,7 +109,7 @@ class ResponsesEmitter:
         ref = {"item_id": item["id"], "output_index": index}
         text = "".join(self._buf)
         if self._open_kind == REASONING:
-            part = {"type": "summary_text", "text": text}
+            part: dict[str, Any] = {"type": "summary_text", "text": text}
             self._ev(out, "response.reasoning_summary_text.done", {**ref, "summary_index": 0, "text": text})
             self._ev(out, "response.reasoning_summary_part.done", {**ref, "summary_index": 0, "part": part})
             item = {**item, "summary": [part]}

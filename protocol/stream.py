@@ -93,21 +93,20 @@ class ResponseStream:
         self.signature = ledger.signature(self._entry_id) if ledger is not None else ""
         self.created = int(time.time())
         self._r: ResponsesEmitter | None = None
+        self._a: AnthropicEmitter | None = None
+        self._o: OpenAIEmitter | None = None
         if self.api == "anthropic":
             self.message_id = "msg_" + request_id
             self._a = AnthropicEmitter(self.message_id, prepared.model, self.signature,
                                        prepared.show_reasoning)
-            self._o = None
         elif self.api == "responses":  # the Responses API (protocol/responses_*.py)
             self.message_id = "resp_" + request_id
             assert prepared.responses is not None, "a Responses API request carries its options"
             self._r = ResponsesEmitter(self.message_id, prepared.model, prepared.responses,
                                        "rs_" + self._entry_id.hex(), self.signature, prepared.stream)
-            self._a = self._o = None
         else:
             self.message_id = "chatcmpl-" + request_id
             self._o = OpenAIEmitter(self.message_id, prepared.model, self.created)
-            self._a = None
 
     # --- streaming -------------------------------------------------------------------------------
     def start(self, num_cached_tokens: int = 0) -> bytes:

@@ -370,6 +370,7 @@ class PromptTokenizer:
             try:
                 piece = self._piece_ids(text, use_cache, budget)
             except _OverBudget as over:
+                assert max_tokens is not None  # only a budget raises it
                 done.text(over.num_ids, over.num_chars)
                 raise done.exceeded(segments, max_tokens) from None
             chunks.append(piece)
@@ -434,4 +435,5 @@ class PromptTokenizer:
         return np.asarray(self.full.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.full.decode(list(ids), skip_special_tokens=False)
+        text: str = self.full.decode(list(ids), skip_special_tokens=False)
+        return text

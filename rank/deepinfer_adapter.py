@@ -70,7 +70,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -92,6 +92,7 @@ from rank.engine import (
     FinishReason,
     RequestOutput,
 )
+from rank.ids import BlockId
 
 if TYPE_CHECKING:
     from rank.host_pool import HostPool
@@ -384,7 +385,7 @@ class DeepInferEngine(Engine):
         out.kept_blocks = self._harvest(req)
         self._end(req)
 
-    def _harvest(self, req: _Req) -> list[int]:
+    def _harvest(self, req: _Req) -> list[BlockId]:
         """Pin a finished sequence's full blocks before DeepInfer frees the sequence."""
         if not (req.keep_blocks and self.prefix_cache_supported):
             return []
@@ -397,7 +398,7 @@ class DeepInferEngine(Engine):
         self._bm.pin_blocks(kept)
         for b in kept:
             self._cache_refs[b] = self._cache_refs.get(b, 0) + 1
-        return kept
+        return cast("list[BlockId]", kept)
 
     def _owe_terminal(self, req: _Req, reason: FinishReason, error: str | None = None) -> None:
         self._owed.append(RequestOutput(req.request_id, [], True, reason, req.num_prompt_tokens,
@@ -453,7 +454,7 @@ class DeepInferEngine(Engine):
         self._check_ids(ids, "export", need_cache_ref=False)
         pool.copy_from_device(self._gpu_blocks(), [int(b) for b in ids], host_slot)
 
-    def import_blocks(self, host_slot: int, num_blocks: int) -> list[int]:
+    def import_blocks(self, host_slot: int, num_blocks: int) -> list[BlockId]:
         pool = self._pool_for(host_slot, num_blocks)
         self._bm.lock()  # allocate_nolock throws part-way when short: check under the same lock
         try:
@@ -470,7 +471,7 @@ class DeepInferEngine(Engine):
             raise
         for b in ids:
             self._cache_refs[b] = 1
-        return ids
+        return cast("list[BlockId]", ids)
 
     # ------------------------------------------------------------------ stats
 

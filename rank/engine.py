@@ -147,6 +147,9 @@ class Engine(abc.ABC):
     # Set by the lockstep worker for engines that do not own the lockstep: a collective the
     # engine calls once per (placeholder) step, as a real model's forward would. Others ignore it.
     step_collective: Callable[[], None] | None = None
+    # Engines that own the lockstep: whether any rank had work at the last ``lockstep_has_work``
+    # vote (the worker runs its idle-time shutdown vote only when no rank had).
+    group_had_work: bool = False
 
     @abc.abstractmethod
     def add(self, request: EngineRequest) -> None:
@@ -187,6 +190,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def check_accounting(self) -> None:
         """Raise AssertionError if block bookkeeping is inconsistent (tests call it)."""
+
+    def lockstep_has_work(self) -> bool:
+        """Engines that own the lockstep: the per-iteration collective vote, on every rank,
+        before ``step`` (sets ``group_had_work``); True when this rank must step. Others are
+        never asked (the worker runs its own vote)."""
+        raise NotImplementedError(f"{type(self).__name__} does not own the lockstep")
 
     def close(self) -> None:  # an optional hook: engines with nothing to close keep this one
         """Free resources (GPU memory, host mappings)."""

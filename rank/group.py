@@ -39,6 +39,7 @@ from rank.config import RankConfig
 from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, EngineStats
 from rank.errors import RankFailed, RankUnavailable
 from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
+from rank.ids import BlockId, Epoch, HostSlot, Rank
 from rank.launch import BACKEND_ROOT, master_port_for, rank_env, rank_python, worker_argv
 from rank.link import RankLink, Tracked, describe_exit, prefix_cache_support
 
@@ -99,7 +100,7 @@ class RankGroup:
         self.num_blocks = 0
         self.bytes_per_block = 0
         self.num_host_slots = 0
-        self.epoch = 0
+        self.epoch = Epoch(0)
         self.state = GroupState.STOPPED
         self.restarts = 0
         self.last_failure: str | None = None
@@ -109,7 +110,7 @@ class RankGroup:
         self.prefix_cache_supported = True
         self.prefix_cache_reason: str | None = None
         self._ranks: list[RankLink] = []
-        self._listeners: list[Callable[[int], None]] = []
+        self._listeners: list[Callable[[Epoch], None]] = []
         self._pending: dict[int, tuple[int, asyncio.Future[Any]]] = {}
         self._cids = itertools.count(1)
         self._failure: asyncio.Future[str] | None = None
@@ -142,7 +143,7 @@ class RankGroup:
         unlink_host_pool(self.host_pool_path)  # a stale file of the same name: L1 starts empty
         self._tmpdir = tempfile.mkdtemp(prefix="dib-ranks-")
         self._sync_ctx = zmq.Context()
-        self.epoch = 1
+        self.epoch = Epoch(1)
         self._set_state(GroupState.STARTING)
         self._task = asyncio.create_task(self._lifecycle(), name=f"rank-group-{self.name}")
         if wait:
@@ -209,7 +210,7 @@ class RankGroup:
                           consecutive_failures, reason)
                 self._set_state(GroupState.FAILED)
                 return
-            self.epoch += 1
+            self.epoch = Epoch(self.epoch + 1)
             self._set_state(GroupState.RESTARTING)
             log.warning("rank group %s: restarting as epoch %d after: %s", self.name, self.epoch, reason)
             for fn in list(self._listeners):
@@ -425,7 +426,7 @@ class RankGroup:
         except zmq.ZMQError as exc:
             raise RankUnavailable(f"rank {r.rank} is not reachable: {exc}") from None
 
-    def submit(self, rank: int, request: EngineRequest) -> RequestStream:
+    def submit(self, rank: Rank, request: EngineRequest) -> RequestStream:
         r = self._ready_rank(rank)
         handle = r.next_handle
         r.next_handle = (handle + 1) & 0x7FFFFFFF
@@ -437,7 +438,7 @@ class RankGroup:
         r.requests[handle] = Tracked(stream, request.request_id, stream.push_tokens)
         return stream
 
-    def abort(self, rank: int, request_id: str) -> None:
+    def abort(self, rank: Rank, request_id: str) -> None:
         if self.state != GroupState.READY or not 0 <= rank < self.num_ranks:
             return  # nothing to abort: the epoch's requests are already failed
         with contextlib.suppress(RankUnavailable):
@@ -456,23 +457,23 @@ class RankGroup:
             raise
         return await fut
 
-    async def release(self, rank: int, block_ids: list[int]) -> None:
+    async def release(self, rank: Rank, block_ids: list[BlockId]) -> None:
         await self._command(rank, {"op": "release", "ids": [int(b) for b in block_ids]})
 
-    async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None:
+    async def export_blocks(self, rank: Rank, block_ids: list[BlockId], host_slot: HostSlot) -> None:
         await self._command(rank,
                             {"op": "export", "ids": [int(b) for b in block_ids], "slot": int(host_slot)})
 
-    async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]:
+    async def import_blocks(self, rank: Rank, host_slot: HostSlot, num_blocks: int) -> list[BlockId]:
         return list(await self._command(rank, {"op": "import", "slot": int(host_slot), "n": int(num_blocks)}))
 
-    def stats(self, rank: int) -> EngineStats:
+    def stats(self, rank: Rank) -> EngineStats:
         values = self._ranks[rank].stats if 0 <= rank < len(self._ranks) else None
         if values is None:
             return EngineStats(self.num_blocks, max(0, self.num_blocks - 1), 0, 0, 0, 0, 0, 0, 0)
         return wire.stats_from_list(values)
 
-    def add_restart_listener(self, fn: Callable[[int], None]) -> None:
+    def add_restart_listener(self, fn: Callable[[Epoch], None]) -> None:
         self._listeners.append(fn)
 
     def health(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -97,7 +97,7 @@ class RankLink:
         """Wake on readiness, then drain every queued message (module docstring)."""
         loop = asyncio.get_running_loop()
         sock = self.out
-        fd = sock.getsockopt(zmq.FD)
+        fd = cast(int, sock.getsockopt(zmq.FD))
         ready = asyncio.Event()
         loop.add_reader(fd, ready.set)
         recv = sock.recv_multipart
@@ -119,7 +119,7 @@ class RankLink:
                         continue
                 # The fd is edge-like (zmq resets it when it processes its commands, which recv
                 # and this check do): sleep only when zmq itself says nothing is queued.
-                if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     continue
                 await ready.wait()
         finally:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 from rank.client import GroupState, RequestStream
 from rank.config import RankConfig
@@ -22,6 +23,7 @@ from rank.engines import make_engine
 from rank.errors import RankFailed, RankUnavailable
 from rank.host_budget import host_pool_path, unlink_host_pool
 from rank.host_pool import HostPool
+from rank.ids import BlockId, Epoch, HostSlot, Rank
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +48,14 @@ class LocalRankGroup:
         self.num_blocks = 0
         self.bytes_per_block = 0
         self.num_host_slots = 0
-        self.epoch = 0
+        self.epoch = Epoch(0)
         self.state = GroupState.STOPPED
         self.restarts = 0
         self.last_failure: str | None = None
         self.prefix_cache_supported = True
         self.prefix_cache_reason: str | None = None
         self._streams: list[dict[str, RequestStream]] = []
-        self._listeners: list[Callable[[int], None]] = []
+        self._listeners: list[Callable[[Epoch], None]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -96,14 +98,17 @@ class LocalRankGroup:
         self.bytes_per_block = first.bytes_per_block
         off = [(rank, e) for rank, e in enumerate(self.engines) if not e.prefix_cache_supported]
         self.prefix_cache_supported = not off
-        self.prefix_cache_reason = (f"rank {off[0][0]}: {off[0][1].prefix_cache_reason or 'not supported by the engine'}"
-                                    if off else first.prefix_cache_reason)
+        if off:
+            rank, engine = off[0]
+            self.prefix_cache_reason = f"rank {rank}: {engine.prefix_cache_reason or 'not supported by the engine'}"
+        else:
+            self.prefix_cache_reason = first.prefix_cache_reason
         pool = self.host_pool
         if pool is not None and not pool.is_open and self.bytes_per_block:
             pool.open(self.bytes_per_block)
         self.num_host_slots = pool.num_slots if pool is not None and pool.is_open else 0
         self._streams = [{} for _ in range(self.num_ranks)]
-        self.epoch += 1
+        self.epoch = Epoch(self.epoch + 1)
         self.state = GroupState.READY
 
     async def restart(self, reason: str) -> None:
@@ -144,14 +149,14 @@ class LocalRankGroup:
 
     # ------------------------------------------------------------------ RankClient
 
-    def _check(self, rank: int) -> Engine:
+    def _check(self, rank: Rank) -> Engine:
         if self.state != GroupState.READY:
             raise RankUnavailable(f"rank group is {self.state.value}")
         if not 0 <= rank < self.num_ranks:
             raise EngineMisuse(f"rank {rank} outside 0..{self.num_ranks - 1}")
         return self.engines[rank]
 
-    def submit(self, rank: int, request: EngineRequest) -> RequestStream:
+    def submit(self, rank: Rank, request: EngineRequest) -> RequestStream:
         engine = self._check(rank)
         engine.add(request)  # raises EngineMisuse with nothing changed
         stream = RequestStream(request.request_id, rank, self.epoch,
@@ -160,24 +165,24 @@ class LocalRankGroup:
         self._wake.set()
         return stream
 
-    def abort(self, rank: int, request_id: str) -> None:
+    def abort(self, rank: Rank, request_id: str) -> None:
         if self.state == GroupState.READY and 0 <= rank < self.num_ranks:
             self.engines[rank].abort([request_id])
             self._wake.set()
 
-    async def release(self, rank: int, block_ids: list[int]) -> None:
+    async def release(self, rank: Rank, block_ids: list[BlockId]) -> None:
         self._check(rank).release(block_ids)
 
-    async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None:
+    async def export_blocks(self, rank: Rank, block_ids: list[BlockId], host_slot: HostSlot) -> None:
         self._check(rank).export_blocks(block_ids, host_slot)
 
-    async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]:
+    async def import_blocks(self, rank: Rank, host_slot: HostSlot, num_blocks: int) -> list[BlockId]:
         return self._check(rank).import_blocks(host_slot, num_blocks)
 
-    def stats(self, rank: int) -> EngineStats:
+    def stats(self, rank: Rank) -> EngineStats:
         return self.engines[rank].stats()
 
-    def add_restart_listener(self, fn: Callable[[int], None]) -> None:
+    def add_restart_listener(self, fn: Callable[[Epoch], None]) -> None:
         self._listeners.append(fn)
 
     def health(self) -> dict[str, Any]:

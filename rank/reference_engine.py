@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from rank.engine import (
     FinishReason,
     RequestOutput,
 )
+from rank.ids import BlockId
 from rank.reference_model import (
     MODEL_SPECS,
     ReferenceModel,
@@ -254,9 +255,9 @@ class ReferenceEngine(Engine):
                 kept_waiting.append(seq)
         self._waiting = kept_waiting
         for rid in aborted:
-            seq = self._running.get(rid)
-            if seq is not None:
-                outputs.append(self._finish(seq, FinishReason.ABORT))
+            running = self._running.get(rid)
+            if running is not None:
+                outputs.append(self._finish(running, FinishReason.ABORT))
 
     def _schedule_prefill(self, outputs: list[RequestOutput]) -> list[tuple[_Seq, int]]:
         """Pick (sequence, chunk tokens) pairs; admits waiting requests (reserving blocks)."""
@@ -309,8 +310,8 @@ class ReferenceEngine(Engine):
             start = seq.num_computed
             token_chunks.append(seq.prompt_ids[start : start + chunk])
             pos_chunks.append(np.arange(start, start + chunk, dtype=np.int64))
-            items.append(SeqBatchItem(row, chunk, start,
-                                      self._table(seq) if self.model is not None else seq.block_table))
+            table = self._table(seq) if self.model is not None else seq.block_table  # null model: a list
+            items.append(SeqBatchItem(row, chunk, start, table))  # type: ignore[arg-type]
             row += chunk
             seq.num_computed += chunk
             if seq.num_computed == seq.num_prompt:
@@ -416,7 +417,7 @@ class ReferenceEngine(Engine):
         seq.block_table = []
         out = self._terminal(seq, reason, error)
         out.token_ids = [] if new_token is None else [new_token]
-        out.kept_blocks = kept
+        out.kept_blocks = cast("list[BlockId]", kept)
         return out
 
     def _finish_unadmitted(self, seq: _Seq, error: str) -> RequestOutput:
@@ -454,13 +455,13 @@ class ReferenceEngine(Engine):
         self.blocks.validate_held(ids, what="export", need_cache_ref=False)
         pool.copy_from_device(self.pool, ids, host_slot)
 
-    def import_blocks(self, host_slot: int, num_blocks: int) -> list[int]:
+    def import_blocks(self, host_slot: int, num_blocks: int) -> list[BlockId]:
         pool = self._check_slots(host_slot, num_blocks)
         if not self.blocks.can_allocate(num_blocks):
             raise CapacityExhausted(f"import of {num_blocks} blocks: {self.blocks.num_free_blocks} free")
         ids = self.blocks.allocate(num_blocks, cache_ref=True)
         pool.copy_to_device(self.pool, ids, host_slot)
-        return ids
+        return cast("list[BlockId]", ids)
 
     # ------------------------------------------------------------------ stats
 

@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -55,8 +55,8 @@ class LoopThread:
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
-    def start(self, main: Callable[[], Awaitable[None]], timeout_s: float | None = None,
-              abort: Callable[[], Awaitable[None]] | None = None) -> None:
+    def start(self, main: Callable[[], Coroutine[Any, Any, None]], timeout_s: float | None = None,
+              abort: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
         """Start the loop and run ``main()`` (the runtime's start) to completion.
 
         If it fails, times out or this thread is interrupted (a signal handler raising), ``abort()``
@@ -71,8 +71,8 @@ class LoopThread:
             self.stop(abort)
             raise
 
-    def call(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout_s)
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
@@ -108,7 +108,7 @@ class LoopThread:
         finally:
             future.cancel()
 
-    def stop(self, shutdown: Callable[[], Awaitable[None]] | None, timeout_s: float = 30.0) -> None:
+    def stop(self, shutdown: Callable[[], Coroutine[Any, Any, None]] | None, timeout_s: float = 30.0) -> None:
         if shutdown is not None and self._thread.is_alive():
             try:
                 self.call(shutdown(), timeout_s)

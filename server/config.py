@@ -299,10 +299,7 @@ def config_table_markdown() -> str:
     for name, info in WorkloadConfig.model_fields.items():
         annotation = str(info.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
         annotation = annotation.replace("|", "\\|")
-        if info.default_factory is not None:
-            default = repr(info.default_factory())
-        else:
-            default = repr(info.default)
+        default = repr(info.get_default(call_default_factory=True))
         text = (info.description or "").replace("|", "\\|")
         rows.append(f"| `{name}` | `{annotation}` | `{default}` | {text} |")
     return "\n".join(rows) + "\n"

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -39,7 +39,7 @@ class _EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handling: the runtime's owner decides when to stop."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -216,8 +216,9 @@ class Runtime:
                             max_connections=cfg.http_max_connections, keep_alive_s=cfg.http_keep_alive_secs)
         uv_config = uvicorn.Config(
             self.app, http=_http_impl(limits), loop="none", lifespan="off", access_log=False,
-            log_level="warning", timeout_graceful_shutdown=HTTP_GRACE_S, backlog=2048,
-            timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,
+            # uvicorn's annotations say int; it takes float seconds (asyncio timeouts)
+            log_level="warning", timeout_graceful_shutdown=HTTP_GRACE_S, backlog=2048,  # type: ignore[arg-type]
+            timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,  # type: ignore[arg-type]
             server_header=False,
         )
         self._server = _EmbeddedServer(uv_config)
@@ -280,7 +281,7 @@ class Runtime:
         for rank in range(self.group.num_ranks):
             with contextlib.suppress(Exception):
                 s = self.group.stats(rank)
-                stats.append({k: float(getattr(s, k)) for k in s.__slots__})  # type: ignore[attr-defined]
+                stats.append({k: float(getattr(s, k)) for k in s.__slots__})
         cache_stats: dict[str, float] = {}
         if self.cache is not None and hasattr(self.cache, "gauges"):
             with contextlib.suppress(Exception):

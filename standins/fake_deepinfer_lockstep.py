@@ -66,6 +66,8 @@ class LockstepBroken(RuntimeError):
 class _GroupMember:
     """Mixin over ``FakeLLMEngine``: DeepInfer's cross-rank collectives (module docstring)."""
 
+    options: fake_deepinfer.FakeOptions  # FakeLLMEngine's
+
     def __init__(self, args: Any) -> None:
         import torch.distributed as dist
 

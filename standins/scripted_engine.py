@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from rank.engine import (
     FinishReason,
     RequestOutput,
 )
+from rank.ids import BlockId
 from rank.reference_model import VOCAB_SIZE  # DeepSeek-V4's vocabulary, as every engine's
 from standins.scripted_blocks import BlockPool
 from standins.scripted_replies import PromptView, Reply, Script, load_script, render_reply
@@ -168,7 +169,7 @@ class ScriptedEngine(Engine):
         reason = sampling_error(sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, VOCAB_SIZE)
         if reason is not None:  # the limits every engine shares (protocol/sampling.py)
             raise EngineMisuse(f"invalid sampling parameters: {reason}")
-        prefix = list(request.prefix_blocks)
+        prefix: list[int] = list(request.prefix_blocks)
         self._pool.validate_prefix(prefix, request.num_cached_tokens, len(prompt))
         seq = _Seq(request=request, prompt_len=len(prompt))
         if len(prompt) >= self._max_model_len:
@@ -349,7 +350,7 @@ class ScriptedEngine(Engine):
         out.finished, out.finish_reason = True, reason
         if keep and reason in (FinishReason.STOP, FinishReason.LENGTH):
             num_full = (seq.prompt_len + len(seq.output_ids) - 1) // self.block_size
-            out.kept_blocks = self._pool.convert_to_cache(seq.block_table[:num_full])
+            out.kept_blocks = cast("list[BlockId]", self._pool.convert_to_cache(seq.block_table[:num_full]))
             self._pool.drop_seq_refs(seq.block_table[num_full:])
         else:
             self._pool.drop_seq_refs(seq.block_table)
@@ -370,8 +371,8 @@ class ScriptedEngine(Engine):
     def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
         self._pool.export_blocks(list(block_ids), host_slot)
 
-    def import_blocks(self, host_slot: int, num_blocks: int) -> list[int]:
-        return self._pool.import_blocks(host_slot, num_blocks)
+    def import_blocks(self, host_slot: int, num_blocks: int) -> list[BlockId]:
+        return cast("list[BlockId]", self._pool.import_blocks(host_slot, num_blocks))
 
     def stats(self) -> EngineStats:
         waiting_tokens = sum(s.prompt_len - s.num_computed_tokens for s in self._waiting)

@@ -37,13 +37,18 @@ _QUIET = logging.Logger("preflight.l1_prediction", level=logging.WARNING)
 
 
 class L1Settings(Protocol):
-    """The config keys the rule reads (``WorkloadConfig`` has them all)."""
+    """The config keys the rule reads (``WorkloadConfig`` has them all; read-only here)."""
 
-    engine: str
-    ep: int
-    l1_cache: bool
-    l1_host_gb: float
-    deepinfer_env: dict[str, str]
+    @property
+    def engine(self) -> str: ...
+    @property
+    def ep(self) -> int: ...
+    @property
+    def l1_cache(self) -> bool: ...
+    @property
+    def l1_host_gb(self) -> float: ...
+    @property
+    def deepinfer_env(self) -> dict[str, str]: ...
 
 
 @dataclass(slots=True, frozen=True)

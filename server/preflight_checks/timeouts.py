@@ -48,6 +48,7 @@ def check_ready_timeout(config: WorkloadConfig, facts: ModelFacts) -> CheckResul
             )
         return skipped(name, f"ready_timeout_secs {ready:g} s; no weights measured to compare with")
     read_s, need_s = estimate
+    assert facts.weights_bytes and facts.read_bytes_per_s  # measured: estimate is not None
     data = {"ready_timeout_secs": ready, "read_s": read_s, "estimated_ready_s": need_s,
             "weights_bytes": facts.weights_bytes, "read_bytes_per_s": facts.read_bytes_per_s}
     text = (f"reading {human_bytes(facts.weights_bytes)} at {facts.read_bytes_per_s / 1e6:,.0f} MB/s takes "

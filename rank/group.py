@@ -446,8 +446,7 @@ class RankGroup:
 
     async def _command(self, rank: int, header: dict[str, Any]) -> Any:
         r = self._ready_rank(rank)
-        cid = next(self._cids)
-        header["cid"] = cid
+        cid = header["cid"] = next(self._cids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[cid] = (rank, fut)
         try:

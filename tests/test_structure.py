@@ -5,9 +5,9 @@ Layers (docs/ARCHITECTURE.md): ``protocol | rank < cache < server < deepinfer_ba
 ``protocol`` and ``rank`` sit side by side at the bottom and import nothing of each other except
 ``protocol/sampling.py``, the one definition of the sampling limits that the boundary enforces
 and every engine checks again (standard library only). ``cache`` sees the rank layer through its
-seam only (``rank.client``, ``rank.engine``, ``rank.errors``). No product module imports the
-stand-ins (``standins``, never in the published archive), the benchmarks or the tests, except
-``rank/engines.py`` building engine ``scripted`` (lazily, behind its availability check:
+seam only (``rank.client``, ``rank.engine``, ``rank.errors``, ``rank.ids``). No product module
+imports the stand-ins (``standins``, never in the published archive), the benchmarks or the tests,
+except ``rank/engines.py`` building engine ``scripted`` (lazily, behind its availability check:
 ``STANDIN_IMPORTS``).
 
 Every import statement counts: module level, inside functions (a lazy import is still a
@@ -33,7 +33,7 @@ STANDIN_IMPORTS = {("rank/engines.py", "standins.scripted_engine.ScriptedEngine"
 ALLOWED: dict[str, tuple[str, ...]] = {
     "protocol": ("protocol",),
     "rank": ("rank", "protocol.sampling"),
-    "cache": ("cache", "protocol", "rank.client", "rank.engine", "rank.errors"),
+    "cache": ("cache", "protocol", "rank.client", "rank.engine", "rank.errors", "rank.ids"),
     "server": ("server", "cache", "rank", "protocol"),
     "deepinfer_backend": ("deepinfer_backend", "server", "cache", "rank", "protocol"),
 }

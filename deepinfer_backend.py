@@ -36,13 +36,19 @@ import site
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from inferencekey.backend import BackendContext, CustomBackend, InvalidInput, Job, Result
 
 from server.config import ConfigError, WorkloadConfig, load_config, load_worker_config
+
+if TYPE_CHECKING:
+    from server.background import LoopThread
+    from server.preflight_checks.report import PreflightReport
+    from server.runtime import Runtime
 
 log = logging.getLogger("deepinfer.backend")
 
@@ -135,7 +141,7 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
         return
 
-    def interrupt(signum: int, _frame: Any) -> None:
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeat must not cut the cleanup short
         raise SetupInterrupted(f"signal {signum} while loading; the ranks were stopped")
 
@@ -146,7 +152,7 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_preflight(config: WorkloadConfig) -> Any | None:
+def run_preflight(config: WorkloadConfig) -> PreflightReport:
     """Run the preflight checks; raise on a fatal finding.
 
     TESTS ONLY: ``DIB_PREFLIGHT_SKIP`` (comma-separated check names) skips checks that need the
@@ -212,8 +218,8 @@ class DeepInferBackend(CustomBackend):
     api = "openai-chat"  # read by SDKs whose manifest has an ``api`` field
 
     def __init__(self) -> None:
-        self._runtime: Any = None
-        self._loop: Any = None
+        self._runtime: Runtime | None = None
+        self._loop: LoopThread | None = None
         self._lock = threading.Lock()
         self.config: WorkloadConfig | None = None
 
@@ -292,18 +298,18 @@ class DeepInferBackend(CustomBackend):
         with self._lock:
             runtime, loop = self._runtime, self._loop
             self._runtime = self._loop = None
-        if runtime is not None:
+        if runtime is not None and loop is not None:
             loop.stop(runtime.stop)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _require_ready(self) -> tuple[Any, Any]:
+    def _require_ready(self) -> tuple[Runtime, LoopThread]:
         with self._lock:
-            if self._runtime is None:
+            if self._runtime is None or self._loop is None:
                 raise RuntimeError("backend is not set up (setup() has not finished)")
             return self._runtime, self._loop
 
     @staticmethod
-    def _call(loop: Any, coro: Any) -> Any:
+    def _call(loop: LoopThread, coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
         from protocol.errors import ProtocolError
 
         try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
+import numpy as np
 import orjson
 import xxhash
 from pydantic import BaseModel, ValidationError
@@ -236,7 +237,7 @@ class Protocol:
         if self.served_model_names and model not in self.served_model_names:
             raise ModelNotAvailable(model)
 
-    def _tokenize(self, conv: Conversation) -> Any:
+    def _tokenize(self, conv: Conversation) -> np.ndarray:
         """The prompt ids; a prompt over ``max_model_len - 1`` tokens is refused as soon as that
         is known (the tokenizer stops there), with an estimate of its length."""
         segments = render(conv, self.table.end_think_id, self.table.eos_id, self._tools_text.text)

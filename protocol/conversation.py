@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol import anthropic_schema as A, openai_schema as O
 from protocol.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from protocol.ledger import LedgerEntry
 
 # --- reasoning effort -------------------------------------------------------------------------
 # Pinned mapping (docs/protocol.md explains the choice). Anchored on the checkpoint's own
@@ -77,7 +80,7 @@ class Message:
     tool_call_id: str = ""
     text_parts: list[str] = field(default_factory=list)  # assistant text blocks as received
     signature: str | None = None  # first thinking signature (Anthropic)
-    ledger_entry: Any = None  # ledger.LedgerEntry when the client's view matched
+    ledger_entry: LedgerEntry | None = None  # when the client's view matched the ledger
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from starlette.applications import Starlette
@@ -51,6 +51,11 @@ from server.auth import ApiKeyCheck
 from server.config import WorkloadConfig
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from server.prepare import RequestPreparer
+
+if TYPE_CHECKING:
+    from protocol.api import Protocol
+    from server.service import ChatService
+    from server.symptoms import RuntimeSymptoms
 
 log = logging.getLogger("deepinfer.server")
 
@@ -84,9 +89,9 @@ class AppState:
     config: WorkloadConfig
     metrics: ServerMetrics
     health: Callable[[], HealthReport]
-    protocol: Any = None  # protocol.api.Protocol
-    service: Any = None  # server.service.ChatService
-    symptoms: Any = None  # server.symptoms.RuntimeSymptoms
+    protocol: Protocol | None = None
+    service: ChatService | None = None
+    symptoms: RuntimeSymptoms | None = None
     request_ids: Callable[[], str] = field(default_factory=lambda: RequestIds())
     preparer: RequestPreparer = field(default_factory=RequestPreparer)  # bodies -> prompts, off the loop
 
@@ -253,7 +258,7 @@ class Routes:
         headers = request.headers
         self.auth.check(headers.get("x-api-key"), headers.get("authorization"))
 
-    def _ready_parts(self) -> tuple[Any, Any]:
+    def _ready_parts(self) -> tuple[Protocol, ChatService]:
         protocol, service = self.state.protocol, self.state.service
         if protocol is None or service is None:
             raise Overloaded("the model is still loading", retry_after_s=LOADING_RETRY_AFTER_S)

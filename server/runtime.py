@@ -19,7 +19,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import uvicorn
@@ -28,7 +28,17 @@ from protocol.errors import InternalError, ProtocolError
 from server.app import AppState, HealthReport, create_app
 from server.config import WorkloadConfig
 from server.metrics import ServerMetrics, StateSnapshot
+from rank.ids import Rank
 from server.service import ChatService
+
+if TYPE_CHECKING:
+    from cache.l2_store import L2Store
+    from cache.manager import CacheManager
+    from protocol.api import Protocol
+    from rank.client import RankClient
+    from server.http_limits import HttpLimits
+    from server.persist import SegmentLog
+    from server.preflight_checks.report import PreflightReport
 
 log = logging.getLogger("deepinfer.runtime")
 
@@ -43,7 +53,7 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def _http_impl(limits: Any) -> Any:
+def _http_impl(limits: HttpLimits) -> str | type[asyncio.Protocol]:
     """Our bounded httptools protocol (server/http_limits.py); uvicorn's h11 when httptools is
     missing (requirements.txt has it): that bounds headers but has no header timeout or cap."""
     try:
@@ -63,7 +73,7 @@ class Runtime:
     503 until then; after ``stop`` nothing of the runtime (rank processes, sockets) is left.
     """
 
-    def __init__(self, config: WorkloadConfig, *, preflight_report: Any = None, rank_mode: str = "process",
+    def __init__(self, config: WorkloadConfig, *, preflight_report: PreflightReport | None = None, rank_mode: str = "process",
                  metrics: ServerMetrics | None = None, config_warnings: list[str] | None = None) -> None:
         if rank_mode not in ("process", "local"):
             raise ValueError(f"rank_mode must be 'process' or 'local', got {rank_mode!r}")
@@ -77,10 +87,10 @@ class Runtime:
         self.state = AppState(config=config, metrics=self.metrics, health=self.health,
                               symptoms=self.symptoms)
         self.app = create_app(self.state)
-        self.group: Any = None
-        self.cache: Any = None
-        self.l2: Any = None  # the L2 store (server/kv_disk.py), when l2_dir and l2_gb are set
-        self.protocol: Any = None
+        self.group: RankClient | None = None
+        self.cache: CacheManager | None = None
+        self.l2: L2Store | None = None  # the L2 store (server/kv_disk.py), when l2_dir and l2_gb are set
+        self.protocol: Protocol | None = None
         self.service: ChatService | None = None
         self._preflight = preflight_report
         self._config_warnings = list(config_warnings or ())  # e.g. unknown keys setup() ignored
@@ -90,7 +100,7 @@ class Runtime:
         self._ready = False
         self._failed: str | None = None
         self._stopping: asyncio.Future[None] | None = None
-        self._persisted: list[Any] = []  # protocol state logs under l2_dir (closed at stop)
+        self._persisted: list[SegmentLog] = []  # protocol state logs under l2_dir (closed at stop)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, on_listening: Callable[[str], None] | None = None) -> None:
@@ -109,7 +119,7 @@ class Runtime:
             log.info("rank group ready: %d %s rank(s), %d blocks of %d tokens each (%.1f s)",
                      self.group.num_ranks, cfg.engine, self.group.num_blocks, self.group.block_size,
                      time.monotonic() - started_s)
-            self.cache = await self._build_cache()
+            self.cache = await self._build_cache(self.group)
             self.service = ChatService(self.protocol, self.cache, self.group, self.metrics, cfg,
                                        self.symptoms)
             self.state.protocol, self.state.service = self.protocol, self.service
@@ -159,7 +169,7 @@ class Runtime:
         self._persisted = []
 
     # -- construction -----------------------------------------------------------------------------
-    def _build_protocol(self) -> Any:
+    def _build_protocol(self) -> Protocol:
         from protocol.api import Protocol
         from protocol.ledger import OutputLedger
         from protocol.tokenize import PromptTokenizer
@@ -174,7 +184,7 @@ class Runtime:
             ledger, self._persisted = open_protocol_state(cfg.l2_dir, cfg.model_name, tokenizer)
         return Protocol(tokenizer, ledger, cfg.served_model_names, cfg.max_model_len)
 
-    def _build_group(self) -> Any:
+    def _build_group(self) -> RankClient:
         if self.rank_mode == "local":
             from rank.local_group import LocalRankGroup
 
@@ -187,14 +197,14 @@ class Runtime:
 
         return RankGroup(self.config.rank_config())
 
-    async def _build_cache(self) -> Any:
+    async def _build_cache(self, group: RankClient) -> CacheManager:
         from cache.manager import CacheManager
         from cache.metrics import CacheMetrics
         from server.kv_disk import open_l2
 
         config = self.config.cache_config()
-        self.l2 = await open_l2(self.config, self.group, config.hash_salt)
-        return CacheManager(self.group, config, CacheMetrics(self.metrics.registry), l2=self.l2)
+        self.l2 = await open_l2(self.config, group, config.hash_salt)
+        return CacheManager(group, config, CacheMetrics(self.metrics.registry), l2=self.l2)
 
     async def _start_http(self) -> None:
         cfg = self.config
@@ -280,7 +290,7 @@ class Runtime:
         stats: list[dict[str, float]] = []
         for rank in range(self.group.num_ranks):
             with contextlib.suppress(Exception):
-                s = self.group.stats(rank)
+                s = self.group.stats(Rank(rank))
                 stats.append({k: float(getattr(s, k)) for k in s.__slots__})
         cache_stats: dict[str, float] = {}
         if self.cache is not None and hasattr(self.cache, "gauges"):
@@ -293,24 +303,24 @@ class Runtime:
         return StateSnapshot(self.group.state.value, stats, cache_stats)
 
     # -- in-process API (the SDK's process()/chat()) ----------------------------------------------
-    def _ready_service(self) -> ChatService:
+    def _ready_parts(self) -> tuple[Protocol, ChatService]:
         if self.service is None or self.protocol is None:
             from protocol.errors import Overloaded
 
             raise Overloaded("the model is still loading", retry_after_s=5)
-        return self.service
+        return self.protocol, self.service
 
     async def openai_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A non-streaming OpenAI chat completion, in process (no HTTP)."""
-        service = self._ready_service()
-        prepared = await self.state.preparer.run(self.protocol.prepare_openai,
+        protocol, service = self._ready_parts()
+        prepared = await self.state.preparer.run(protocol.prepare_openai,
                                                  orjson.dumps({**body, "stream": False}), {})
         return await service.complete(prepared, self.state.request_ids(), time.perf_counter())
 
     async def openai_chat_chunks(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """OpenAI ``chat.completion.chunk`` dicts of one streamed completion, in process."""
-        service = self._ready_service()
-        prepared = await self.state.preparer.run(self.protocol.prepare_openai,
+        protocol, service = self._ready_parts()
+        prepared = await self.state.preparer.run(protocol.prepare_openai,
                                                  orjson.dumps({**body, "stream": True}), {})
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 

@@ -47,7 +47,13 @@ from server.config import WorkloadConfig
 from server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
+    from cache.manager import CacheManager
+    from cache.turns import Admission
+    from protocol.api import Protocol
+    from protocol.api_types import PreparedRequest
     from protocol.stream import ResponseStream
+    from rank.client import RankClient
+    from server.symptoms import RuntimeSymptoms
 
 log = logging.getLogger("deepinfer.service")
 
@@ -87,8 +93,8 @@ class _Flight:
 
 
 class ChatService:
-    def __init__(self, protocol: Any, cache: Any, client: Any, metrics: ServerMetrics,
-                 config: WorkloadConfig, symptoms: Any = None) -> None:
+    def __init__(self, protocol: Protocol, cache: CacheManager, client: RankClient, metrics: ServerMetrics,
+                 config: WorkloadConfig, symptoms: RuntimeSymptoms | None = None) -> None:
         self._protocol = protocol
         self._symptoms = symptoms  # server.symptoms.RuntimeSymptoms (optional)
         self._cache = cache
@@ -99,7 +105,7 @@ class ChatService:
         self._late: set[asyncio.Task[None]] = set()  # admissions waiting for an aborted request's end
 
     # -- public API --------------------------------------------------------------------------------
-    async def stream(self, prepared: Any, request_id: str, write: Write, arrival_s: float) -> None:
+    async def stream(self, prepared: PreparedRequest, request_id: str, write: Write, arrival_s: float) -> None:
         """Stream one request as SSE through ``write``. Raises ProtocolError only before the
         first write; afterwards every failure becomes the stream's own error event."""
         flight = _Flight(request_id, prepared.api, arrival_s)
@@ -119,7 +125,7 @@ class ChatService:
         finally:
             self._record(flight)
 
-    async def complete(self, prepared: Any, request_id: str, arrival_s: float) -> dict[str, Any]:
+    async def complete(self, prepared: PreparedRequest, request_id: str, arrival_s: float) -> dict[str, Any]:
         """Run one request to the end and return the non-streaming response body."""
         flight = _Flight(request_id, prepared.api, arrival_s)
         flight.num_prompt_tokens = prepared.num_prompt_tokens
@@ -151,7 +157,7 @@ class ChatService:
                 f"request exceeded request_timeout_secs ({self._timeout_s:g} s)"
             ) from None
 
-    async def _generate(self, prepared: Any, rs: Any, flight: _Flight, write: Write | None) -> None:
+    async def _generate(self, prepared: PreparedRequest, rs: ResponseStream, flight: _Flight, write: Write | None) -> None:
         client = self._client
         if client.state is not GroupState.READY:
             raise Overloaded(f"rank group is {client.state.value}; retry shortly",
@@ -160,7 +166,8 @@ class ChatService:
                                     max_tokens_is_default=prepared.max_tokens_is_default) as turn:
             await self._run_turn(turn, prepared, rs, flight, write)
 
-    async def _run_turn(self, turn: Turn, prepared: Any, rs: Any, flight: _Flight,
+    async def _run_turn(self, turn: Turn, prepared: PreparedRequest, rs: ResponseStream,
+                        flight: _Flight,
                         write: Write | None) -> None:
         admission = turn.admission
         engine_stream: RequestStream | None = None
@@ -240,7 +247,7 @@ class ChatService:
         finally:
             turn.settle()
 
-    async def _pump(self, engine_stream: RequestStream, rs: Any, flight: _Flight,
+    async def _pump(self, engine_stream: RequestStream, rs: ResponseStream, flight: _Flight,
                     write: Write | None, turn: Turn) -> RequestOutput | None:
         """Feed engine outputs to the response stream until finished or a stop sequence; as
         they arrive, the cache grows the turn's KV room ahead of its decode (``make_room``)."""
@@ -290,7 +297,7 @@ class ChatService:
         return last
 
     # -- helpers -------------------------------------------------------------------------------
-    def _count_admission(self, admission: Any, flight: _Flight) -> None:
+    def _count_admission(self, admission: Admission, flight: _Flight) -> None:
         flight.num_cached_tokens = admission.num_cached_tokens
         self._metrics.queue_time.observe(admission.queue_time_s)
         for tier, num_tokens in admission.cached_tokens_by_tier.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,13 +24,16 @@ import torch
 from rank.block_manager import BlockManager
 from rank.engine import CapacityExhausted, EngineMisuse
 
+if TYPE_CHECKING:
+    from rank.host_pool import HostPool
+
 _UNWRITTEN = -1
 
 
 class BlockPool:
     """The reference engine's ``BlockManager`` (ids and ref counts) plus each block's token ids."""
 
-    def __init__(self, num_blocks: int, block_size: int, host_pool: Any = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, host_pool: HostPool | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._bm = BlockManager(num_blocks)
@@ -125,7 +128,7 @@ class BlockPool:
         pool.copy_to_device(self._rows, blocks, host_slot)
         return blocks
 
-    def _check_slots(self, host_slot: int, num: int) -> Any:
+    def _check_slots(self, host_slot: int, num: int) -> HostPool:
         if self.host_pool is None:
             raise EngineMisuse("this engine has no L1 host pool")
         if num < 1:

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from rank.ids import BlockId
 from rank.reference_model import VOCAB_SIZE  # DeepSeek-V4's vocabulary, as every engine's
 from standins.scripted_blocks import BlockPool
 from standins.scripted_replies import PromptView, Reply, Script, load_script, render_reply
+
+if TYPE_CHECKING:
+    from rank.host_pool import HostPool
 
 logger = logging.getLogger("standins.scripted_engine")
 
@@ -109,7 +112,7 @@ class ScriptedEngine(Engine):
         max_model_len: int,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 16384,
-        host_pool: Any = None,
+        host_pool: HostPool | None = None,
         rank: int = 0,
     ) -> None:
         if block_size < 1 or num_blocks < 2:
@@ -134,7 +137,7 @@ class ScriptedEngine(Engine):
         self._filler_ids: list[int] = filler or [EOS_ID]
 
     @classmethod
-    def from_config(cls, config: RankConfig, rank: int = 0, host_pool: Any = None) -> ScriptedEngine:
+    def from_config(cls, config: RankConfig, rank: int = 0, host_pool: HostPool | None = None) -> ScriptedEngine:
         """Build from a ``RankConfig`` (``engine='scripted'``, ``script_file``)."""
         if not config.script_file:
             raise ValueError("engine 'scripted' needs script_file (the replies file)")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 if TYPE_CHECKING:
     from protocol.responses_convert import ResponsesOptions
+
+
+# Which API a request came in on: its error shape, its stream format and its metric label.
+ApiName = Literal["openai", "anthropic", "responses"]
 
 
 class TurnFinish(str, enum.Enum):
@@ -30,7 +34,7 @@ class PreparedRequest:
     ``max_tokens >= 1`` and ``num_prompt_tokens + max_tokens <= max_model_len``.
     """
 
-    api: str  # "openai" | "anthropic" | "responses"
+    api: ApiName
     model: str
     stream: bool
     prompt_ids: np.ndarray

@@ -12,10 +12,13 @@ carry the message, the offending parameter and (for retryable errors) ``retry_af
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from protocol.api_types import ApiName
 
 
 class ProtocolError(Exception):
@@ -42,7 +45,7 @@ class ProtocolError(Exception):
         self.code = code if code is not None else self.default_code
         self.retry_after_s = retry_after_s
 
-    def status(self, api: str) -> int:
+    def status(self, api: ApiName) -> int:
         """The HTTP status for ``api`` ('openai' or 'anthropic')."""
         if api == "anthropic" and self.anthropic_http_status is not None:
             return self.anthropic_http_status
@@ -62,7 +65,7 @@ class ProtocolError(Exception):
     def anthropic_body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
 
-    def body(self, api: str) -> dict[str, Any]:
+    def body(self, api: ApiName) -> dict[str, Any]:
         """Body for ``api`` ('openai' or 'anthropic')."""
         return self.anthropic_body() if api == "anthropic" else self.openai_body()
 
@@ -90,7 +93,7 @@ class ProtocolError(Exception):
                 "param": self.param}
         return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
 
-    def sse(self, api: str) -> bytes:
+    def sse(self, api: ApiName) -> bytes:
         if api == "responses":
             return self.responses_sse()
         return self.anthropic_sse() if api == "anthropic" else self.openai_sse()

@@ -35,6 +35,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from protocol.api import session_hint
+from protocol.api_types import ApiName
 from protocol.errors import (
     InternalError,
     InvalidRequest,
@@ -110,7 +111,7 @@ class RequestIds:
         return f"{self._prefix}{self._next:010x}"
 
 
-def api_of_path(path: str) -> str:
+def api_of_path(path: str) -> ApiName:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
@@ -119,7 +120,7 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
                     media_type="application/json")
 
 
-def error_response(exc: ProtocolError, api: str, request_id: str | None = None) -> Response:
+def error_response(exc: ProtocolError, api: ApiName, request_id: str | None = None) -> Response:
     """The error in ``api``'s shape; with a request id, in the ``x-request-id`` header (and in
     the message of a 5xx, see ``with_request_id``)."""
     headers = exc.headers()
@@ -164,7 +165,7 @@ class StreamResponse(Response):
     If ``run`` raises before writing anything, a JSON error in ``api``'s shape is sent instead.
     """
 
-    def __init__(self, run: Callable[[Write], Awaitable[None]], api: str, request_id: str,
+    def __init__(self, run: Callable[[Write], Awaitable[None]], api: ApiName, request_id: str,
                  on_disconnect: Callable[[], None]) -> None:
         self._run = run
         self._api = api
@@ -274,7 +275,7 @@ class Routes:
     async def responses(self, request: Request) -> Response:
         return await self._chat(request, "responses", "responses")
 
-    async def _chat(self, request: Request, api: str, route: str) -> Response:
+    async def _chat(self, request: Request, api: ApiName, route: str) -> Response:
         arrival_s = time.perf_counter()
         metrics = self.state.metrics
         request_id = self.state.request_ids()
@@ -336,7 +337,7 @@ class Routes:
     # -- metadata routes -------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         is_anthropic = "anthropic-version" in request.headers
-        api = "anthropic" if is_anthropic else "openai"
+        api: ApiName = "anthropic" if is_anthropic else "openai"
         try:
             self._check_auth(request)
         except ProtocolError as exc:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from cache.sessions import StopKind
 from cache.turns import Turn
-from protocol.api_types import TurnFinish
+from protocol.api_types import ApiName, TurnFinish
 from protocol.errors import (
     InternalError,
     Overloaded,
@@ -79,7 +79,7 @@ class _Flight:
         "started",
     )
 
-    def __init__(self, request_id: str, api: str, arrival_s: float) -> None:
+    def __init__(self, request_id: str, api: ApiName, arrival_s: float) -> None:
         self.request_id = request_id
         self.api = api
         self.arrival_s = arrival_s

@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import orjson
 from starlette.applications import Starlette
@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("deepinfer.server")
 
+HealthStatus = Literal["ready", "loading", "degraded", "failed"]  # /healthz "status"
+
 Write = Callable[[bytes], Awaitable[None]]
 
 SSE_HEADERS = [
@@ -73,7 +75,7 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class HealthReport:
-    status: str  # "ready" | "loading" | "degraded" | "failed"
+    status: HealthStatus
     reasons: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)

@@ -25,7 +25,7 @@ import orjson
 import uvicorn
 
 from protocol.errors import InternalError, ProtocolError
-from server.app import AppState, HealthReport, create_app
+from server.app import AppState, HealthReport, HealthStatus, create_app
 from server.config import WorkloadConfig
 from server.metrics import ServerMetrics, StateSnapshot
 from rank.ids import Rank
@@ -268,7 +268,7 @@ class Runtime:
         reasons: list[str] = []
         if state != "ready":
             reasons.append(f"rank group {state}")
-            status = "failed" if state in ("failed", "stopped") else "loading"
+            status: HealthStatus = "failed" if state in ("failed", "stopped") else "loading"
             return HealthReport(status, reasons, warnings, {"rank_group": state})
         cfg = self.config
         if not cfg.prefix_cache:

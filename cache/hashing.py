@@ -14,6 +14,7 @@ about 2 ms for a 1M-token prompt at 128 tokens per block on one core (``python -
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
+
 import numpy as np
 import xxhash
 

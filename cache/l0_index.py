@@ -28,12 +28,13 @@ from dataclasses import dataclass
 
 from cache.hashing import BlockHash, filed_prefix_length
 from cache.sessions import SessionId
+from rank.ids import BlockId
 
 
 @dataclass(slots=True, eq=False)
 class Node:
     block_hash: BlockHash
-    block_id: int
+    block_id: BlockId
     parent: Node | None
     depth: int  # index of the block in its chain (0 = first block of the prompt)
     owner: SessionId | None  # session that last used it; decides its eviction value
@@ -70,7 +71,7 @@ class RankIndex:
         """Number of leading blocks of ``hashes`` filed here (binary search: prefix-closed)."""
         return filed_prefix_length(hashes, self.nodes)
 
-    def block_ids(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def block_ids(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
         nodes = self.nodes
         return [nodes[h].block_id for h in hashes]
 
@@ -120,11 +121,11 @@ class RankIndex:
     def insert(
         self,
         hashes: Sequence[BlockHash],
-        block_ids: Sequence[int],
+        block_ids: Sequence[BlockId],
         owner: SessionId | None,
         now_s: float,
         num_known: int = 0,
-    ) -> list[int]:
+    ) -> list[BlockId]:
         """File the blocks of a chain (``block_ids[i]`` holds the block named ``hashes[i]``).
 
         Each ``block_ids[i]`` carries one cache ref the caller hands over. Returns the block ids
@@ -135,7 +136,7 @@ class RankIndex:
         if len(hashes) != len(block_ids):
             raise ValueError(f"{len(hashes)} hashes for {len(block_ids)} blocks")
         nodes = self.nodes
-        duplicates: list[int] = list(block_ids[:num_known])
+        duplicates: list[BlockId] = list(block_ids[:num_known])
         parent: Node | None = nodes[hashes[num_known - 1]] if num_known else None
         last_new: Node | None = None
         for depth in range(num_known, len(hashes)):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from cache.extents import ExtentAllocator
 from cache.hashing import BlockHash, filed_prefix_length
 from cache.sessions import SessionId
+from rank.ids import HostSlot
 
 
 @dataclass(slots=True, eq=False)
@@ -64,8 +65,8 @@ class WritePlan:
     is_cancelled: bool = False  # the session was dropped meanwhile: commit acts as abort
 
     @property
-    def host_slot(self) -> int:
-        return self.entry.start_slot + self.first_block
+    def host_slot(self) -> HostSlot:
+        return HostSlot(self.entry.start_slot + self.first_block)
 
     @property
     def num_blocks(self) -> int:

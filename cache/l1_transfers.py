@@ -31,6 +31,7 @@ from cache.sessions import Session, SessionId
 from cache.state import CacheState
 from cache.turns import Admission, Tier
 from rank.engine import CapacityExhausted
+from rank.ids import BlockId, Epoch, HostSlot, Rank
 
 log = logging.getLogger("cache.manager")
 
@@ -86,7 +87,7 @@ class L1Transfers:
         if entry is not None and count > 0 and m1 >= first + count:
             s.l1.begin_read(entry)
             try:
-                ids = await self.import_blocks(rank, entry.start_slot + first, count, epoch)
+                ids = await self.import_blocks(rank, HostSlot(entry.start_slot + first), count, epoch)
             except RANK_ERRORS as exc:
                 log.warning("L1 restore of %d blocks on rank %d failed: %s", count, rank, exc)
                 ids = None
@@ -126,7 +127,7 @@ class L1Transfers:
             return None, 0, 0
         return fill.entry, fill.num_blocks, fill.loaded_within(first, count)
 
-    async def import_blocks(self, rank: int, host_slot: int, count: int, epoch: int) -> list[int]:
+    async def import_blocks(self, rank: Rank, host_slot: HostSlot, count: int, epoch: Epoch) -> list[BlockId]:
         """``import_blocks`` that rides out blocks the engine still holds for a moment: releases
         in flight (waited for) and sequences aborted but not yet reaped (the engine frees them
         at its next step). Retried a bounded number of times; the last CapacityExhausted is raised."""
@@ -141,7 +142,7 @@ class L1Transfers:
         raise AssertionError("unreachable")
 
     def _file_restored(
-        self, rank: int, chain: list[BlockHash], first: int, ids: list[int], sid: SessionId
+        self, rank: Rank, chain: list[BlockHash], first: int, ids: list[BlockId], sid: SessionId
     ) -> list[BlockHash]:
         """File ``ids`` (the imported blocks ``chain[first:]``) under their filed prefix
         ``chain[:first]`` (depth and parent links intact) and release the duplicates. Returns
@@ -203,7 +204,7 @@ class L1Transfers:
             del self._prefetched[sid]
 
     async def _prefetch(
-        self, sid: SessionId, rank: int, entry: L1Entry, chain: list[BlockHash], first: int, epoch: int
+        self, sid: SessionId, rank: Rank, entry: L1Entry, chain: list[BlockHash], first: int, epoch: Epoch
     ) -> None:
         """Import ``chain[first:]`` from ``entry`` (held by ``start_prefetch``; released here)."""
         s = self._s
@@ -211,7 +212,7 @@ class L1Transfers:
         try:
             started = s.clock()
             try:
-                ids = await s.client.import_blocks(rank, entry.start_slot + first, count)
+                ids = await s.client.import_blocks(rank, HostSlot(entry.start_slot + first), count)
             finally:
                 s.l1.end_read(entry)
             restore_s = s.clock() - started
@@ -236,11 +237,11 @@ class L1Transfers:
 
     # ================================================================= write-through
 
-    def write_through_later(self, rank: int, sid: SessionId, chain: list[BlockHash]) -> None:
+    def write_through_later(self, rank: Rank, sid: SessionId, chain: list[BlockHash]) -> None:
         self._s.tasks.spawn(self.write_through(rank, sid, chain, self._s.epoch))
 
     async def write_through(
-        self, rank: int, sid: SessionId, chain: list[BlockHash], epoch: int,
+        self, rank: Rank, sid: SessionId, chain: list[BlockHash], epoch: Epoch,
         nodes: tuple[Node, ...] | None = None,
     ) -> bool:
         """Copy a session's chain (blocks filed on ``rank``, or ``nodes`` being evicted) to L1.
@@ -264,7 +265,7 @@ class L1Transfers:
                 del self._writes[sid]
             done.set()
 
-    async def _wait_write(self, sid: SessionId, epoch: int) -> bool:
+    async def _wait_write(self, sid: SessionId, epoch: Epoch) -> bool:
         """Wait until no L1 write of ``sid`` is in flight. False if the group restarted meanwhile.
         Returns without awaiting when none is (callers rely on that: see ``retire``)."""
         while (pending := self._writes.get(sid)) is not None:
@@ -272,7 +273,7 @@ class L1Transfers:
         return self._s.epoch == epoch
 
     async def _export(
-        self, rank: int, plan: WritePlan, chain: list[BlockHash], epoch: int, nodes: tuple[Node, ...] | None
+        self, rank: Rank, plan: WritePlan, chain: list[BlockHash], epoch: Epoch, nodes: tuple[Node, ...] | None
     ) -> bool:
         s = self._s
         idx = s.l0[rank]
@@ -310,7 +311,7 @@ class L1Transfers:
 
     # ================================================================= evicted blocks
 
-    def evicted(self, rank: int, victims: list[Node]) -> tuple[ChainExport, ...]:
+    def evicted(self, rank: Rank, victims: list[Node]) -> tuple[ChainExport, ...]:
         """Called in the same synchronous step as the eviction of ``victims``: they count as
         releasing from now on, and for each owner (homed here) whose L1 copy lacks the chain
         ending at its deepest victim, the part of that chain still filed in L0 is pinned.
@@ -342,11 +343,11 @@ class L1Transfers:
             out.append(ChainExport(owner, tuple(chain_nodes), filed))
         return tuple(out)
 
-    def retire_later(self, rank: int, victims: list[Node], exports: tuple[ChainExport, ...]) -> None:
+    def retire_later(self, rank: Rank, victims: list[Node], exports: tuple[ChainExport, ...]) -> None:
         self._s.tasks.spawn(self.retire(rank, victims, self._s.epoch, exports=exports))
 
     async def retire(
-        self, rank: int, victims: list[Node], epoch: int, wait_release: bool = True,
+        self, rank: Rank, victims: list[Node], epoch: Epoch, wait_release: bool = True,
         exports: tuple[ChainExport, ...] = (),
     ) -> None:
         """Write the evicted blocks' sessions to L1 where it lacks them, then release the blocks.
@@ -384,7 +385,7 @@ class L1Transfers:
                 s.tasks.spawn(release)
                 await asyncio.sleep(0)  # the task's first step sends the command
 
-    async def _retire_owner(self, rank: int, ex: ChainExport, epoch: int) -> None:
+    async def _retire_owner(self, rank: Rank, ex: ChainExport, epoch: Epoch) -> None:
         """Write one evicted session's chain to L1 unless it holds it (its filed part is pinned)."""
         if not await self._wait_write(ex.owner, epoch):  # chain after its write in flight
             return
@@ -398,7 +399,7 @@ class L1Transfers:
     # ================================================================= moves
 
     async def move(
-        self, session: Session, src: int, dst: int, hashes: list[BlockHash], num_src_blocks: int
+        self, session: Session, src: Rank, dst: Rank, hashes: list[BlockHash], num_src_blocks: int
     ) -> bool:
         """Hand a session from ``src`` to ``dst``: make sure L1 holds its blocks from ``src``;
         its next admission on ``dst`` restores them. Its blocks on ``src`` become free to drop."""
@@ -431,7 +432,7 @@ class L1Transfers:
                                                                                      chain, epoch):
                 await s.l2.spill(session.session_id)
 
-    def session_chain(self, rank: int, session: Session) -> list[BlockHash]:
+    def session_chain(self, rank: Rank, session: Session) -> list[BlockHash]:
         """The session's longest chain filed on ``rank`` (ending at one of its tails)."""
         idx = self._s.l0[rank]
         best: list[BlockHash] = []

@@ -58,12 +58,13 @@ from cache.planner import AdmitPlanner, known_prefix_blocks
 from cache.rank_admission import RankAdmitter
 from cache.restart import RestartSync, sync_l1
 from cache.router import RankLoad, Router
-from cache.sessions import Session, SessionId, SessionTable, StopKind
+from cache.sessions import Session, SessionTable, StopKind, session_id_for_hint
 from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens, Turn
 from protocol.errors import InvalidRequest, PromptTooLong
 from rank.client import RankClient
 from rank.engine import RequestOutput, usable_prefix_blocks
+from rank.ids import Rank
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class CacheManager:
         tokenized (the service calls this as soon as it has read the headers)."""
         if not session_hint or not self.config.prefix_cache or not self.l1_enabled:
             return
-        session = self.sessions.get(SessionId("hint:" + session_hint))
+        session = self.sessions.get(session_id_for_hint(session_hint))
         if session is not None:
             self.transfers.start_prefetch(session)
 
@@ -314,7 +315,7 @@ class CacheManager:
         s = self.state
         idle = s.idle.tokens(s.clock())
         return [
-            RankLoad(rank, ledger.running_tokens, self.queue.waiting_tokens(rank), idle[rank],
+            RankLoad(Rank(rank), ledger.running_tokens, self.queue.waiting_tokens(rank), idle[rank],
                      s.free_blocks(rank))
             for rank, ledger in enumerate(s.ledgers)
         ]
@@ -342,7 +343,7 @@ class CacheManager:
     async def move_session(self, session_hint: str, dst: int) -> bool:
         """Hand an idle session to rank ``dst`` through L1 (operators and tests; ``rebalance``
         does this by load). Its next turn restores its blocks on ``dst``."""
-        session = self.sessions.get(SessionId("hint:" + session_hint))
+        session = self.sessions.get(session_id_for_hint(session_hint))
         if session is None or session.home_rank is None or session.num_in_flight:
             return False
         if not 0 <= dst < self.num_ranks:
@@ -350,7 +351,7 @@ class CacheManager:
         if dst == session.home_rank or not self.l1_enabled:
             return dst == session.home_rank
         chain = self.transfers.session_chain(session.home_rank, session)
-        return await self.transfers.move(session, session.home_rank, dst, chain, len(chain))
+        return await self.transfers.move(session, session.home_rank, Rank(dst), chain, len(chain))
 
     async def close(self, flush_s: float = 30.0) -> None:
         """Graceful stop (the runtime calls it before it stops the ranks): with L2 on, idle
@@ -391,7 +392,7 @@ class CacheManager:
                 assert s.releases.pending(rank) == 0, (
                     f"rank {rank}: {s.releases.pending(rank)} releases pending"
                 )
-                stats = self.client.stats(rank)
+                stats = self.client.stats(Rank(rank))
                 assert stats.num_cached_blocks == len(idx), (
                     f"rank {rank}: engine holds {stats.num_cached_blocks} cached blocks, index {len(idx)}"
                 )

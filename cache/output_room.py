@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from cache.l1_transfers import L1Transfers
     from cache.state import CacheState
     from cache.turns import Admission
+    from rank.ids import Rank
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class OutputRoom:
                         "sequences hold it; new turns wait)", rank, want, short)
         s.on_change()
 
-    def _evict(self, rank: int, num_blocks: int) -> int:
+    def _evict(self, rank: Rank, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` unused blocks on ``rank``: sessions not about to return
         first, then any. Each evicted chain goes to L1 where L1 lacks it, then is released (in the
         background, ``L1Transfers.retire``). They count as releasing until the release lands, for every

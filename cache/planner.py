@@ -25,13 +25,14 @@ from cache.l1_transfers import ChainExport, L1Transfers
 from cache.sessions import SessionId
 from cache.state import CacheState
 from rank.engine import usable_prefix_blocks
+from rank.ids import Rank
 
 
 @dataclass(frozen=True, slots=True)
 class AdmitPlan:
     """What admitting one turn on ``rank`` takes, read from the indexes at one instant."""
 
-    rank: int
+    rank: Rank
     num_l0: int  # prefix blocks resident on the rank (pinned at commit)
     num_restore: int  # further prefix blocks to import from L1 (filled from L2 first if need be)
     need: int  # blocks to reserve: the sequence's own blocks + the restored ones
@@ -61,7 +62,7 @@ class AdmitPlanner:
         self._s = state
         self._transfers = transfers
 
-    def ask(self, rank: int, hashes: Sequence[BlockHash], num_prompt_tokens: int,
+    def ask(self, rank: Rank, hashes: Sequence[BlockHash], num_prompt_tokens: int,
             total_blocks: int) -> AdmitPlan:
         """The plan for a prompt named ``hashes`` whose sequence holds ``total_blocks`` on ``rank``."""
         s = self._s

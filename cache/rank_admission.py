@@ -22,6 +22,7 @@ from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens
 from protocol.errors import Overloaded
 from rank.engine import usable_prefix_blocks
+from rank.ids import Rank
 
 
 class RankAdmitter:
@@ -34,7 +35,7 @@ class RankAdmitter:
         self.open: set[Admission] = set()
 
     async def admit_on(
-        self, rank: int, session: Session, tokens: np.ndarray, hashes: list[BlockHash], num_output: int
+        self, rank: Rank, session: Session, tokens: np.ndarray, hashes: list[BlockHash], num_output: int
     ) -> Admission:
         """Wait for room on ``rank`` (ask + commit at each try), retire the victims, restore."""
         s = self._s

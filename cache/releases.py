@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from rank.errors import RankFailed, RankUnavailable
+from rank.ids import BlockId, Epoch, Rank
 
 if TYPE_CHECKING:
     from cache.state import CacheState
@@ -46,13 +47,13 @@ class ReleaseLedger:
             self._pending[rank] += num_blocks
             self._idle[rank].clear()
 
-    def release_later(self, rank: int, block_ids: list[int]) -> None:
+    def release_later(self, rank: Rank, block_ids: list[BlockId]) -> None:
         """Give the cache refs on ``block_ids`` back to ``rank`` in the background."""
         if block_ids:
             self.hold(rank, len(block_ids))
             self._state.tasks.spawn(self.send(rank, block_ids, self._state.epoch))
 
-    async def send(self, rank: int, block_ids: list[int], epoch: int) -> None:
+    async def send(self, rank: Rank, block_ids: list[BlockId], epoch: Epoch) -> None:
         """Send the release of held blocks and count them free once it lands (or failed: a
         dead rank's blocks go with its epoch)."""
         state = self._state

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from cache.state import CacheState
 from rank.engine import CapacityExhausted, EngineMisuse
 from rank.errors import RankFailed, RankUnavailable
+from rank.ids import Epoch
 
 log = logging.getLogger("cache.manager")
 
@@ -63,7 +64,7 @@ class RestartSync:
         self._state = state
         self._resets = resets  # the parts' own per-epoch state (prefetches, ...)
 
-    def on_restart(self, new_epoch: int) -> None:
+    def on_restart(self, new_epoch: Epoch) -> None:
         state = self._state
         old_epoch = state.epoch
         kept = state.reset(new_epoch)

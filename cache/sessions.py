@@ -21,7 +21,10 @@ import enum
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
 from rank.ids import BlockHash, Rank, SessionId
+
+__all__ = ["GapModel", "Session", "SessionId", "SessionTable", "StopKind", "session_id_for_hint"]
 
 _HINT_PREFIX = "hint:"
 

@@ -31,6 +31,7 @@ from cache.metrics import CacheMetrics
 from cache.releases import ReleaseLedger
 from cache.sessions import SessionId, SessionTable
 from rank.client import RankClient
+from rank.ids import Epoch
 
 log = logging.getLogger("cache.manager")
 
@@ -148,7 +149,7 @@ class CacheState:
         session = self.sessions.get(sid)
         return float("inf") if session is None else session.expected_wait_s(self.clock())
 
-    def reset(self, new_epoch: int) -> int:
+    def reset(self, new_epoch: Epoch) -> int:
         """The rank group restarted: forget every GPU block of the old epoch. The host pool
         outlives the ranks (``rank/group.py`` keeps its file), so L1's committed entries stay
         when the pool's geometry is unchanged (copies in flight are void). Returns them."""

@@ -27,6 +27,7 @@ import numpy as np
 from cache.hashing import BlockHash, as_token_array
 from cache.sessions import SessionId, StopKind
 from rank.engine import EngineRequest, RequestOutput, SamplingParams
+from rank.ids import BlockId, Epoch, Rank
 
 if TYPE_CHECKING:
     from cache.manager import CacheManager
@@ -64,14 +65,14 @@ class Admission:
     """One admitted turn. The public fields are what the service needs; the rest is the
     manager's receipt (use refs held, blocks reserved)."""
 
-    rank: int
-    prefix_blocks: list[int]
+    rank: Rank
+    prefix_blocks: list[BlockId]
     num_cached_tokens: int
     cached_tokens_by_tier: TierTokens
     queue_time_s: float
     restore_s: float
     session_id: SessionId
-    epoch: int
+    epoch: Epoch
     keep_blocks: bool
     num_prompt_tokens: int
     hashes: list[BlockHash] = field(repr=False)
@@ -120,7 +121,7 @@ class Turn:
         self._handed_off = False
 
     @property
-    def rank(self) -> int:
+    def rank(self) -> Rank:
         return self.admission.rank
 
     @property

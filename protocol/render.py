@@ -35,7 +35,6 @@ from protocol.conversation import PART_CLIENT, PART_TOOL_REFS, Block, Conversati
 from protocol.depth import check_json_text_depth
 
 
-
 class SegmentKind(enum.IntEnum):
     """What a segment's payload is (module docstring); the tokenizer treats each differently."""
 

@@ -84,9 +84,9 @@ def encode_step(outputs: list[RequestOutput], handles: dict[str, int], stats: En
     ids = [out.token_ids for out in outputs]
     counts = array("i", map(len, ids))
     tokens = array("i", chain.from_iterable(ids))
-    fin = [[i, out.finish_reason.value if out.finish_reason else None, out.num_prompt_tokens,
-            out.num_cached_tokens, out.kept_blocks, out.error]
-           for i, out in enumerate(outputs) if out.finished]
+    fin: list[list[Any]] = [[i, out.finish_reason.value if out.finish_reason else None, out.num_prompt_tokens,
+                             out.num_cached_tokens, out.kept_blocks, out.error]
+                            for i, out in enumerate(outputs) if out.finished]
     for entry in fin:
         handles.pop(outputs[entry[0]].request_id, None)
     header = {"t": "step", "stats": stats_list(stats), "fin": fin}

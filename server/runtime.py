@@ -25,10 +25,10 @@ import orjson
 import uvicorn
 
 from protocol.errors import InternalError, ProtocolError
+from rank.ids import Rank
 from server.app import AppState, HealthReport, HealthStatus, create_app
 from server.config import WorkloadConfig
 from server.metrics import ServerMetrics, StateSnapshot
-from rank.ids import Rank
 from server.service import ChatService
 
 if TYPE_CHECKING:

@@ -292,10 +292,7 @@ class Runtime:
             with contextlib.suppress(Exception):
                 s = self.group.stats(Rank(rank))
                 stats.append({k: float(getattr(s, k)) for k in s.__slots__})
-        cache_stats: dict[str, float] = {}
-        if self.cache is not None and hasattr(self.cache, "gauges"):
-            with contextlib.suppress(Exception):
-                cache_stats = dict(self.cache.gauges())
+        cache_stats: dict[str, float] = {}  # the cache's own gauges are cache.metrics.CacheMetrics
         if self.l2 is not None:
             from server.kv_disk import l2_gauges
 

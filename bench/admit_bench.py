@@ -44,6 +44,8 @@ class _StandInClient:
         self.num_blocks = num_blocks
         self.bytes_per_block = 512
         self.num_host_slots = 0
+        self.prefix_cache_supported = True
+        self.prefix_cache_reason: str | None = None
         self.epoch = 1
         self.state = GroupState.READY
         self._next_block = 1

@@ -82,9 +82,9 @@ class CacheManager:
         l2: KVTier | None = None,
     ) -> None:
         # prefix_cache_supported: only the DeepInfer group may say False (no prefix-cache patch).
-        if config.prefix_cache and getattr(client, "prefix_cache_supported", True) is False:
+        if config.prefix_cache and not client.prefix_cache_supported:
             # The engine cannot start from cached blocks: no L0, and hence no L1 (sync_l1).
-            reason = getattr(client, "prefix_cache_reason", None) or "not supported by the engine"
+            reason = client.prefix_cache_reason or "not supported by the engine"
             log.warning("prefix cache (L0) and L1 off: %s", reason)
             config = config.model_copy(update={"prefix_cache": False})
         self.client = client

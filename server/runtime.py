@@ -5,7 +5,8 @@ Start order (``start``): metrics and the app first, then the HTTP server binds (
 answers ``loading`` while the model loads), then the tokenizer (in a thread), the rank group
 (bounded by ``load_timeout_seconds``), the cache manager and the service; the routes start
 serving chat only once ``AppState.protocol`` and ``AppState.service`` are set. Stop order is the
-reverse: HTTP (stop accepting, let streams finish for a grace period), cache, rank group.
+reverse: HTTP (stop accepting, let streams finish for a grace period), then the rank group (the
+cache holds nothing outside this process).
 
 Rank modes: ``process`` (``RankGroup``, one process per rank, the production path) or ``local``
 (``LocalRankGroup``, engines in this process: tests and the simulator).
@@ -153,11 +154,6 @@ class Runtime:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
-        if self.cache is not None and hasattr(self.cache, "close"):
-            with contextlib.suppress(Exception):
-                result = self.cache.close()
-                if asyncio.iscoroutine(result):
-                    await result
         if self.group is not None:
             await self.group.close()
             self.group = None

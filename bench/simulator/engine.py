@@ -125,6 +125,8 @@ class SimGroup:
         self.num_blocks = deployment.num_blocks
         self.bytes_per_block = deployment.block_tokens * deployment.kv_bytes_per_token
         self.num_host_slots = deployment.num_host_slots
+        self.prefix_cache_supported = True
+        self.prefix_cache_reason: str | None = None
         self.epoch = 1
         self.state = GroupState.READY
         self.ranks = [_Rank(r, self.num_blocks) for r in range(self.num_ranks)]

@@ -95,6 +95,8 @@ from rank.engine import (
 from rank.ids import BlockId
 
 if TYPE_CHECKING:
+    import torch
+
     from rank.host_pool import HostPool
 
 log = logging.getLogger(__name__)
@@ -434,7 +436,7 @@ class DeepInferEngine(Engine):
             else:
                 del self._cache_refs[int(b)]
 
-    def _gpu_blocks(self) -> Any:
+    def _gpu_blocks(self) -> torch.Tensor:
         return self.llm.driver_worker.cache_engine.gpu_blocks  # [num_blocks, bytes_per_block] uint8
 
     def _pool_for(self, host_slot: int, num_blocks: int) -> HostPool:

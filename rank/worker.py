@@ -43,10 +43,13 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rank import step_profile
 from rank.config import RankConfig
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 MIN_PYTHON = (3, 10)
 TEST_DEEPINFER_MODULE_ENV = "DIB_DEEPINFER_MODULE"  # tests only: a stand-in for DeepInfer's Python API
@@ -152,7 +155,7 @@ class RankLoop:
         status.progress = "joining the rank group"
         self.dist = dist
         self.owns_lockstep = self.engine.owns_lockstep
-        self.control_group: Any = None
+        self.control_group: ProcessGroup | None = None
         if self.owns_lockstep:
             # DeepInfer built its default group while loading; ours would collide with it.
             if not dist.is_initialized():

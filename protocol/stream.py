@@ -21,14 +21,24 @@ from protocol.emit_anthropic import STOP_REASONS, AnthropicEmitter, anthropic_bo
 from protocol.emit_openai import FINISH_REASONS, OpenAIEmitter, openai_body, openai_usage
 from protocol.errors import error_from_exception
 from protocol.ledger import LedgerEntry, OutputLedger
-from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, Event, ParsedCall, StreamParser
+from protocol.parser import (
+    REASONING,
+    TEXT,
+    TOOL,
+    TOOL_ARGS,
+    TOOL_START,
+    Event,
+    EventKind,
+    ParsedCall,
+    StreamParser,
+)
 from protocol.responses_emit import ResponsesEmitter, responses_usage
 
 
 class StopMatcher:
     """Finds the first stop sequence in streamed text, holding back possible partial matches."""
 
-    __slots__ = ("stops", "_pending", "matched", "_max_hold")
+    __slots__ = ("_max_hold", "_pending", "matched", "stops")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = tuple(s for s in stops if s)
@@ -84,7 +94,7 @@ class ResponseStream:
         self._reasoning: list[str] = []
         # (TEXT, [str, ...]) | (TOOL, ParsedCall), in order. A text block keeps its pieces, joined
         # when read (``_text_blocks``): re-concatenating it per delivery is quadratic in its length.
-        self._blocks: list[tuple[int, Any]] = []
+        self._blocks: list[tuple[EventKind, Any]] = []
         self._calls: list[ParsedCall] = []
         self._call_ids: list[str] = []
         self._finish_reason = TurnFinish.STOP
@@ -307,7 +317,7 @@ class ResponseStream:
     def text(self) -> str:
         return "".join(piece for k, p in self._blocks if k == TEXT for piece in p)
 
-    def _text_blocks(self) -> list[tuple[int, Any]]:
+    def _text_blocks(self) -> list[Event]:
         """The blocks with each text block joined: (TEXT, str) | (TOOL, ParsedCall), in order."""
         return [(k, "".join(p) if k == TEXT else p) for k, p in self._blocks]
 

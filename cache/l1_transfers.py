@@ -273,7 +273,8 @@ class L1Transfers:
         return self._s.epoch == epoch
 
     async def _export(
-        self, rank: Rank, plan: WritePlan, chain: list[BlockHash], epoch: Epoch, nodes: tuple[Node, ...] | None
+        self, rank: Rank, plan: WritePlan, chain: list[BlockHash], epoch: Epoch,
+        nodes: tuple[Node, ...] | None,
     ) -> bool:
         s = self._s
         idx = s.l0[rank]

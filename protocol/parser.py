@@ -53,8 +53,7 @@ from protocol.detokenize import S_DSML, S_END_THINK, S_EOS, S_THINK, SENTINEL_TE
 from protocol.parser_args import ArgStreamer, args_json, clean_value, param_value, restore_text
 
 __all__ = ["REASONING", "TEXT", "TOOL", "TOOL_START", "TOOL_ARGS", "Event", "EventKind", "ParsedCall",
-           "StreamParser",
-           "restore_text"]
+           "StreamParser", "restore_text"]
 
 
 class EventKind(enum.IntEnum):

@@ -214,13 +214,13 @@ class ResponseStream:
             if not self.prepared.stream:
                 return head + body
             return head + body + self._a.finish(STOP_REASONS[reason], stop_seq, usage)
+        assert self._o is not None  # one emitter per api, built in __init__
         usage_o = openai_usage(num_prompt_tokens, num_cached_tokens, num_output_tokens)
         self._usage = usage_o
         if not self.prepared.stream:
             return head + body
-        return head + body + self._o.finish(
-            FINISH_REASONS[reason],
-            usage_o if self.prepared.include_usage else None)  # type: ignore[union-attr]
+        tail = self._o.finish(FINISH_REASONS[reason], usage_o if self.prepared.include_usage else None)
+        return head + body + tail
 
     @staticmethod
     def _merge(events: list[Event]) -> list[Event]:

@@ -9,7 +9,8 @@ from protocol.render import ToolsTextCache, tools_schema_text
 
 
 def _tools(i: int) -> list[dict[str, Any]]:
-    return [{"name": f"tool{i}", "description": "d\u00e9j\u00e0 vu", "input_schema": {"type": "object", "properties": {}}}]
+    schema = {"type": "object", "properties": {}}
+    return [{"name": f"tool{i}", "description": "d\u00e9j\u00e0 vu", "input_schema": schema}]
 
 
 def test_cached_text_equals_uncached_text() -> None:

@@ -100,7 +100,8 @@ class LocalRankGroup:
         self.prefix_cache_supported = not off
         if off:
             rank, engine = off[0]
-            self.prefix_cache_reason = f"rank {rank}: {engine.prefix_cache_reason or 'not supported by the engine'}"
+            reason = engine.prefix_cache_reason or "not supported by the engine"
+            self.prefix_cache_reason = f"rank {rank}: {reason}"
         else:
             self.prefix_cache_reason = first.prefix_cache_reason
         pool = self.host_pool

@@ -339,8 +339,8 @@ class ReferenceEngine(Engine):
         if self.model is not None:
             items = [SeqBatchItem(i, 1, int(positions[i]), self._table(s)) for i, s in enumerate(batch)]
         else:  # the null model indexes plain lists; no per-sequence tensors
-            items = [SeqBatchItem(i, 1, int(positions[i]), s.block_table)
-                     for i, s in enumerate(batch)]  # type: ignore[arg-type]
+            items = [SeqBatchItem(i, 1, int(positions[i]), s.block_table)  # type: ignore[arg-type]
+                     for i, s in enumerate(batch)]
         for seq in batch:
             seq.num_computed += 1
         self._emit(batch, self._forward(token_ids, positions, items, list(range(len(batch))), batch), outputs)

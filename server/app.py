@@ -347,8 +347,9 @@ class Routes:
         cfg = self.state.config
         names = [cfg.model_name, cfg.slug, "default"]
         if is_anthropic:
-            data: list[dict[str, Any]] = [{"type": "model", "id": n, "display_name": n, "created_at": "2026-10-17T00:00:00Z"}
-                    for n in names]
+            data: list[dict[str, Any]] = [
+                {"type": "model", "id": n, "display_name": n, "created_at": "2026-10-17T00:00:00Z"}
+                for n in names]
             return json_response(200, {"data": data, "has_more": False, "first_id": names[0],
                                        "last_id": names[-1]})
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "deepinfer",

@@ -74,8 +74,9 @@ class Runtime:
     503 until then; after ``stop`` nothing of the runtime (rank processes, sockets) is left.
     """
 
-    def __init__(self, config: WorkloadConfig, *, preflight_report: PreflightReport | None = None, rank_mode: str = "process",
-                 metrics: ServerMetrics | None = None, config_warnings: list[str] | None = None) -> None:
+    def __init__(self, config: WorkloadConfig, *, preflight_report: PreflightReport | None = None,
+                 rank_mode: str = "process", metrics: ServerMetrics | None = None,
+                 config_warnings: list[str] | None = None) -> None:
         if rank_mode not in ("process", "local"):
             raise ValueError(f"rank_mode must be 'process' or 'local', got {rank_mode!r}")
         self.config = config

@@ -105,7 +105,8 @@ class ChatService:
         self._late: set[asyncio.Task[None]] = set()  # admissions waiting for an aborted request's end
 
     # -- public API --------------------------------------------------------------------------------
-    async def stream(self, prepared: PreparedRequest, request_id: str, write: Write, arrival_s: float) -> None:
+    async def stream(self, prepared: PreparedRequest, request_id: str, write: Write,
+                     arrival_s: float) -> None:
         """Stream one request as SSE through ``write``. Raises ProtocolError only before the
         first write; afterwards every failure becomes the stream's own error event."""
         flight = _Flight(request_id, prepared.api, arrival_s)
@@ -157,7 +158,8 @@ class ChatService:
                 f"request exceeded request_timeout_secs ({self._timeout_s:g} s)"
             ) from None
 
-    async def _generate(self, prepared: PreparedRequest, rs: ResponseStream, flight: _Flight, write: Write | None) -> None:
+    async def _generate(self, prepared: PreparedRequest, rs: ResponseStream, flight: _Flight,
+                        write: Write | None) -> None:
         client = self._client
         if client.state is not GroupState.READY:
             raise Overloaded(f"rank group is {client.state.value}; retry shortly",
@@ -167,8 +169,7 @@ class ChatService:
             await self._run_turn(turn, prepared, rs, flight, write)
 
     async def _run_turn(self, turn: Turn, prepared: PreparedRequest, rs: ResponseStream,
-                        flight: _Flight,
-                        write: Write | None) -> None:
+                        flight: _Flight, write: Write | None) -> None:
         admission = turn.admission
         engine_stream: RequestStream | None = None
         symptoms = self._symptoms

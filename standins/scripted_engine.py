@@ -137,7 +137,8 @@ class ScriptedEngine(Engine):
         self._filler_ids: list[int] = filler or [EOS_ID]
 
     @classmethod
-    def from_config(cls, config: RankConfig, rank: int = 0, host_pool: HostPool | None = None) -> ScriptedEngine:
+    def from_config(cls, config: RankConfig, rank: int = 0,
+                    host_pool: HostPool | None = None) -> ScriptedEngine:
         """Build from a ``RankConfig`` (``engine='scripted'``, ``script_file``)."""
         if not config.script_file:
             raise ValueError("engine 'scripted' needs script_file (the replies file)")

@@ -67,6 +67,10 @@ class CacheConfig(BaseModel):
                                   description="Move sessions off a rank this much above the lightest.")
     move_min_tokens: int = Field(65_536, ge=0, description="...and at least this many tokens above it.")
     move_cooldown_s: float = Field(60.0, ge=0, description="A session moves at most once per this period.")
+    place_homeless: bool = Field(
+        True, description="A session with nothing left on its home rank goes to the least-loaded rank "
+        "(cache/router.py rule 4)."
+    )
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(
@@ -81,4 +85,5 @@ class CacheConfig(BaseModel):
             overload_ratio=self.overload_ratio,
             move_min_tokens=self.move_min_tokens,
             move_cooldown_s=self.move_cooldown_s,
+            place_homeless=self.place_homeless,
         )

@@ -330,10 +330,13 @@ class CacheManager:
             src = session.home_rank
             if src is None or session.num_in_flight:
                 continue
-            decision = self.router.route(session, [0] * self.num_ranks, 0, self.loads(), True, now)
+            chain = self.transfers.session_chain(src, session)
+            if not chain:
+                continue  # nothing resident to move (its next turn is placed by load anyway)
+            matched = [len(chain) if r == src else 0 for r in range(self.num_ranks)]
+            decision = self.router.route(session, matched, 0, self.loads(), True, now)
             if decision.move_from is None:
                 continue
-            chain = self.transfers.session_chain(src, session)
             if await self.transfers.move(session, src, decision.rank, chain, len(chain)):
                 session.home_rank = decision.rank
                 self.state.idle.update(session, self.state.clock())

@@ -14,6 +14,12 @@ Rules, in order:
    on that rank`` (a rank that already holds part of the prompt, e.g. a resumed conversation,
    saves that prefill); ties go to the rank with more free blocks, then the lowest rank index
    (deterministic).
+4. A known session with nothing left on its home rank (all of it evicted; its next turn restores
+   from L1 or recomputes wherever it runs) and no turn in flight is placed like a new session
+   (``place_homeless``): with more sessions than the pools hold, sessions rotate through L1 and
+   this joins each returning turn to the least-loaded rank's queue instead of its old home's.
+   Not within ``move_cooldown_s`` of a move (``rebalance``, ``move_session``): the move chose its
+   home, and its next turn restores there.
 
 Load measure (``RankLoad.load_tokens``): running tokens (context of admitted, unfinished turns)
 + waiting tokens (prompt tokens of turns queued for admission) + idle tokens (last context of
@@ -38,6 +44,7 @@ class RouteReason(str, enum.Enum):
     HOME = "home"  # rule 1: a known session's home rank
     MOVE = "move"  # rule 2: the session moves off an overloaded home
     NEW = "new"  # rule 3: a new session, on the cheapest rank
+    HOMELESS = "homeless"  # rule 4: nothing left on its home rank, placed like a new session
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +72,7 @@ class RouterConfig:
     overload_ratio: float = 1.5
     move_min_tokens: int = 65_536
     move_cooldown_s: float = 60.0
+    place_homeless: bool = True
 
 
 class Router:
@@ -83,7 +91,12 @@ class Router:
     ) -> RouteDecision:
         """Pick the rank for one turn. ``matched_blocks[r]`` is the L0 prefix match on rank r."""
         home = session.home_rank
-        if home is not None:
+        homeless = (
+            home is not None and self.config.place_homeless and can_move
+            and session.num_in_flight == 0 and matched_blocks[home] == 0
+            and now_s - session.moved_at_s >= self.config.move_cooldown_s  # a move chose its home
+        )
+        if home is not None and not homeless:
             target = self._move_target(session, loads, can_move, now_s)
             if target is not None:
                 return RouteDecision(target, RouteReason.MOVE, move_from=home)
@@ -94,7 +107,7 @@ class Router:
             uncached_tokens = num_prompt_tokens - cached_tokens
             return (load.load_tokens + uncached_tokens, -load.num_free_blocks, load.rank)
 
-        return RouteDecision(min(loads, key=cost).rank, RouteReason.NEW)
+        return RouteDecision(min(loads, key=cost).rank, RouteReason.HOMELESS if homeless else RouteReason.NEW)
 
     def _move_target(
         self, session: Session, loads: Sequence[RankLoad], can_move: bool, now_s: float

@@ -37,8 +37,8 @@ def test_router_known_session_is_sticky_even_when_others_are_lighter() -> None:
     s = table.create("x", 0.0)
     s.home_rank = 3
     s.context_tokens = 50_000
-    for _ in range(5):
-        d = router.route(s, [0, 0, 0, 0], 60_000, loads(0, 0, 0, 100_000), True, 1000.0)
+    for _ in range(5):  # its prefix is resident at home (10 blocks)
+        d = router.route(s, [0, 0, 0, 10], 60_000, loads(0, 0, 0, 100_000), True, 1000.0)
         assert (d.rank, d.reason) == (3, "home")  # 100K vs 0: gap < 2 x session tokens
 
 
@@ -49,11 +49,43 @@ def test_router_moves_idle_session_off_overloaded_rank_once() -> None:
     s.home_rank = 0
     s.context_tokens = 20_000
     heavy = loads(400_000, 50_000, 100_000, 60_000)
-    d = router.route(s, [0] * 4, 21_000, heavy, True, 100.0)
+    resident = [150, 0, 0, 0]  # its 150 blocks are on its home rank
+    d = router.route(s, resident, 21_000, heavy, True, 100.0)
     assert (d.rank, d.reason, d.move_from) == (1, "move", 0)
-    assert router.route(s, [0] * 4, 21_000, heavy, False, 100.0).rank == 0  # no L1: stay
+    assert router.route(s, resident, 21_000, heavy, False, 100.0).rank == 0  # no L1: stay
     s.num_in_flight = 1
-    assert router.route(s, [0] * 4, 21_000, heavy, True, 100.0).rank == 0  # busy: stay
+    assert router.route(s, resident, 21_000, heavy, True, 100.0).rank == 0  # busy: stay
     s.num_in_flight = 0
     s.moved_at_s = 90.0
-    assert router.route(s, [0] * 4, 21_000, heavy, True, 100.0).rank == 0  # cooldown
+    assert router.route(s, resident, 21_000, heavy, True, 100.0).rank == 0  # cooldown
+
+
+def test_router_places_a_homeless_session_by_load_rule_4() -> None:
+    """Nothing left on its home rank, no turn in flight, L1 on, no move within the cooldown:
+    placed like a new session (nothing moves); with a resident prefix, a turn in flight, without
+    L1, just after a move or with the rule off it stays home."""
+    router = Router(RouterConfig(), BS)
+    s = SessionTable().create("x", 0.0)
+    s.home_rank = 2
+    s.context_tokens = 250_000  # home's 410K over the lightest is < 2 x this: no move from home
+    s.moved_at_s = 40.0  # a move 60 s ago: the cooldown is over
+    busy = loads(300_000, 120_000, 500_000, 90_000)
+    d = router.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0)
+    assert (d.rank, d.reason, d.move_from) == (3, "homeless", None)
+    # part of its prefix on another rank (an earlier home) counts by the cost rule (load +
+    # uncached tokens): rank 1 with 100 blocks costs 120,000 + 188,200 = 308,200 > rank 3's 291,000
+    d = router.route(s, [0, 100, 0, 0], 201_000, busy, True, 100.0)
+    assert (d.rank, d.reason) == (3, "homeless")
+    d = router.route(s, [0, 400, 0, 0], 201_000, busy, True, 100.0)
+    assert (d.rank, d.reason) == (1, "homeless")  # 120,000 + 149,800 = 269,800 < 291,000
+    assert router.route(s, [0, 0, 1, 0], 201_000, busy, True, 100.0).reason == "home"
+    assert router.route(s, [0, 0, 0, 0], 201_000, busy, False, 100.0).reason == "home"
+    s.num_in_flight = 1
+    assert router.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0).reason == "home"
+    s.num_in_flight = 0
+    s.moved_at_s = 99.0  # moved here 1 s ago (rebalance, move_session): its next turn restores here
+    assert router.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0).reason == "home"
+    s.moved_at_s = 40.0
+    off = Router(RouterConfig(place_homeless=False), BS)
+    d = off.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0)
+    assert (d.rank, d.reason) == (2, "home")

@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from rank.config import RankConfig
+from server.scheduling import SchedulingConfig
 
 if TYPE_CHECKING:  # cache/ imports orjson: not before setup() has put the DeepInfer venv on sys.path
     from cache.config import CacheConfig
@@ -160,6 +161,19 @@ class WorkloadConfig(BaseModel):
     prefill_any_attempt_interval: int = Field(
         100, ge=1, description="DeepInfer DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL (ANY vote points)."
     )
+    submit_gate: bool = Field(
+        False, description="Order each rank's prompt work between admission and the engine "
+        "(server/scheduling.py): at most max_num_batched_tokens of uncached prompt tokens queued in "
+        "the engine per rank, shortest first with aging, one chunked prefill per rank at a time. "
+        "Off by default: in the capacity simulator it lengthened the TTFT tail (docs/loadtest.md).",
+    )
+    place_homeless: bool = Field(
+        True, description="A session with nothing left on its home rank's GPU (evicted to L1) goes to "
+        "the least-loaded rank instead of its old home (cache/router.py rule 4).",
+    )
+    submit_gate_max_hold_secs: float = Field(
+        10, ge=0, description="The submit gate holds a turn at most this long (then it goes regardless).",
+    )
 
     @field_validator("env", "deepinfer_env")
     @classmethod
@@ -252,6 +266,13 @@ class WorkloadConfig(BaseModel):
             reference_eos_every=self.reference_eos_every, script_file=self.script_file,
         )
 
+    def scheduling_config(self) -> SchedulingConfig:
+        """The submit gate's settings (``server/scheduling.py``): one prompt step's worth of
+        uncached tokens per rank in the engine's queue."""
+        return SchedulingConfig.model_validate({"enabled": self.submit_gate,
+                                                "engine_budget_tokens": self.max_num_batched_tokens,
+                                                "max_hold_s": self.submit_gate_max_hold_secs})
+
     def cache_config(self, **overrides: Any) -> CacheConfig:
         """The cache tiers' settings (``cache/config.py``): the seed guide's keys, a hash salt
         naming the engine and model, and the share of the pool the engine lets the cache fill."""
@@ -264,6 +285,7 @@ class WorkloadConfig(BaseModel):
             "hash_salt": f"{self.engine}:{self.model_name}",
             # DeepInfer's scheduler wants prefill only at KV usage <= 0.9, cached blocks included.
             "usable_fraction": DEEPINFER_KV_WATERMARK if self.engine == "deepinfer" else 1.0,
+            "place_homeless": self.place_homeless,
         }
         values.update(overrides)
         return CacheConfig(**values)

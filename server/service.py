@@ -1,7 +1,8 @@
 """``ChatService``: one chat request end to end, from a prepared prompt to SSE bytes.
 
-    prepared request -> CacheManager.turn -> RankClient.submit(EngineRequest with prefix blocks)
-      -> RequestOutputs -> ResponseStream.feed -> write(SSE bytes) -> finish (cache + ledger)
+    prepared request -> CacheManager.turn -> SubmitGate.hold (server/scheduling.py: the order
+      admitted turns reach each rank's engine queue) -> RankClient.submit(EngineRequest with
+      prefix blocks) -> RequestOutputs -> ResponseStream.feed -> write(SSE bytes) -> finish
 
 Invariants (what the tests check):
 
@@ -45,6 +46,7 @@ from rank.engine import EngineMisuse, FinishReason, RequestOutput, SamplingParam
 from rank.errors import RankFailed, RankUnavailable
 from server.config import WorkloadConfig
 from server.metrics import ServerMetrics
+from server.scheduling import SubmitGate
 
 if TYPE_CHECKING:
     from cache.manager import CacheManager
@@ -102,6 +104,8 @@ class ChatService:
         self._metrics = metrics
         self._timeout_s = config.request_timeout_secs
         self._keep_blocks = config.prefix_cache
+        # Between admission and submit: which admitted turn reaches the engine's queue when.
+        self._gate = SubmitGate(config.scheduling_config(), clock=time.perf_counter)
         self._late: set[asyncio.Task[None]] = set()  # admissions waiting for an aborted request's end
 
     # -- public API --------------------------------------------------------------------------------
@@ -184,6 +188,9 @@ class ChatService:
                                       temperature=prepared.temperature,
                                       top_p=prepared.top_p, top_k=prepared.top_k, seed=prepared.seed)
             request = turn.engine_request(flight.request_id, sampling)
+            # Its prompt work counts as queued in the engine until its first output (_pump).
+            await self._gate.hold(turn.rank, flight.request_id,
+                                  len(turn.prompt_ids) - admission.num_cached_tokens, flight.arrival_s)
             try:
                 engine_stream = self._client.submit(turn.rank, request)
             except RankUnavailable as exc:
@@ -213,6 +220,7 @@ class ChatService:
             if write is not None and tail:
                 await write(tail)
         finally:
+            self._gate.done(turn.rank, flight.request_id)
             if not turn.settled:
                 self._close_turn(turn, engine_stream)
             if symptoms is not None:
@@ -260,11 +268,13 @@ class ChatService:
         output_tokens = metrics.output_tokens
         anext = engine_stream.__anext__
         drain = engine_stream.drain_nowait
+        try:
+            first = await anext()
+        except StopAsyncIteration:
+            return None
+        finally:
+            self._gate.started(turn.rank, flight.request_id)  # its prefill left the engine's queue
         while True:
-            try:
-                first = await anext()
-            except StopAsyncIteration:
-                break
             batch = drain()
             if batch:
                 batch.insert(0, first)
@@ -294,6 +304,10 @@ class ChatService:
                 if rs.stop_hit:
                     break
             if last.finished:
+                break
+            try:
+                first = await anext()
+            except StopAsyncIteration:
                 break
         return last
 

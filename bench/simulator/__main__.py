@@ -20,9 +20,10 @@ import orjson
 from bench.loadgen.report import StepStats, format_table
 from bench.simulator import calibration
 from bench.simulator.agents import simulate_step
-from bench.simulator.model import ARRIVALS, SimConfig
+from bench.simulator.model import ARRIVALS, OursPolicy, SimConfig
 from bench.simulator.nodes import simulate_nodes
 from bench.simulator.vclock import run_virtual
+from server.scheduling import SchedulingConfig
 
 
 def run_detail(config: SimConfig, context: int, agents: int) -> tuple[StepStats, dict[str, float]]:
@@ -31,7 +32,7 @@ def run_detail(config: SimConfig, context: int, agents: int) -> tuple[StepStats,
     result = run_virtual(simulate_step(config, context, agents))
     print(f"  simulated {config.policy} {context // 1000}K x {agents}: {time.process_time() - t0:.1f} s of CPU",
           file=sys.stderr, flush=True)
-    return result.stats, result.group.counters.summary()
+    return result.stats, {**result.group.counters.summary(), **result.phases()}
 
 
 def run_one(config: SimConfig, context: int, agents: int) -> StepStats:
@@ -50,7 +51,12 @@ def format_engine(context: int, agents: int, s: StepStats, engine: dict[str, flo
     return (f"  {f'{context // 1000}K x {agents}':>11}: input {s.input_tokens_per_s / 1e6:.2f}M tok/s, "
             f"{s.num_requests} requests; decode batch {engine['mean_running_per_rank']:.1f} seqs and "
             f"{engine['mean_kv_tokens_per_rank'] / 1e6:.2f}M KV tokens per rank; "
-            f"{100 * engine['prefill_share']:.0f}% of engine time in prompt steps")
+            f"{100 * engine['prefill_share']:.0f}% of engine time in prompt steps"
+            + (f"\n{'':>13}TTFT parts p50/p95: admission {engine['admit_p50_s']:.1f} / {engine['admit_p95_s']:.1f} s "
+               f"(queue {engine['queue_p50_s']:.1f} / {engine['queue_p95_s']:.1f}, restore {engine['restore_p50_s']:.2f} / "
+               f"{engine['restore_p95_s']:.2f}), "
+               f"gate {engine['gate_p50_s']:.1f} / {engine['gate_p95_s']:.1f} s, engine {engine['engine_p50_s']:.1f} / "
+               f"{engine['engine_p95_s']:.1f} s" if "admit_p50_s" in engine else ""))
 
 
 def seed_table(config: SimConfig, num_procs: int = 2) -> dict[str, Any]:
@@ -139,6 +145,35 @@ def nodes_table(config: SimConfig, context: int, agents_per_node: int, node_coun
     return out
 
 
+LEVERS = {
+    "gate": "server/scheduling.py: the submit gate",
+    "homeless": "cache/router.py rule 4: a session with nothing resident goes to the least-loaded rank",
+}
+
+
+def add_lever_args(p: argparse.ArgumentParser) -> None:
+    d = SchedulingConfig()
+    p.add_argument("--levers", default="homeless",
+                   help="ours' levers on, comma-separated: " + "; ".join(f"{k} ({v})" for k, v in LEVERS.items())
+                   + "; 'none' = the cache code alone")
+    p.add_argument("--budget", type=int, default=d.engine_budget_tokens, help="gate: engine budget (tokens per rank)")
+    p.add_argument("--aging", type=float, default=d.aging_tokens_per_s, help="gate: aging (tokens per s)")
+    p.add_argument("--max-hold", type=float, default=d.max_hold_s, help="gate: max hold (s)")
+    p.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",
+                   help="a CacheConfig override for ours (cache/config.py), e.g. queue_force_after_s=1")
+
+
+def ours_policy(args: argparse.Namespace) -> OursPolicy:
+    levers = {x for x in args.levers.split(",") if x and x != "none"}
+    unknown = levers - set(LEVERS)
+    if unknown:
+        raise SystemExit(f"--levers: unknown {sorted(unknown)}; known: {', '.join(LEVERS)}, none")
+    sched = SchedulingConfig(enabled="gate" in levers, engine_budget_tokens=args.budget,
+                             aging_tokens_per_s=args.aging, max_hold_s=args.max_hold)
+    cache = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.cache)}
+    return OursPolicy(scheduling=sched, place_homeless="homeless" in levers, cache=cache)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.simulator", description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=600.0, help="simulated seconds per step")
@@ -154,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=500_000)
     p.add_argument("--agents", type=int, default=200)
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
+    add_lever_args(p)
     p = sub.add_parser("capacity", help="agents held at a TTFT p95 target (bisection)")
     p.add_argument("--context", type=int, default=500_000)
     p.add_argument("--ttft-p95", type=float, default=30.0)
@@ -179,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("seed-table", "all"):
         doc["seed_table"] = seed_table(config, args.jobs)
     if args.cmd == "step":
-        s, engine = run_detail(config.model_copy(update={"policy": args.policy}), args.context, args.agents)
+        stepped = config.model_copy(update={"policy": args.policy, "ours": ours_policy(args)})
+        print(f"ours: {stepped.ours.model_dump()}" if args.policy == "ours" else "", file=sys.stderr)
+        s, engine = run_detail(stepped, args.context, args.agents)
         print(format_table([s]))
         print(format_engine(args.context, args.agents, s, engine))
         doc["step"] = {**s.model_dump(exclude={"timeline"}), "engine": engine}

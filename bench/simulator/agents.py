@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,9 @@ from bench.loadgen.report import Criteria, StepStats, step_stats
 from bench.simulator.engine import SimGroup
 from bench.simulator.model import SimConfig
 from bench.simulator.seed_cache import SeedCacheManager
+from cache.sessions import StopKind
 from rank.engine import FinishReason, SamplingParams
+from server.scheduling import SchedulingConfig, SubmitGate
 
 
 @dataclass(slots=True)
@@ -42,6 +44,9 @@ class SimTotals:
     output_tokens_received: int = 0
     output_tokens_lost: int = 0  # not generated because the engine failed the request
     num_failed_in_engine: int = 0  # submitted, then failed by the engine (preempted)
+    # Per finished turn: (start, tokenize + admission, gate hold, engine to first token,
+    # admission queue, L1 restore) s.
+    phases: list[tuple[float, ...]] = field(default_factory=list)
 
 
 def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
@@ -53,12 +58,19 @@ def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
     # DeepInfer stops prefilling above its KV-usage watermark and counts cached blocks as used,
     # so on DeepInfer our admission must keep (1 - watermark) of the pool out of its reach.
     # (CacheConfig.usable_fraction: what WorkloadConfig.cache_config sets for engine 'deepinfer'.)
-    cfg = CacheConfig(hash_salt="sim", usable_fraction=config.engine.kv_watermark)
+    cfg = CacheConfig(hash_salt="sim", usable_fraction=config.engine.kv_watermark,
+                      place_homeless=config.ours.place_homeless, **config.ours.cache)
     return CacheManager(group, cfg, clock=clock)
 
 
-# Where a turn goes: (session id, agent's rng) -> (group, manager). One deployment: always the same.
-Placement = Callable[[str, np.random.Generator], tuple[SimGroup, Any]]
+def make_gate(config: SimConfig, group: SimGroup, clock: Any) -> SubmitGate:
+    """The service's submission gate (``server/scheduling.py``); off for the seed's policy."""
+    sched = config.ours.scheduling if config.policy == "ours" else SchedulingConfig(enabled=False)
+    return SubmitGate(sched, clock=clock)
+
+
+# Where a turn goes: (session id, agent's rng) -> (group, manager, gate). One deployment: always the same.
+Placement = Callable[[str, np.random.Generator], tuple[SimGroup, Any, SubmitGate]]
 
 
 def conversation_size(config: SimConfig, params: WorkloadParams, rng: np.random.Generator, first: bool) -> int:
@@ -106,7 +118,7 @@ async def _agent(
     new_tokens = len(tokens)
     turn = source.next_turn(rng)
     while loop.time() < stop_at:
-        group, manager = place(session, rng)
+        group, manager, gate = place(session, rng)
         record = RequestRecord(agent_id, session, loop.time(), cold=new_tokens == len(tokens))
         retokenized = len(tokens) if config.seed_policy.full_retokenize and config.policy == "seed" else new_tokens
         await asyncio.sleep(retokenized / config.deployment.tokenize_tokens_per_s)
@@ -124,11 +136,16 @@ async def _agent(
         if config.arrivals.prewarm and totals_first_turn:
             group.prewarmed_ids.add(request.request_id)
         totals_first_turn = False
+        # What the service does between admission and submit (server/scheduling.py).
+        t_admitted = loop.time()
+        await gate.hold(adm.rank, request.request_id, len(tokens) - adm.num_cached_tokens, record.t_start)
+        t_submit = loop.time()
         totals.num_submitted += 1
         totals.output_tokens_expected += turn.output_tokens
         try:
             stream = group.submit(adm.rank, request)
         except Exception as exc:
+            gate.done(adm.rank, request.request_id)
             manager.abort(adm)
             record.error = f"submit: {exc}"[:200]
             records.append(record)
@@ -139,6 +156,8 @@ async def _agent(
         last = None
         make_room = getattr(manager, "make_room", None)  # ours: grow the KV room as the reply decodes
         async for out in stream:
+            if out.token_ids or out.finished:
+                gate.started(adm.rank, request.request_id)
             if out.token_ids:
                 now = loop.time()
                 t_first = now if t_first is None else t_first
@@ -158,7 +177,9 @@ async def _agent(
             records.append(record)
             await asyncio.sleep(1.0)  # the load generator's retry: the same conversation again
             continue
-        manager.finish(adm, tokens, out_ids, last)
+        # What the service tells the cache (server/service.py: _stop_kind): a reply that ends in
+        # tool calls comes back in seconds, one that ends the turn waits for a person.
+        manager.finish(adm, tokens, out_ids, last, StopKind.TOOL_USE if turn.kind == "tool" else StopKind.END_TURN)
         totals.num_finished += 1
         totals.output_tokens_received += len(out_ids)
         record.t_end = loop.time()
@@ -173,6 +194,8 @@ async def _agent(
         totals.cached_tokens += num_cached
         if t_first is not None:
             record.ttft_s = t_first - record.t_start
+            totals.phases.append((record.t_start, t_admitted - record.t_start, t_submit - t_admitted,
+                                  t_first - t_submit, getattr(adm, "queue_time_s", 0.0), getattr(adm, "restore_s", 0.0)))
             record.decode_s = (t_last or t_first) - t_first
         records.append(record)
         # The next prompt: this one + the output the engine produced + the tool result.
@@ -205,6 +228,20 @@ class SimResult:
     group: SimGroup
     manager: Any
     records: list[RequestRecord]
+    gate: SubmitGate | None = None
+    t_measure: tuple[float, float] = (0.0, 0.0)
+
+    def phases(self) -> dict[str, float]:
+        """Where the TTFT went, over the turns started in the measured window: p50 / p95 of
+        tokenize + admission (queue for KV room, restore), gate hold, and engine (submit to first
+        token: its queue, the vote points, the prefill)."""
+        lo, hi = self.t_measure
+        rows = np.array([p[1:] for p in self.totals.phases if lo <= p[0] < hi] or [(0.0,) * 5])
+        out: dict[str, float] = {}
+        for i, name in enumerate(("admit", "gate", "engine", "queue", "restore")):
+            out[f"{name}_p50_s"] = float(np.percentile(rows[:, i], 50))
+            out[f"{name}_p95_s"] = float(np.percentile(rows[:, i], 95))
+        return out
 
 
 async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
@@ -216,12 +253,13 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
     group = SimGroup(config.deployment, config.engine, seed=config.seed)
     group.start()
     manager = make_manager(config, group, loop.time)
+    gate = make_gate(config, group, loop.time)
     records: list[RequestRecord] = []
     totals = SimTotals()
     t0 = loop.time()
     stop_at = t0 + config.duration_s
     loop.call_at(t0 + config.warmup_s, group.reset_counters)
-    await run_agents(config, params, num_agents, lambda _sid, _rng: (group, manager), records, totals, stop_at)
+    await run_agents(config, params, num_agents, lambda _sid, _rng: (group, manager, gate), records, totals, stop_at)
     if hasattr(manager, "drain"):
         await manager.drain()
     if check:
@@ -232,4 +270,4 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
     label = f"{config.policy} {context_tokens // 1000}K x {num_agents}"
     stats = step_stats(label, context_tokens, num_agents, records, t0 + config.warmup_s, stop_at, Criteria(),
                        max_timeline=0)
-    return SimResult(stats, totals, group, manager, records)
+    return SimResult(stats, totals, group, manager, records, gate, (t0 + config.warmup_s, stop_at))

@@ -51,6 +51,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.scheduling import SchedulingConfig
+
 
 class EngineModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -178,6 +180,21 @@ ARRIVALS: dict[str, Arrivals] = {
 }
 
 
+class OursPolicy(BaseModel):
+    """The backend's own levers on top of the real ``cache/`` code (issue 18 item 2), with the
+    service's defaults: homeless-session placement (``cache/router.py`` rule 4, on) and the
+    submit gate (``server/scheduling.py``, off). ``OURS_OFF`` is the cache code alone."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scheduling: SchedulingConfig = SchedulingConfig()
+    place_homeless: bool = True
+    cache: dict[str, float] = Field(default_factory=dict, description="other CacheConfig overrides (exploration)")
+
+
+OURS_OFF = OursPolicy(scheduling=SchedulingConfig(enabled=False), place_homeless=False)
+
+
 class SimConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -186,6 +203,7 @@ class SimConfig(BaseModel):
     seed_policy: SeedPolicy = SeedPolicy()
     arrivals: Arrivals = ARRIVALS["seed"]
     policy: Literal["seed", "ours"] = "seed"
+    ours: OursPolicy = OursPolicy()
     duration_s: float = Field(600.0, gt=0)
     warmup_s: float = Field(300.0, ge=0)
     ramp_s: float = Field(60.0, ge=0)

@@ -20,9 +20,10 @@ import numpy as np
 from bench.loadgen.client import RequestRecord
 from bench.loadgen.distributions import WorkloadParams
 from bench.loadgen.report import Criteria, StepStats, step_stats
-from bench.simulator.agents import SimTotals, make_manager, run_agents
+from bench.simulator.agents import SimTotals, make_gate, make_manager, run_agents
 from bench.simulator.engine import SimGroup
 from bench.simulator.model import SimConfig
+from server.scheduling import SubmitGate
 
 Routing = Literal["sticky", "random"]
 
@@ -47,15 +48,15 @@ async def simulate_nodes(config: SimConfig, context_tokens: int, agents_per_node
     loop = asyncio.get_running_loop()
     params = params or WorkloadParams(context_target_tokens=context_tokens)
     config = config.model_copy(update={"deployment": config.deployment.for_context(context_tokens)})
-    nodes: list[tuple[SimGroup, Any]] = []
+    nodes: list[tuple[SimGroup, Any, SubmitGate]] = []
     for i in range(num_nodes):
         group = SimGroup(config.deployment, config.engine, seed=config.seed * 7919 + i)
         group.start()
-        nodes.append((group, make_manager(config, group, loop.time)))
+        nodes.append((group, make_manager(config, group, loop.time), make_gate(config, group, loop.time)))
     served: list[int] = [0] * num_nodes
     visited: dict[str, set[int]] = {}
 
-    def place(session_id: str, rng: np.random.Generator) -> tuple[SimGroup, Any]:
+    def place(session_id: str, rng: np.random.Generator) -> tuple[SimGroup, Any, SubmitGate]:
         node = sticky_node(session_id, num_nodes) if routing == "sticky" else int(rng.integers(num_nodes))
         served[node] += 1
         visited.setdefault(session_id, set()).add(node)
@@ -66,7 +67,7 @@ async def simulate_nodes(config: SimConfig, context_tokens: int, agents_per_node
     t0 = loop.time()
     stop_at = t0 + config.duration_s
     await run_agents(config, params, agents_per_node * num_nodes, place, records, totals, stop_at)
-    for group, manager in nodes:
+    for group, manager, _gate in nodes:
         if hasattr(manager, "drain"):
             await manager.drain()
         await group.close()

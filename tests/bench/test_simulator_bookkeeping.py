@@ -10,14 +10,18 @@ import pytest
 
 from bench.simulator.agents import simulate_step
 from bench.simulator.engine import SimGroup
-from bench.simulator.model import ARRIVALS, Deployment, EngineModel, SimConfig
+from bench.simulator.model import ARRIVALS, Deployment, EngineModel, OursPolicy, SimConfig
 from bench.simulator.vclock import SimulationDeadlock, run_virtual
 from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, SamplingParams
+from server.scheduling import SchedulingConfig
 
 
 def _small(policy: str, gpu_tokens: int = 120_000, arrivals: str = "steady") -> SimConfig:
+    # "ours-gate": ours with the submit gate on (server/scheduling.py; off by default)
+    gate = SchedulingConfig(enabled=policy == "ours-gate", engine_budget_tokens=4096, max_hold_s=5.0)
     return SimConfig(
-        policy=policy,
+        policy="ours" if policy.startswith("ours") else policy,
+        ours=OursPolicy(scheduling=gate),
         arrivals=ARRIVALS[arrivals],
         deployment=Deployment(num_ranks=2, gpu_kv_tokens_per_rank=gpu_tokens, l1_tokens_per_rank=2_000_000,
                               block_tokens=256),
@@ -60,7 +64,8 @@ def groups(monkeypatch: pytest.MonkeyPatch) -> list[SimGroup]:
 @pytest.mark.parametrize(
     ("policy", "gpu_tokens", "arrivals"),  # roomy, and tight (evictions, L1 restores, queueing)
     [("seed", 400_000, "steady"), ("ours", 400_000, "steady"), ("seed", 60_000, "steady"),
-     ("ours", 60_000, "steady"), ("seed", 400_000, "fresh"), ("seed", 400_000, "seed")],
+     ("ours", 60_000, "steady"), ("seed", 400_000, "fresh"), ("seed", 400_000, "seed"),
+     ("ours-gate", 60_000, "steady")],
 )
 def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens: int, arrivals: str,
                                                          groups: list[SimGroup]) -> None:
@@ -95,6 +100,10 @@ def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens
     assert sum(r.total_input_tokens for r in ok) == t.prompt_tokens
     assert all(r.ttft_s is not None and r.ttft_s >= 0 for r in ok)
     assert groups and peaks and max(peaks) <= config.deployment.for_context(20_000).num_blocks - 1
+    # the gate let every turn go and counts none as queued in the engine
+    assert result.gate is not None and result.gate.num_waiting(0) == result.gate.queued_tokens(0) == 0
+    if policy == "ours-gate":
+        assert result.gate.num_held > 0
     # after the run nothing is running and no sequence holds a block
     for r in result.group.ranks:
         assert not r.running and not r.waiting and not r.seq_refs.any()

@@ -51,22 +51,36 @@ def test_body_shape_and_growth(synth: TextSynth) -> None:
     assert [b["tool_use_id"] for b in after[-1]["content"]] == ["toolu_1", "toolu_2"]
     assert after[-1]["content"][-1]["cache_control"] == {"type": "ephemeral"}
     # earlier messages are unchanged apart from the moving marker
-    assert orjson.dumps(after[: len(orjson.loads(before))]).replace(b',"cache_control":{"type":"ephemeral"}', b"") \
-        == before.replace(b',"cache_control":{"type":"ephemeral"}', b"")
+    marker = b',"cache_control":{"type":"ephemeral"}'
+    earlier = orjson.dumps(after[: len(orjson.loads(before))])
+    assert earlier.replace(marker, b"") == before.replace(marker, b"")
 
 
 def test_sse_assembly_of_blocks() -> None:
     st = _StreamState()
     events = [
-        ("message_start", {"type": "message_start", "message": {"usage": {"input_tokens": 10, "cache_read_input_tokens": 90}}}),
-        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "ab"}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "s1"}}),
-        ("content_block_start", {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "t", "name": "Bash", "input": {}}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": '{"a":'}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "1}"}}),
+        ("message_start",
+         {"type": "message_start",
+          "message": {"usage": {"input_tokens": 10, "cache_read_input_tokens": 90}}}),
+        ("content_block_start",
+         {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
+        ("content_block_delta",
+         {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "ab"}}),
+        ("content_block_delta",
+         {"type": "content_block_delta", "index": 0,
+          "delta": {"type": "signature_delta", "signature": "s1"}}),
+        ("content_block_start",
+         {"type": "content_block_start", "index": 1,
+          "content_block": {"type": "tool_use", "id": "t", "name": "Bash", "input": {}}}),
+        ("content_block_delta",
+         {"type": "content_block_delta", "index": 1,
+          "delta": {"type": "input_json_delta", "partial_json": '{"a":'}}),
+        ("content_block_delta",
+         {"type": "content_block_delta", "index": 1,
+          "delta": {"type": "input_json_delta", "partial_json": "1}"}}),
         ("content_block_stop", {"type": "content_block_stop", "index": 1}),
-        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 7}}),
+        ("message_delta",
+         {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 7}}),
         ("message_stop", {"type": "message_stop"}),
     ]
     for name, data in events:

@@ -111,15 +111,19 @@ def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens
 
 def test_engine_rejects_bad_prefix_and_reports_capacity() -> None:
     async def run() -> None:
-        group = SimGroup(Deployment(num_ranks=1, gpu_kv_tokens_per_rank=2048, block_tokens=256), EngineModel())
+        group = SimGroup(Deployment(num_ranks=1, gpu_kv_tokens_per_rank=2048, block_tokens=256),
+                         EngineModel())
         group.start()
-        req = EngineRequest("r", np.arange(600, dtype=np.int32), SamplingParams(max_tokens=5), prefix_blocks=[3],
+        req = EngineRequest("r", np.arange(600, dtype=np.int32), SamplingParams(max_tokens=5),
+                            prefix_blocks=[3],
                             num_cached_tokens=256)
         with pytest.raises(EngineMisuse):
             group.submit(0, req)  # block 3 is not held by anyone
         with pytest.raises(CapacityExhausted):
             await group.import_blocks(0, 0, 100)
-        stream = group.submit(0, EngineRequest("ok", np.arange(600, dtype=np.int32), SamplingParams(max_tokens=5)))
+        stream = group.submit(0,
+                              EngineRequest("ok", np.arange(600, dtype=np.int32),
+                                            SamplingParams(max_tokens=5)))
         outs = [o async for o in stream]
         assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 5
         assert len(outs[-1].kept_blocks) == (600 + 5 - 1) // 256

@@ -19,7 +19,8 @@ from rank.engine import EngineRequest, FinishReason, SamplingParams
 
 
 def test_cells_residuals_and_tolerance_on_a_fixture() -> None:
-    sim = {"ttft_p50_s": 3.0, "ttft_p95_s": 20.0, "tok_s_p50": 75.0, "tok_s_p10": float("nan"), "cache_hit": 0.99}
+    sim = {"ttft_p50_s": 3.0, "ttft_p95_s": 20.0, "tok_s_p50": 75.0, "tok_s_p10": float("nan"),
+           "cache_hit": 0.99}
     cells = calibration.row_cells(sim, (2.4, 10.0, 100.0, 20.0, 0.99))
     assert [c.column for c in cells] == list(calibration.COLUMNS)
     assert cells[0].residual == pytest.approx(0.25) and cells[0].within  # exactly 25% counts as within
@@ -76,7 +77,7 @@ def test_accepted_tokens_spread_and_bounds() -> None:
     draws = np.array([model.accepted_tokens(rng) for _ in range(4000)])
     assert draws.min() >= 1.0 and draws.max() <= 6.0
     assert draws.mean() == pytest.approx(3.0, rel=0.05)
-    assert np.quantile(draws, 0.1) < 2.5 < 3.5 < np.quantile(draws, 0.9)
+    assert np.quantile(draws, 0.1) < 2.5 and np.quantile(draws, 0.9) > 3.5
 
 
 def _request(rid: str, n: int, max_tokens: int = 4) -> EngineRequest:
@@ -108,7 +109,8 @@ def test_second_vote_turns_an_empty_prompt_step_into_nothing_and_a_fitting_head_
 
 def test_prompt_larger_than_the_pool_is_ignored_and_leaks_nothing() -> None:
     async def run() -> None:
-        group = SimGroup(Deployment(num_ranks=1, gpu_kv_tokens_per_rank=20 * 128, block_tokens=128), EngineModel())
+        group = SimGroup(Deployment(num_ranks=1, gpu_kv_tokens_per_rank=20 * 128, block_tokens=128),
+                         EngineModel())
         group.start()
         outs = [o async for o in group.submit(0, _request("huge", 30 * 128))]
         assert outs[-1].finished and outs[-1].finish_reason == FinishReason.ERROR

@@ -38,7 +38,8 @@ def workload(model: str = "null", num_blocks: int = 96, num_ranks: int = 2) -> W
 
 
 async def make_group(
-    model: str = "null", num_blocks: int = 96, num_ranks: int = 2, host_slots: int = 256, step_s: float = 0.001
+    model: str = "null", num_blocks: int = 96, num_ranks: int = 2, host_slots: int = 256,
+    step_s: float = 0.001
 ) -> LocalRankGroup:
     """``step_s``: the (virtual) time a round of engine steps takes; > 0 lets turns overlap in
     time, so concurrent agents interleave the same way on every run."""
@@ -58,7 +59,8 @@ def make_manager(group: LocalRankGroup, **overrides: object) -> tuple[CacheManag
     values.update(overrides)
     # The policy's clock is the loop's: virtual time under tests/cache/conftest.py.
     clock = asyncio.get_running_loop().time
-    mgr = CacheManager(group, CacheConfig(**values), CacheMetrics(registry), clock=clock)  # type: ignore[arg-type]
+    mgr = CacheManager(group, CacheConfig(**values), CacheMetrics(registry),
+                       clock=clock)  # type: ignore[arg-type]
     return mgr, registry
 
 
@@ -107,7 +109,8 @@ async def run_turn(
     stop: StopKind = StopKind.TOOL_USE,
 ) -> TurnResult:
     async with mgr.turn(prompt, hint, max_tokens) as turn:
-        request = turn.engine_request(f"r{next(_ids)}", SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        request = turn.engine_request(f"r{next(_ids)}",
+                                      SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         async for out in group.submit(turn.rank, request):
             turn.feed(out)
         assert turn.last_output is not None and turn.last_output.finished

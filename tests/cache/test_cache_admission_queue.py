@@ -24,7 +24,7 @@ def test_admission_queue_fifo_and_notify() -> None:
         room = {"free": 0}
         order: list[str] = []
 
-        def want(name: str, n: int):  # noqa: ANN202
+        def want(name: str, n: int):
             def try_admit(level: AdmitLevel) -> bool:
                 if room["free"] >= n:
                     room["free"] -= n

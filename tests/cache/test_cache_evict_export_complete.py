@@ -70,8 +70,10 @@ async def _eight_agents(wall_s_per_step: float) -> list[int]:
         assert mgr.num_evicted_unbacked_blocks == 0
         assert mgr.num_partial_prefix_admissions == 0 and mgr.num_lost_prefix_tokens == 0
         assert registry.get_sample_value("deepinfer_cache_partial_prefix_admissions_total") == 0.0
-        unbacked = registry.get_sample_value("deepinfer_cache_evicted_blocks_total", {"tier": "l0", "l1_backed": "false"})
-        backed = registry.get_sample_value("deepinfer_cache_evicted_blocks_total", {"tier": "l0", "l1_backed": "true"})
+        unbacked = registry.get_sample_value("deepinfer_cache_evicted_blocks_total",
+                                             {"tier": "l0", "l1_backed": "false"})
+        backed = registry.get_sample_value("deepinfer_cache_evicted_blocks_total",
+                                           {"tier": "l0", "l1_backed": "true"})
         assert not unbacked and backed and backed > 0
     finally:
         await group.close()

@@ -12,7 +12,8 @@ from tests.cache.cache_harness import make_group, make_manager, run_turn, settle
 
 
 def _gauge(registry: object, name: str, rank: int) -> float:
-    value = registry.get_sample_value(f"deepinfer_cache_{name}", {"rank": str(rank)})  # type: ignore[attr-defined]
+    value = registry.get_sample_value(f"deepinfer_cache_{name}",
+                                      {"rank": str(rank)})  # type: ignore[attr-defined]
     assert value is not None, name
     return float(value)
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from cache.idle_load import IdleLoad
 from cache.sessions import SessionTable, StopKind, session_id_for_hint
@@ -24,7 +23,8 @@ def _walk(table: SessionTable, now_s: float, num_ranks: int) -> list[int]:
 # boundaries of the counting window (gap - horizon, horizon) where rounding could bite.
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["arrive", "arrive", "finish", "finish", "abort", "move", "forget", "advance", "boundary",
+        st.sampled_from(["arrive", "arrive", "finish", "finish", "abort", "move", "forget", "advance",
+                         "boundary",
                          "boundary", "boundary", "back", "restart"]),
         st.integers(0, 5),
         st.floats(0.0, 3000.0, allow_nan=False, allow_infinity=False),
@@ -41,7 +41,7 @@ def test_idle_load_equals_the_walk(ops: list[tuple[str, int, float]], kinds: lis
     idle = IdleLoad(num_ranks, HORIZON_S, table)
     now = [1000.0]
 
-    def session(i: int):  # noqa: ANN202
+    def session(i: int):
         s = table.get(session_id_for_hint(f"s{i}"))
         return s if s is not None else table.create(f"s{i}", now[0])
 

@@ -62,7 +62,8 @@ def _store(
 def _manager(group: LocalRankGroup, store: L2Store | None, **overrides: object) -> CacheManager:
     values: dict[str, object] = {"queue_recheck_s": 0.01, "l1_write_watermark": 0.0, "hash_salt": SALT}
     values.update(overrides)
-    return CacheManager(group, CacheConfig(**values), CacheMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+    return CacheManager(group, CacheConfig(**values), CacheMetrics(CollectorRegistry()),
+                        # type: ignore[arg-type]
                         clock=asyncio.get_running_loop().time, l2=store)
 
 

@@ -76,7 +76,8 @@ def test_l1_moved_session_still_hits_on_new_rank() -> None:
             assert third.admission.rank == 1 - src and third.admission.cached_tokens_by_tier[Tier.L0] >= 288
             await settle(mgr, group)
             # the copies left on the old rank go first when that rank needs room
-            victims = mgr.l0[src].evict(1000, mgr.policy.scorer(src, 0.0), mgr.policy.chooser(src, 0.0, False))
+            victims = mgr.l0[src].evict(1000, mgr.policy.scorer(src, 0.0),
+                                        mgr.policy.chooser(src, 0.0, False))
             assert len(victims) > 0
             await group.release(src, [v.block_id for v in victims])
             await settle(mgr, group)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+
 from tests.cache.cache_harness import make_group, make_manager
 
 

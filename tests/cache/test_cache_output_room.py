@@ -97,7 +97,8 @@ async def _group(engine: str) -> tuple[Any, CacheConfig]:
 def _run(engine: str, body: Callable[[CacheManager, Any], Awaitable[None]]) -> None:
     async def main() -> None:
         group, config = await _group(engine)
-        mgr = CacheManager(group, config, CacheMetrics(CollectorRegistry()), clock=asyncio.get_running_loop().time)
+        mgr = CacheManager(group, config, CacheMetrics(CollectorRegistry()),
+                           clock=asyncio.get_running_loop().time)
         try:
             await body(mgr, group)
             await mgr.drain()
@@ -168,7 +169,7 @@ def test_growth_over_a_pool_held_by_running_replies_is_counted_and_new_turns_wai
             await asyncio.sleep(0.001)
         assert mgr.output_room.num_short_blocks > 0, "the replies' growth never overcommitted the pool"
         queued_before = mgr.queue.num_queued
-        n, last = await _turn(mgr, group, _ids_for("reference", 40, 9), "late", 4)
+        _, last = await _turn(mgr, group, _ids_for("reference", 40, 9), "late", 4)
         assert last.finish_reason is FinishReason.LENGTH and mgr.queue.num_queued == queued_before + 1
         results = await asyncio.gather(*long)
         assert any(r[1].finish_reason is FinishReason.LENGTH and r[0] == 540 for r in results), results

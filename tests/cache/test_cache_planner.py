@@ -116,7 +116,8 @@ def test_l1_longer_than_l0_plans_a_restore() -> None:
     write = state.l1.plan_write(SessionId("hint:a"), A, NOW)
     assert write is not None
     state.l1.commit(write, NOW)
-    evicted = state.l0[0].evict(2, lambda owner: 1.0 if owner == SessionId("hint:a") else 0.0, lambda owner: True)
+    evicted = state.l0[0].evict(2, lambda owner: 1.0 if owner == SessionId("hint:a") else 0.0,
+                                lambda owner: True)
     assert _ids(tuple(evicted)) == [4, 3]
     plan = planner.ask(0, A, 18, 5)  # L0 holds a0..a1, L1 a0..a3: 3 usable, 2 resident
     assert plan == AdmitPlan(rank=0, num_l0=2, num_restore=1, need=3, num_free=7)

@@ -36,7 +36,8 @@ def test_prefetched_blocks_count_as_l1_in_the_admission_and_the_metrics() -> Non
             # The GPU needed the room: a's blocks were dropped (L1 keeps the copy).
             victims = mgr.l0[0].evict(1000, mgr.policy.scorer(0, 0.0), mgr.policy.chooser(0, 0.0, True))
             await group.release(0, [v.block_id for v in victims])
-            before = {t: registry.get_sample_value("deepinfer_cache_cached_tokens_total", {"tier": t}) for t in
+            before = {t: registry.get_sample_value("deepinfer_cache_cached_tokens_total", {"tier": t})
+                      for t in
                       ("l0", "l1")}
             mgr.prefetch("a")  # as the service does once the headers are read
             await mgr.drain()  # the prefetch lands before the prompt is even tokenized

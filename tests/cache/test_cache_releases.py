@@ -12,7 +12,8 @@ from tests.cache.cache_harness import SizesOnlyClient
 
 
 def _state(client: SizesOnlyClient) -> CacheState:
-    return CacheState(client, CacheConfig(reserve_blocks=0, usable_fraction=1.0), None,  # type: ignore[arg-type]
+    return CacheState(client, CacheConfig(reserve_blocks=0, usable_fraction=1.0), None,
+                      # type: ignore[arg-type]
                       clock=asyncio.get_running_loop().time)
 
 

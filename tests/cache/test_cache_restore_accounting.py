@@ -112,7 +112,6 @@ def test_blocks_whose_release_is_in_flight_are_not_free() -> None:
 
 def test_restore_retries_while_the_engine_reaps_an_aborted_sequence() -> None:
     async def main() -> None:
-        rng = np.random.default_rng(5)
         group = await make_group("null", num_blocks=64, num_ranks=1, host_slots=64)
         mgr, _ = make_manager(group)
         num_short = 0

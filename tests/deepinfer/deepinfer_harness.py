@@ -52,7 +52,8 @@ def make_engine(patched: bool = True, host_slots: int = 0, core: Any = None, pre
     opts.update(fake_options)
     api = fake_deepinfer.make_api(patched=patched, core=core, **opts)
     pool = HostPoolStub(host_slots) if host_slots else None
-    return DeepInferEngine(settings(prefix_cache=prefix_cache, **(settings_overrides or {})), host_pool=pool, api=api)
+    return DeepInferEngine(settings(prefix_cache=prefix_cache, **(settings_overrides or {})), host_pool=pool,
+                           api=api)
 
 
 def prompt(n: int, seed: int) -> np.ndarray:
@@ -62,7 +63,8 @@ def prompt(n: int, seed: int) -> np.ndarray:
 def request(rid: str, ids: np.ndarray, max_tokens: int = 8, prefix: list[int] | None = None,
             keep: bool = True, **sampling: Any) -> EngineRequest:
     prefix = prefix or []
-    return EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens, **sampling), prefix, BS * len(prefix), keep)
+    return EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens, **sampling), prefix,
+                         BS * len(prefix), keep)
 
 
 def cold_tokens(rid: str, ids: np.ndarray, max_tokens: int, **engine_kwargs: Any) -> list[int]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.deepinfer.deepinfer_harness import BS, Transcript, cold_tokens, drive, make_engine, prompt, request
 
 from rank.engine import EngineMisuse, FinishReason
+from tests.deepinfer.deepinfer_harness import BS, Transcript, cold_tokens, drive, make_engine, prompt, request
 
 
 def _finish_and_keep(engine, rid: str, n_prompt: int, max_tokens: int, seed: int):

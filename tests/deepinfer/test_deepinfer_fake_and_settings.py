@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.deepinfer.deepinfer_harness import drive, make_engine, prompt, request
 
 from rank.deepinfer_settings import DeepInferSettings, patch_missing_reason
 from standins import fake_deepinfer as fake
+from tests.deepinfer.deepinfer_harness import drive, make_engine, prompt, request
 
 
 def _engine_with_kept(n_prompt: int = 600):

@@ -22,10 +22,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.deepinfer.deepinfer_harness import BS, cold_tokens, drive, make_engine, prompt, random_scenario, request
 
 from rank.deepinfer_settings import patch_missing_reason
 from rank.engine import EngineMisuse, FinishReason, usable_prefix_blocks
+from tests.deepinfer.deepinfer_harness import (
+    BS,
+    cold_tokens,
+    drive,
+    make_engine,
+    prompt,
+    random_scenario,
+    request,
+)
 from tests.engines.engine_kits import native_core
 
 pytestmark = pytest.mark.deepinfer_build
@@ -145,7 +153,8 @@ def test_real_scheduler_refuses_bad_prefixes_without_side_effects(native: dict) 
     for name, (seq, blocks, num_cached, swa) in bad_calls.items():
         with pytest.raises(RuntimeError):
             llm.scheduler.add_sequence_with_prefix(seq, blocks, num_cached, swa)
-        assert (llm.block_manager.get_num_free_blocks(), llm.scheduler.get_num_unfinished_seqs()) == before, name
+        assert (llm.block_manager.get_num_free_blocks(),
+                llm.scheduler.get_num_unfinished_seqs()) == before, name
         assert seq.block_table == [] and seq.num_cached_tokens == 0, name
     queued = new_seq(rid="q")
     llm.scheduler.add_sequence_with_prefix(queued, kept[:1], 128, 128)
@@ -189,7 +198,8 @@ def test_too_long_and_preempted_end_with_errors(native: dict) -> None:
         engine.add(request(f"g{i}", prompt(250, 13 + i), 300, ignore_eos=True))
     t = drive(engine)
     assert "prompt_length_exceeded" in t.terminal("long").error
-    errors = [t.terminal(f"g{i}").error for i in range(3) if t.terminal(f"g{i}").finish_reason is FinishReason.ERROR]
+    errors = [t.terminal(f"g{i}").error
+              for i in range(3) if t.terminal(f"g{i}").finish_reason is FinishReason.ERROR]
     assert errors and all("insufficient_system_resource" in e for e in errors)
     for i in range(3):
         engine.release(t.terminal(f"g{i}").kept_blocks)

@@ -1,13 +1,14 @@
-"""The stand-in's null forward (bench/decode_bench.py) and the adapter's per-step reading of DeepInfer's outputs."""
+"""The stand-in's null forward (bench/decode_bench.py) and the adapter's per-step reading of
+DeepInfer's outputs."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-from tests.deepinfer.deepinfer_harness import drive, make_engine, prompt, random_scenario, request
 
 from rank.engine import FinishReason
+from tests.deepinfer.deepinfer_harness import drive, make_engine, prompt, random_scenario, request
 
 EXTRA_TOKEN = 7
 

@@ -35,8 +35,10 @@ class StreamJsonSession:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._stdout: list[str] = []
         self._stderr: list[str] = []
-        self._readers = [threading.Thread(target=self._pump, args=(self.proc.stdout, self._stdout, True), daemon=True),
-                         threading.Thread(target=self._pump, args=(self.proc.stderr, self._stderr, False), daemon=True)]
+        self._readers = [threading.Thread(target=self._pump, args=(self.proc.stdout, self._stdout, True),
+                                          daemon=True),
+                         threading.Thread(target=self._pump, args=(self.proc.stderr, self._stderr, False),
+                                          daemon=True)]
         for reader in self._readers:
             reader.start()
 
@@ -59,9 +61,11 @@ class StreamJsonSession:
             try:
                 line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no result within {timeout_s} s for {prompt!r}:\n{''.join(self._stderr)[-2000:]}") from None
+                raise AssertionError(f"no result within {timeout_s} s for "
+                                     f"{prompt!r}:\n{''.join(self._stderr)[-2000:]}") from None
             if line is None:
-                raise AssertionError(f"claude exited before answering {prompt!r}:\n{''.join(self._stderr)[-2000:]}")
+                raise AssertionError("claude exited before answering "
+                                     f"{prompt!r}:\n{''.join(self._stderr)[-2000:]}")
             with contextlib.suppress(ValueError):
                 event = json.loads(line)
                 if event.get("type") == "result":
@@ -102,14 +106,17 @@ class TuiSession:
         (home / ".claude.json").write_text(json.dumps({
             "hasCompletedOnboarding": True,
             "customApiKeyResponses": {"approved": [API_KEY[-20:]], "rejected": []},
-            "projects": {str(project): {"hasTrustDialogAccepted": True, "hasCompletedProjectOnboarding": True}},
+            "projects": {str(project): {"hasTrustDialogAccepted": True,
+                                        "hasCompletedProjectOnboarding": True}},
         }))
         env = claude_env(base_url, home, extra={"TERM": "xterm-256color"})
-        command = "env -i " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " " + shlex.quote(str(binary))
+        command = "env -i " + " ".join(shlex.quote(f"{k}={v}")
+                                       for k, v in env.items()) + " " + shlex.quote(str(binary))
         self._tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "50", "-c", str(project), command)
 
     def _tmux(self, *args: str) -> str:
-        out = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=30, check=False)
+        out = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=30,
+                             check=False)
         if out.returncode != 0:
             raise RuntimeError(f"tmux {' '.join(args[:2])} failed: {out.stderr.strip()}")
         return out.stdout

@@ -257,7 +257,8 @@ def assert_success(run: ClaudeRun, num_turns: int | None = None) -> None:
         assert run.result.get("num_turns") == num_turns, run.describe()
 
 
-def claude_env(base_url: str, home: Path, *, model: str = MODEL, extra: dict[str, str] | None = None) -> dict[str, str]:
+def claude_env(base_url: str, home: Path, *, model: str = MODEL,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
     """A clean environment: only what the CLI needs (no inherited ANTHROPIC_* or proxies)."""
     env = {
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -299,7 +300,8 @@ def start_claude(
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     fmt = ["--output-format", "stream-json", "--verbose"] if stream_json else ["--output-format", "json"]
     proc = subprocess.Popen(
-        [str(binary), "-p", *([prompt] if prompt is not None else []), *fmt, *args, "--dangerously-skip-permissions"],
+        [str(binary), "-p", *([prompt] if prompt is not None else []), *fmt, *args,
+         "--dangerously-skip-permissions"],
         cwd=project, env=claude_env(base_url, home, model=model, extra=extra_env),
         stdin=subprocess.DEVNULL if prompt is not None else subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -307,7 +309,8 @@ def start_claude(
     return proc, home, time.monotonic()
 
 
-def finish_claude(proc: subprocess.Popen[str], home: Path, project: Path, t0: float, timeout_s: float) -> ClaudeRun:
+def finish_claude(proc: subprocess.Popen[str], home: Path, project: Path, t0: float,
+                  timeout_s: float) -> ClaudeRun:
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

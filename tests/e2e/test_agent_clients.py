@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,8 +27,10 @@ pytestmark = [pytest.mark.agent_clients, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = Path(os.environ.get("AGENT_CLIENTS_DIR", ROOT / ".cache" / "agent-clients"))
 MATRIX = os.environ.get("AGENT_MATRIX_OUT")  # one JSON line per check, for the matrix table
-VERSIONS = {"codex": os.environ.get("CODEX_VERSION", "0.169.0"), "opencode": os.environ.get("OPENCODE_VERSION", "1.18.33"),
-            "openai-agents": os.environ.get("OPENAI_AGENTS_VERSION", "0.24.0"), "aider": os.environ.get("AIDER_VERSION", "0.86.2")}
+VERSIONS = {"codex": os.environ.get("CODEX_VERSION", "0.169.0"),
+            "opencode": os.environ.get("OPENCODE_VERSION", "1.18.33"),
+            "openai-agents": os.environ.get("OPENAI_AGENTS_VERSION", "0.24.0"),
+            "aider": os.environ.get("AIDER_VERSION", "0.86.2")}
 README = "The launch code is PURPLE-OTTER-42.\n"
 
 
@@ -47,7 +48,8 @@ def record(client: str, wire: str, check: str, result: str) -> None:
 
 
 def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
-    base = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TERM": "dumb"}
+    base = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+            "TERM": "dumb"}
     return subprocess.run(cmd, cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
@@ -71,8 +73,10 @@ def codex(backend, tmp_path: Path, prompt: str) -> tuple[subprocess.CompletedPro
     home.mkdir(exist_ok=True)
     project.mkdir(exist_ok=True)
     (home / "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "local"\napproval_policy = "never"\nsandbox_mode = "danger-full-access"\n\n'
-        f'[model_providers.local]\nname = "local"\nbase_url = "{backend.base_url}/v1"\nenv_key = "LOCAL_KEY"\n'
+        f'model = "{MODEL}"\nmodel_provider = "local"\napproval_policy = "never"\nsandbox_mode = '
+        '"danger-full-access"\n\n'
+        f'[model_providers.local]\nname = "local"\nbase_url = "{backend.base_url}/v1"\nenv_key = '
+        '"LOCAL_KEY"\n'
         'wire_api = "responses"\n')
     return run([str(binary), "exec", "--skip-git-repo-check", "-C", str(project), prompt], project,
                {"HOME": str(home), "CODEX_HOME": str(home), "LOCAL_KEY": API_KEY}), project
@@ -113,18 +117,21 @@ def test_codex_multi_turn_hits_the_cache(backend, tmp_path: Path):
                                           backend.log_text()[start:])]
     for k in range(1, 4):
         assert rows[k][1] >= (prompts[k - 1] + rows[k - 1][2]) // 128 * 128 - 128, (rows, prompts)
-    record("codex", "responses", "4-turn session, cached tokens per turn " + "/".join(str(r[1]) for r in rows), "pass")
+    record("codex", "responses",
+           "4-turn session, cached tokens per turn " + "/".join(str(r[1]) for r in rows), "pass")
 
 
 # --- OpenCode --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("provider, wire", [("@ai-sdk/openai-compatible", "chat"), ("@ai-sdk/openai", "responses")])
+@pytest.mark.parametrize("provider, wire",
+                         [("@ai-sdk/openai-compatible", "chat"), ("@ai-sdk/openai", "responses")])
 def test_opencode_bash_round_trip(backend, tmp_path: Path, provider: str, wire: str):
     binary = need(CLIENTS / "npm" / "node_modules" / ".bin" / "opencode")
     home, project = tmp_path / "home", tmp_path / "project"
     (home / ".config" / "opencode").mkdir(parents=True)
     project.mkdir()
     (project / "README.md").write_text(README)
-    model = {"name": "ds", "tool_call": True, "reasoning": True, "limit": {"context": 1_000_000, "output": 32000}}
+    model = {"name": "ds", "tool_call": True, "reasoning": True,
+             "limit": {"context": 1_000_000, "output": 32000}}
     config = {"provider": {"local": {"npm": provider, "name": "local",
                                      "options": {"baseURL": f"{backend.base_url}/v1", "apiKey": API_KEY},
                                      "models": {MODEL: model}}},
@@ -147,14 +154,16 @@ def test_opencode_bash_round_trip(backend, tmp_path: Path, provider: str, wire: 
 def test_openai_agents_function_tool(backend, tmp_path: Path, api: str):
     python = need(CLIENTS / "agents-venv" / "bin" / "python")
     (tmp_path / "README.md").write_text(README)
-    done = run([str(python), str(Path(__file__).parent / "agent_clients" / "agents_driver.py"), f"{backend.base_url}/v1",
+    done = run([str(python), str(Path(__file__).parent / "agent_clients" / "agents_driver.py"),
+                f"{backend.base_url}/v1",
                 API_KEY, MODEL, api, str(tmp_path), "[flow:agents] What is the launch code in README.md?"],
                tmp_path, {"HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["final"] == "The launch code is PURPLE-OTTER-42."
     assert result["calls"] == [{"name": "read_file", "path": "README.md"}] and result["requests"] == 2
-    record("openai-agents", "responses (default model)" if api == "responses" else "chat (OpenAIChatCompletionsModel)",
+    record("openai-agents",
+           "responses (default model)" if api == "responses" else "chat (OpenAIChatCompletionsModel)",
            "function tool round trip", "pass")
 
 
@@ -163,7 +172,8 @@ def test_aider_search_replace_edit(backend, tmp_path: Path):
     aider = need(CLIENTS / "aider-venv" / "bin" / "aider")
     (tmp_path / "hello.py").write_text('print("hi")\n')
     done = run([str(aider), "--model", f"openai/{MODEL}", "--openai-api-base", f"{backend.base_url}/v1",
-                "--openai-api-key", API_KEY, "--no-git", "--yes-always", "--no-check-update", "--no-analytics",
+                "--openai-api-key", API_KEY, "--no-git", "--yes-always", "--no-check-update",
+                "--no-analytics",
                 "--no-show-model-warnings", "--no-pretty", "--edit-format", "diff", "--message",
                 "[flow:aider] Make hello.py greet with Hello, aider", "hello.py"],
                tmp_path, {"HOME": str(tmp_path)})

@@ -46,7 +46,8 @@ def test_read_file_and_answer(claude_bin, shared_backend, tmp_path: Path):
     assert run.result["usage"]["output_tokens"] > 0 and run.result["usage"]["input_tokens"] > 0
     assert shared_backend.messages_requests(200) - before == 2
     uses = transcript_tool_uses(run.home)
-    assert [u["name"] for u in uses] == ["Read"] and uses[0]["input"] == {"file_path": str(project / "README.md")}
+    assert [u["name"]
+            for u in uses] == ["Read"] and uses[0]["input"] == {"file_path": str(project / "README.md")}
     assert (project / "README.md").read_text() == readme  # reading changed nothing
 
 
@@ -85,7 +86,8 @@ def test_two_tool_calls_in_parallel(claude_bin, shared_backend, tmp_path: Path):
     # Both tools ran off one model reply, and both results went back in one request.
     assert_success(run)
     assert num_requests == 2 and len(run.assistant_usages()) == 2, (num_requests, run.assistant_usages())
-    assert run.result["result"] == "notes.txt says: the deploy window opens at 14:00. 6*7 = 42, saved in answer.txt."
+    assert (run.result["result"]
+            == "notes.txt says: the deploy window opens at 14:00. 6*7 = 42, saved in answer.txt.")
     assert (project / "answer.txt").read_text().strip() == "42"
     uses = run.tool_uses()
     assert sorted(u["name"] for u in uses) == ["Bash", "Read"]
@@ -97,7 +99,8 @@ def test_long_session_hits_prefix_cache(claude_bin, shared_backend, tmp_path: Pa
     backend = shared_backend
     cached_before = backend.metric_sum("deepinfer_cached_tokens_total")
     prompt_before = backend.metric_sum("deepinfer_prompt_tokens_total")
-    run = run_claude(claude_bin, "Append five steps to log.txt, one command each, then tell me the line count.",
+    run = run_claude(claude_bin,
+                     "Append five steps to log.txt, one command each, then tell me the line count.",
                      project, backend.base_url, stream_json=True)
     cached_delta = backend.metric_sum("deepinfer_cached_tokens_total") - cached_before
     prompt_delta = backend.metric_sum("deepinfer_prompt_tokens_total") - prompt_before
@@ -140,7 +143,8 @@ def test_tool_search_loads_a_deferred_tool(claude_bin, shared_backend, tmp_path:
                      shared_backend.base_url, stream_json=True)
     init = next(e for e in run.events if e.get("subtype") == "init")
     if "ToolSearch" not in init.get("tools", []):
-        pytest.skip(f"this Claude Code ({run.result.get('claude_code_version') or init.get('claude_code_version')}) "
+        pytest.skip("this Claude Code "
+                    f"({run.result.get('claude_code_version') or init.get('claude_code_version')}) "
                     "does not defer tools")
     assert_success(run)
     assert run.result["result"] == "The first cell of notebook.ipynb now prints 42."
@@ -151,7 +155,8 @@ def test_tool_search_loads_a_deferred_tool(claude_bin, shared_backend, tmp_path:
     assert len(usages) == 4, usages
     for i, usage in enumerate(usages[1:], start=2):  # request 2 is the one after ToolSearch
         total = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
-        print(f"tool search: request {i}: {usage.get('cache_read_input_tokens', 0)} of {total} prompt tokens cached")
+        print(f"tool search: request {i}: {usage.get('cache_read_input_tokens', 0)} of {total} prompt tokens "
+              "cached")
         assert usage.get("cache_read_input_tokens", 0) >= 0.9 * total, (i, usage)
     # the loaded tool's scripted call ran
     cell = json.loads((project / "notebook.ipynb").read_text())["cells"][0]
@@ -207,7 +212,8 @@ def test_unknown_model_name(claude_bin, shared_backend, tmp_path: Path):
     counts = {s: shared_backend.messages_requests(s) - n for s, n in before.items()}
     assert run.rc == 1 and run.result.get("is_error") is True, run.describe()
     assert run.result.get("api_error_status") == 410, run.describe()
-    assert run.result["result"] == "API Error: 410 Model 'claude-sonnet-4-5' is not available on this endpoint"
+    assert (run.result["result"]
+            == "API Error: 410 Model 'claude-sonnet-4-5' is not available on this endpoint")
     assert counts == {200: 0, 400: 0, 404: 0, 410: 1}, counts  # one request: not retried
     assert sorted(p.name for p in project.iterdir()) == ["README.md"]  # nothing ran
 
@@ -251,5 +257,6 @@ def test_rank_killed_mid_turn(claude_bin, tmp_path: Path):
 
 
 def _pytest_env() -> dict[str, str]:
-    return {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "HOME": os.environ.get("HOME", "/tmp")}
+    return {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            "HOME": os.environ.get("HOME", "/tmp")}
 

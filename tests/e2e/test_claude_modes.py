@@ -61,7 +61,8 @@ def test_continue_resumes_the_session_from_the_cache(claude_bin, shared_backend,
 
 def test_tui_context_and_compact(claude_bin, shared_backend, tmp_path: Path):
     project = make_project(tmp_path)
-    before = {k: shared_backend.metrics().get(f'deepinfer_requests_total{{route="count_tokens",status="{k}"}}', 0.0)
+    before = {
+        k: shared_backend.metrics().get(f'deepinfer_requests_total{{route="count_tokens",status="{k}"}}', 0.0)
               for k in ("200", "400")}
     try:
         tui = TuiSession(claude_bin, project, shared_backend.base_url, "claude-e2e")
@@ -77,7 +78,9 @@ def test_tui_context_and_compact(claude_bin, shared_backend, tmp_path: Path):
         # /context: Claude Code counts each part of its prompt with POST /v1/messages/count_tokens
         tui.type_line("/context")
         usage = tui.wait_for(r"(?i)([\d.]+)k/[\d.]+[km]? tokens")
-        counted = {k: shared_backend.metrics().get(f'deepinfer_requests_total{{route="count_tokens",status="{k}"}}', 0.0)
+        counted = {
+            k: shared_backend.metrics().get(f'deepinfer_requests_total{{route="count_tokens",status="{k}"}}',
+                                            0.0)
                    - v for k, v in before.items()}
         assert counted["200"] >= 1 and counted["400"] == 0, counted
         assert float(usage.group(1)) >= 1.0, usage.group(0)  # thousands of tokens, as counted here

@@ -60,13 +60,15 @@ def run_tool(project: Path, name: str, arguments: dict[str, Any]) -> str:
 def complete(client, messages: list[dict[str, Any]], stream: bool) -> tuple[dict[str, Any], str, Any]:
     """One chat completion as (assistant message dict, finish_reason, usage), streamed or not."""
     if not stream:
-        resp = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS)
+        resp = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                              max_tokens=MAX_TOKENS)
         choice = resp.choices[0]
         msg = choice.message.model_dump(exclude_none=True)
         return msg, choice.finish_reason, resp.usage
     content, calls, finish, usage = "", {}, None, None
     for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True,
-                                                max_tokens=MAX_TOKENS, stream_options={"include_usage": True}):
+                                                max_tokens=MAX_TOKENS,
+                                                stream_options={"include_usage": True}):
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
@@ -109,7 +111,8 @@ def agent_loop(client, project: Path, prompt: str, stream: bool, max_turns: int 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_read_file_and_answer(client, tmp_path: Path, stream: bool):
     (tmp_path / "README.md").write_text("The launch code is PURPLE-OTTER-42.\n")
-    answer, calls, _ = agent_loop(client, tmp_path, "[flow:read] What is the launch code in README.md?", stream)
+    answer, calls, _ = agent_loop(client, tmp_path, "[flow:read] What is the launch code in README.md?",
+                                  stream)
     assert calls == [("read_file", {"path": "README.md"})]
     assert answer == "The launch code is PURPLE-OTTER-42."
 
@@ -119,13 +122,15 @@ def test_parallel_tool_calls(client, tmp_path: Path, stream: bool):
     (tmp_path / "notes.txt").write_text("Note: the deploy window opens at 14:00\n")
     answer, calls, _ = agent_loop(client, tmp_path, "[flow:parallel] Read notes.txt and compute 6*7.", stream)
     # One reply, two calls; the integer parameter arrives as a JSON number.
-    assert calls == [("read_file", {"path": "notes.txt"}), ("run_command", {"command": "echo $((6*7))", "timeout_s": 10})]
+    assert calls == [("read_file", {"path": "notes.txt"}),
+                     ("run_command", {"command": "echo $((6*7))", "timeout_s": 10})]
     assert answer == "notes.txt says: the deploy window opens at 14:00. 6*7 = 42."
 
 
 def test_multi_turn_chain_hits_prefix_cache(client, backend, tmp_path: Path):
     cached_before = backend.metric_sum("deepinfer_cached_tokens_total")
-    answer, calls, usages = agent_loop(client, tmp_path, "[flow:chain] Log three lines, then count them.", True)
+    answer, calls, usages = agent_loop(client, tmp_path, "[flow:chain] Log three lines, then count them.",
+                                       True)
     assert [c[0] for c in calls] == ["run_command"] * 3
     assert (tmp_path / "log.txt").read_text() == "one\ntwo\nthree\n"
     assert answer == "log.txt has 3 lines."
@@ -137,7 +142,8 @@ def test_multi_turn_chain_hits_prefix_cache(client, backend, tmp_path: Path):
 
 def test_unknown_model_is_a_400_in_openai_shape(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}],
+                                       tools=TOOLS)
     assert info.value.body["message"] == "Model 'gpt-4o' is not available on this endpoint"
 
 

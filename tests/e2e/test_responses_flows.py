@@ -18,9 +18,11 @@ from tests.e2e.test_openai_flows import backend, client, run_tool  # noqa: F401 
 pytestmark = pytest.mark.timeout(300)
 
 TOOLS = [
-    {"type": "function", "name": "read_file", "description": "Read a text file of the project.", "strict": False,
+    {"type": "function", "name": "read_file", "description": "Read a text file of the project.",
+     "strict": False,
      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
-    {"type": "function", "name": "run_command", "description": "Run a shell command in the project directory.",
+    {"type": "function", "name": "run_command",
+     "description": "Run a shell command in the project directory.",
      "strict": False, "parameters": {"type": "object", "properties": {
          "command": {"type": "string"}, "timeout_s": {"type": "integer"}}, "required": ["command"]}},
     {"type": "web_search"},  # Codex sends it; accepted and not shown to the model
@@ -71,16 +73,20 @@ def agent_loop(client, project: Path, prompt: str, stream: bool, max_turns: int 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_read_file_and_answer(client, tmp_path: Path, stream: bool):
     (tmp_path / "README.md").write_text("The launch code is PURPLE-OTTER-42.\n")
-    answer, calls, _ = agent_loop(client, tmp_path, "[flow:read] What is the launch code in README.md?", stream)
+    answer, calls, _ = agent_loop(client, tmp_path, "[flow:read] What is the launch code in README.md?",
+                                  stream)
     assert calls == [("read_file", {"path": "README.md"})]
     assert answer == "The launch code is PURPLE-OTTER-42."
 
 
 def test_parallel_calls_stream_events(client, tmp_path: Path):
     (tmp_path / "notes.txt").write_text("Note: the deploy window opens at 14:00\n")
-    resp, types = respond(client, [{"role": "user", "content": "[flow:parallel] Read notes.txt and compute 6*7."}], True)
+    resp, types = respond(client,
+                          [{"role": "user", "content": "[flow:parallel] Read notes.txt and compute 6*7."}],
+                          True)
     assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
-    assert [(i["name"], json.loads(i["arguments"])) for i in resp["output"] if i["type"] == "function_call"] == [
+    assert [(i["name"], json.loads(i["arguments"]))
+            for i in resp["output"] if i["type"] == "function_call"] == [
         ("read_file", {"path": "notes.txt"}), ("run_command", {"command": "echo $((6*7))", "timeout_s": 10})]
     answer, _, _ = agent_loop(client, tmp_path, "[flow:parallel] Read notes.txt and compute 6*7.", True)
     assert answer == "notes.txt says: the deploy window opens at 14:00. 6*7 = 42."
@@ -88,7 +94,8 @@ def test_parallel_calls_stream_events(client, tmp_path: Path):
 
 def test_multi_turn_chain_hits_prefix_cache(client, backend, tmp_path: Path):
     hits_before = backend.metric_sum("deepinfer_cached_tokens_total")
-    answer, calls, usages = agent_loop(client, tmp_path, "[flow:chain] Log three lines, then count them.", True)
+    answer, calls, usages = agent_loop(client, tmp_path, "[flow:chain] Log three lines, then count them.",
+                                       True)
     assert [c[0] for c in calls] == ["run_command"] * 3 and answer == "log.txt has 3 lines."
     cached = [u["input_tokens_details"]["cached_tokens"] for u in usages]
     # every later turn reuses the whole previous prompt + output, rounded down to KV blocks
@@ -99,10 +106,12 @@ def test_multi_turn_chain_hits_prefix_cache(client, backend, tmp_path: Path):
 
 def test_previous_response_id_chain(client, tmp_path: Path):
     (tmp_path / "README.md").write_text("The launch code is PURPLE-OTTER-42.\n")
-    first, _ = respond(client, [{"role": "user", "content": "[flow:read] What is the launch code in README.md?"}],
+    first, _ = respond(client,
+                       [{"role": "user", "content": "[flow:read] What is the launch code in README.md?"}],
                        False, store=True)
-    call = [i for i in first["output"] if i["type"] == "function_call"][0]
-    out = {"type": "function_call_output", "call_id": call["call_id"], "output": run_tool(tmp_path, "read_file", {"path": "README.md"})}
+    call = next(i for i in first["output"] if i["type"] == "function_call")
+    out = {"type": "function_call_output", "call_id": call["call_id"],
+           "output": run_tool(tmp_path, "read_file", {"path": "README.md"})}
     second, _ = respond(client, [out], False, store=True, previous_response_id=first["id"])
     assert second["output"][-1]["content"][0]["text"] == "The launch code is PURPLE-OTTER-42."
     assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
@@ -113,5 +122,6 @@ def test_previous_response_id_chain(client, tmp_path: Path):
 
 def test_unknown_tool_type_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=MODEL, input="hi", tools=[{"type": "file_search", "vector_store_ids": ["x"]}])
+        client.responses.create(model=MODEL, input="hi",
+                                tools=[{"type": "file_search", "vector_store_ids": ["x"]}])
     assert info.value.body["param"] == "tools.0.type" and "file_search" in info.value.body["message"]

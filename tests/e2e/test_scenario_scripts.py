@@ -61,4 +61,5 @@ def test_every_reply_parses_back(path: Path, mode: str):
             want_reasoning = fill_template(reply.reasoning, values, set()) if mode == "thinking" else ""
             assert reasoning == want_reasoning, reply.name
             assert content == fill_template(reply.text, values, set()).strip(), reply.name
-            assert calls == [(c.name, fill_value(c.arguments, values, set())) for c in reply.tool_calls], reply.name
+            assert calls == [(c.name, fill_value(c.arguments, values, set()))
+                             for c in reply.tool_calls], reply.name

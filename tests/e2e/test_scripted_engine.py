@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from rank.host_pool import HostPool
 from rank.engine import EngineMisuse, EngineRequest, FinishReason, RequestOutput, SamplingParams
+from rank.host_pool import HostPool
 from standins.scripted_engine import (
     ASSISTANT_ID,
     END_THINK_ID,
@@ -64,7 +63,9 @@ def make_script(**kw) -> Script:
     return Script.model_validate(base)
 
 
-def prompt_ids(tok, turns: list[str], thinking: bool = True, system: str = "You are a careful coding agent. " * 6 + "Primary working directory: /tmp/proj") -> np.ndarray:
+def prompt_ids(tok, turns: list[str], thinking: bool = True,
+               system: str = "You are a careful coding agent. " * 6
+               + "Primary working directory: /tmp/proj") -> np.ndarray:
     """BOS system <User>t0<Assistant>...: earlier turns get a canned answer + EOS."""
     ids = [0] + tok.encode(system + "\n", add_special_tokens=False).ids
     for i, turn in enumerate(turns):
@@ -78,11 +79,13 @@ def prompt_ids(tok, turns: list[str], thinking: bool = True, system: str = "You 
 
 def make_engine(tok, script: Script | None = None, num_blocks: int = 64, **kw) -> ScriptedEngine:
     return ScriptedEngine(script or make_script(), tok, block_size=BS, num_blocks=num_blocks,
-                          max_model_len=kw.pop("max_model_len", 4096), max_num_batched_tokens=kw.pop("mnbt", 40), **kw)
+                          max_model_len=kw.pop("max_model_len", 4096),
+                          max_num_batched_tokens=kw.pop("mnbt", 40), **kw)
 
 
 def req(rid: str, ids: np.ndarray, max_tokens: int = 1000, **kw) -> EngineRequest:
-    return EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=kw.pop("ignore_eos", False)), **kw)
+    return EngineRequest(rid, ids,
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=kw.pop("ignore_eos", False)), **kw)
 
 
 def run(engine: ScriptedEngine) -> dict[str, list[RequestOutput]]:
@@ -108,7 +111,8 @@ def test_thinking_mode_tool_call_tokens(tok):
     outs = run(eng)["a"]
     ids = all_ids(outs)
     expected = ('I should read the file.</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="Read">\n'
-                '<｜DSML｜ parameter name="file_path" string="true">/tmp/proj/README.md</｜DSML｜ parameter>\n'
+                '<｜DSML｜ parameter name="file_path" string="true">'
+                '/tmp/proj/README.md</｜DSML｜ parameter>\n'
                 '<｜DSML｜ parameter name="limit" string="false">50</｜DSML｜ parameter>\n'
                 '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
     assert tok.decode(ids, skip_special_tokens=False) == expected + "<｜end▁of▁sentence｜>"
@@ -133,7 +137,8 @@ def test_chat_mode_drops_reasoning_and_parallel_calls(tok):
 def test_matching_turn_vars_regex_default(tok):
     eng = make_engine(tok)
     cases = {
-        "t2": (["What is in README.md?", "<tool_result>12 lines\n40 lines</tool_result>"], "Got it.</think>It has 40 lines."),
+        "t2": (["What is in README.md?", "<tool_result>12 lines\n40 lines</tool_result>"],
+               "Got it.</think>It has 40 lines."),
         "re": (["which color is it"], "</think>a colour"),
         "notre": (["which color is green"], "</think>no idea"),
         "def": (["hello"], "</think>no idea"),
@@ -220,7 +225,8 @@ def test_no_capacity_alone_is_error_but_waits_behind_running(tok):
     eng2.add(req("a", np.arange(2, 60, dtype=np.int32), keep_blocks=False))
     eng2.add(req("b", np.arange(2, 60, dtype=np.int32), keep_blocks=False))
     outs = run(eng2)
-    assert outs["a"][-1].finish_reason is FinishReason.STOP and outs["b"][-1].finish_reason is FinishReason.STOP
+    assert (outs["a"][-1].finish_reason is FinishReason.STOP
+            and outs["b"][-1].finish_reason is FinishReason.STOP)
 
 
 def test_export_import_round_trip_keeps_content(tok, tmp_path):
@@ -322,9 +328,11 @@ def test_include_scopes_replies_and_merges_vars(tok, tmp_path: Path):
         "replies": [{"name": "a1", "turn": 1, "text": "alpha {{x}}"}]}))
     (tmp_path / "b.json").write_text(json.dumps({
         "scope": "BETA", "replies": [{"name": "b1", "turn": 1, "prompt_match": "x=", "text": "beta"}]}))
-    (tmp_path / "all.json").write_text(json.dumps({"include": ["a.json", "b.json"], "default": {"text": "none"}}))
+    (tmp_path / "all.json").write_text(json.dumps({"include": ["a.json", "b.json"],
+                                                   "default": {"text": "none"}}))
     script = load_script(tmp_path / "all.json")
-    assert [r.name for r in script.replies] == ["a1", "b1"] and script.replies[1].prompt_match == ["BETA", "x="]
+    assert [r.name for r in script.replies] == ["a1",
+                                                "b1"] and script.replies[1].prompt_match == ["BETA", "x="]
     eng = make_engine(tok, script)
     eng.add(req("a", prompt_ids(tok, ["ALPHA x=7"])))
     eng.add(req("b", prompt_ids(tok, ["BETA x=7"])))

@@ -28,7 +28,8 @@ class Kit:
     name: str
     block_size: int
     vocab_size: int
-    build: Callable[..., Engine]  # build(tmp, num_blocks=, host_slots=, budget=, max_num_seqs=, max_model_len=)
+    build: Callable[...,
+                    Engine]  # build(tmp, num_blocks=, host_slots=, budget=, max_num_seqs=, max_model_len=)
     too_long_error: str  # a word of the error a prompt over max_model_len ends with
     out_of_blocks_error: str  # ... and of the one a decode that finds no free block ends with
 
@@ -77,7 +78,8 @@ def drive(engine: Engine, transcript: Transcript | None = None, max_steps: int =
     for i in range(max_steps):
         if before_step is not None:
             before_step(i)
-        group_has_work = engine.lockstep_has_work() if owns_lockstep else engine.has_work()  # type: ignore[attr-defined]
+        group_has_work = (engine.lockstep_has_work()
+                          if owns_lockstep else engine.has_work())  # type: ignore[attr-defined]
         outs = engine.step()
         t.steps += 1
         t.record(outs)
@@ -109,7 +111,8 @@ def _reference(model: str) -> Kit:
               max_model_len: int = 400) -> Engine:
         from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
-        config = ReferenceEngineConfig(model=model, block_size=16, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        config = ReferenceEngineConfig(model=model, block_size=16, num_blocks=num_blocks,
+                                       max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=budget, max_model_len=max_model_len)
         return ReferenceEngine(config, _host_pool(tmp, host_slots, _REFERENCE_BYTES_PER_BLOCK[model]))
 
@@ -125,7 +128,8 @@ def _scripted() -> Kit:
         script = Script.model_validate({"tokens_per_step": 3, "replies": [],
                                         "default": {"name": "default", "text": "A scripted reply."}})
         return ScriptedEngine(script, _tokenizer(load_tokenizer), block_size=16, num_blocks=num_blocks,
-                              max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=budget,
                               host_pool=_host_pool(tmp, host_slots, 16 * 4))
 
     return Kit("scripted", 16, 129280, build, "max_model_len", "KV pool exhausted")
@@ -166,10 +170,12 @@ def _deepinfer(core: str) -> Kit:
 
         native = native_core() if core == "installed" else {}
         return make_engine(host_slots=host_slots, num_gpu_blocks=num_blocks, **native,
-                           settings_overrides={"max_model_len": max_model_len, "max_num_batched_tokens": budget,
+                           settings_overrides={"max_model_len": max_model_len,
+                                               "max_num_batched_tokens": budget,
                                                "max_num_seqs": max_num_seqs})
 
-    return Kit(f"deepinfer-{core}", 128, 1000, build, "prompt_length_exceeded", "insufficient_system_resource")
+    return Kit(f"deepinfer-{core}", 128, 1000, build, "prompt_length_exceeded",
+               "insufficient_system_resource")
 
 
 KITS = {kit.name: kit for kit in (_reference("tiny"), _reference("null"), _deepinfer("fake"),

@@ -127,7 +127,8 @@ def test_prefix_start_shares_blocks_counts_cached_tokens_and_matches_cold(
     assert free_count(engine) == 63
 
 
-def _misuse(kit: Kit, engine: Engine, kept: list[int], ids: np.ndarray, free_block: int) -> dict[str, EngineRequest]:
+def _misuse(kit: Kit, engine: Engine, kept: list[int], ids: np.ndarray,
+            free_block: int) -> dict[str, EngineRequest]:
     bs, num_blocks = kit.block_size, engine.num_blocks  # type: ignore[attr-defined]
     long = np.concatenate([ids, kit.prompt(bs + 7, 41)])
     sp = SamplingParams(max_tokens=2)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from cache.l2_format import ALIGN, ExtentHeader, ExtentRejected, decode_header
 from cache.l2_index import L2Extent, L2Index

@@ -41,7 +41,8 @@ deepinfer_cache_l1_restore_seconds_sum 0.05
 
 def test_metrics_parse_delta_and_tiers() -> None:
     after = parse_metrics(METRICS_TEXT)
-    before = {"deepinfer_cache_prompt_tokens_total": 2000.0, "deepinfer_cache_cached_tokens_total{tier=l0}": 1000.0}
+    before = {"deepinfer_cache_prompt_tokens_total": 2000.0,
+              "deepinfer_cache_cached_tokens_total{tier=l0}": 1000.0}
     tiers = cache_tiers(delta(after, before))
     assert tiers["prompt_tokens"] == 8000 and tiers["l0_tokens"] == 5000 and tiers["l1_tokens"] == 1000
     assert tiers["hit_l0"] == pytest.approx(5000 / 8000) and tiers["hit_total"] == pytest.approx(6000 / 8000)
@@ -53,7 +54,8 @@ def test_metrics_parse_delta_and_tiers() -> None:
 
 
 def test_copy_limit_interpolates_and_extrapolates() -> None:
-    limit = CopyLimit.from_rows([{"bytes": 2000, "contiguous_s": 0.002}, {"bytes": 1000, "contiguous_s": 0.0015}])
+    limit = CopyLimit.from_rows([{"bytes": 2000, "contiguous_s": 0.002},
+                                 {"bytes": 1000, "contiguous_s": 0.0015}])
     assert limit.time_s(10) == pytest.approx(0.0015)  # latency floor below the smallest size
     assert limit.time_s(1500) == pytest.approx(0.00175)
     assert limit.time_s(4000) == pytest.approx(0.004)  # the largest size's bandwidth beyond it
@@ -101,7 +103,9 @@ def test_record_round_trip_and_report_renders_partial_documents() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_mode_end_to_end(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}
+    env = {k: v
+           for k, v in os.environ.items()
+           if k not in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}
     proc = subprocess.run([sys.executable, "-m", "bench.multi_gpu_run", "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     doc = orjson.loads((tmp_path / "multi_gpu_run.json").read_bytes())
@@ -109,7 +113,8 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     ph = doc["phases"]
     # every rank process got the multicast-off variables even though the driver's env lacked them
     for rank in ph["start"]["ranks"]:
-        assert rank["env"]["NCCL_NVLS_ENABLE"] == "0" and rank["env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        assert (rank["env"]["NCCL_NVLS_ENABLE"] == "0"
+                and rank["env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1")
     assert all(row["bytes_identical"] for v in ph["copy_limit"].values() for row in v["sizes"])
     move = ph["move"]
     assert move["ok"], move
@@ -117,6 +122,7 @@ def test_quick_mode_end_to_end(tmp_path: Path) -> None:
     kill = ph["sigkill"]
     assert kill["epoch_after"] == kill["epoch_before"] + 1
     assert kill["first_new_request_ok_after_s"] is not None
-    assert kill["agents"]["in_flight_at_kill"] == kill["agents"]["in_flight_failed"] + kill["agents"]["in_flight_completed"]
+    assert kill["agents"]["in_flight_at_kill"] == kill["agents"]["in_flight_failed"] + kill["agents"][
+        "in_flight_completed"]
     assert ph["load"]["num_records"] > 0 and ph["cache"]["num_admissions"] > 0
     assert (tmp_path / "multi_gpu_run.md").read_text().count("## ") >= 6

@@ -90,7 +90,8 @@ class FakeProbe:
 
     def disk_speed(self, directory: Path, num_bytes: int, max_seconds: float) -> DiskSpeed:
         self.calls.append(("disk_speed", (str(directory), num_bytes, max_seconds)))
-        return DiskSpeed(num_bytes, num_bytes / self.write_bytes_per_s, num_bytes, num_bytes / self.read_bytes_per_s,
+        return DiskSpeed(num_bytes, num_bytes / self.write_bytes_per_s, num_bytes,
+                         num_bytes / self.read_bytes_per_s,
                          True)
 
 
@@ -128,7 +129,8 @@ def make_fake_venv(root: Path, *, with_patch: bool = True, import_fails: bool = 
     pkg = site / "deepinfer"
     (pkg / "engine").mkdir(parents=True)
     if import_fails:
-        (pkg / "__init__.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+        (pkg / "__init__.py").write_text(
+            "raise ImportError('libcuda.so.1: cannot open shared object file')\n")
     else:
         (pkg / "__init__.py").write_text("__version__ = '0.1.0+prefixcache'\n")
     extra = "    def add_sequence_with_prefix(self, *a): pass\n" if with_patch else "    pass\n"

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tests.preflight.preflight_fakes import GIB, b200, deepinfer_config, h200
 
 from server.config import load_config
 from server.preflight_checks.gpu import check_gpus, visible_gpus
 from server.preflight_checks.probe import GpuInfo, GpuQuery, parse_nvidia_smi
 from server.preflight_checks.report import Status
+from tests.preflight.preflight_fakes import GIB, b200, deepinfer_config, h200
 
 ENV4 = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
 

@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
-from tests.preflight.preflight_fakes import GIB, FakeProbe
 
 from server.config import load_config
 from server.preflight_checks.l2_disk import check_l2_dir
 from server.preflight_checks.probe import RealSystemProbe
 from server.preflight_checks.report import Status
+from tests.preflight.preflight_fakes import GIB, FakeProbe
 
 MIB = 1 << 20
 

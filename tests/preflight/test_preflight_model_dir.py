@@ -5,14 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tests.preflight.preflight_fakes import MIB, FakeProbe, deepinfer_config, make_model_dir
 
 from server.config import load_config
 from server.preflight_checks.model_dir import (
-    check_model_files, check_model_filesystem, check_read_speed, classify_fs,
+    check_model_files,
+    check_model_filesystem,
+    check_read_speed,
+    classify_fs,
 )
 from server.preflight_checks.probe import RealSystemProbe, fs_type_for, parse_mounts
 from server.preflight_checks.report import Status
+from tests.preflight.preflight_fakes import MIB, FakeProbe, deepinfer_config, make_model_dir
 
 
 def test_complete_model_dir_ok(tmp_path: Path) -> None:
@@ -101,13 +104,13 @@ def test_read_speed_fast_local_disk(tmp_path: Path) -> None:
     probe = FakeProbe(read_bytes_per_s=2.5e9)
     res, speed = check_read_speed(deepinfer_config(model, tmp_path), model, probe)
     assert res.status is Status.OK and speed == pytest.approx(2.5e9)
-    (_, (path, offset, max_bytes, _)) = next(c for c in probe.calls if c[0] == "read_sample")
+    (_, (_path, offset, max_bytes, _)) = next(c for c in probe.calls if c[0] == "read_sample")
     assert offset == 256 * MIB and max_bytes == 256 * MIB  # bounded, from the middle of the shard
 
 
 def test_read_speed_slow_network_disk_warns_with_load_minutes(tmp_path: Path) -> None:
     model = make_model_dir(tmp_path, shard_bytes=512 * MIB, num_shards=1)
-    res, speed = check_read_speed(deepinfer_config(model, tmp_path), model, FakeProbe(read_bytes_per_s=3e8))
+    res, _ = check_read_speed(deepinfer_config(model, tmp_path), model, FakeProbe(read_bytes_per_s=3e8))
     assert res.status is Status.WARN
     assert "300 MB/s" in res.detail and "NVMe" in res.fix
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from tests.preflight.preflight_fakes import FakeProbe, b200, deepinfer_config
-
 from server.config import load_config
-from server.preflight_checks.network import check_http_port, check_master_port, check_nccl_env, rendezvous_ports
+from server.preflight_checks.network import (
+    check_http_port,
+    check_master_port,
+    check_nccl_env,
+    rendezvous_ports,
+)
 from server.preflight_checks.probe import GpuQuery, RdmaInfo, RealSystemProbe
 from server.preflight_checks.report import Status
+from tests.preflight.preflight_fakes import FakeProbe, b200, deepinfer_config
 
 FOUR = GpuQuery(tuple(b200(i) for i in range(4)), "nvidia-smi")
 EIGHT = GpuQuery(tuple(b200(i) for i in range(8)), "nvidia-smi")
@@ -26,7 +30,8 @@ def test_master_and_rendezvous_ports_checked(tmp_path: Path) -> None:
     probe = FakeProbe()
     res = check_master_port(config, env_of(config), probe)
     assert res.status is Status.OK
-    assert [c[1] for c in probe.calls if c[0] == "port_in_use"] == [("127.0.0.1", 29511), ("127.0.0.1", 29461)]
+    assert [c[1] for c in probe.calls if c[0] == "port_in_use"] == [("127.0.0.1", 29511),
+                                                                    ("127.0.0.1", 29461)]
 
 
 def test_busy_rendezvous_port_is_fatal(tmp_path: Path) -> None:

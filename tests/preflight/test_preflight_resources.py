@@ -5,17 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from tests.preflight.preflight_fakes import GIB, MIB, deepinfer_config
+from hypothesis import given, strategies as st
 
 from server.config import load_config
 from server.preflight import l1_budget_bytes, plan_l1_budget
 from server.preflight_checks.probe import MemoryInfo, RealSystemProbe
 from server.preflight_checks.report import Status
 from server.preflight_checks.resources import (
-    MIN_FREE_DISK_BYTES, check_disk, check_host_ram, engine_host_bytes_per_rank,
+    MIN_FREE_DISK_BYTES,
+    check_disk,
+    check_host_ram,
+    engine_host_bytes_per_rank,
 )
+from tests.preflight.preflight_fakes import GIB, MIB, deepinfer_config
 
 
 def seed(tmp_path: Path, **kw: object):
@@ -51,7 +53,8 @@ def test_prediction_equals_the_cache_rule_once_the_engine_runs(tmp_path: Path) -
     from rank.host_budget import plan_l1_budget as cache_rule
 
     for avail_gib, total_gib in [(100, 128), (480, 512), (1900, 2048), (10, 16)]:
-        mine = l1_budget_bytes(seed(tmp_path), avail_gib * GIB, total_bytes=total_gib * GIB, engine_running=True)
+        mine = l1_budget_bytes(seed(tmp_path), avail_gib * GIB, total_bytes=total_gib * GIB,
+                               engine_running=True)
         theirs = cache_rule(l1_cache=True, l1_host_gb=128, num_ranks=4, bytes_per_block=MIB,
                             virtual_memory=lambda a=avail_gib, t=total_gib: SimpleNamespace(
                                 available=a * GIB, total=t * GIB))
@@ -120,7 +123,8 @@ def test_budget_never_exceeds_request_ram_or_shm(
     assert plan.granted_total_bytes <= max(0, available_gib * GIB - plan.reserve_bytes)
     if shm is not None:
         assert plan.granted_total_bytes <= shm
-    assert (plan.granted_total_bytes == 0) == plan.reason.startswith("L1 off") or plan.limited_by == "disabled"
+    assert (plan.granted_total_bytes
+            == 0) == plan.reason.startswith("L1 off") or plan.limited_by == "disabled"
 
 
 def test_disk_low_and_unknown() -> None:

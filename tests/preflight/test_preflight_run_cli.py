@@ -8,11 +8,19 @@ from pathlib import Path
 
 import orjson
 import pytest
-from tests.preflight.preflight_fakes import MIB, PYTHON312, FakeProbe, deepinfer_config, h200, make_fake_venv, make_model_dir
 
 from server.preflight import CHECK_NAMES, PreflightError, PreflightOptions, main, run_preflight, statuses
 from server.preflight_checks.probe import GpuQuery, RunResult
 from server.preflight_checks.report import Status
+from tests.preflight.preflight_fakes import (
+    MIB,
+    PYTHON312,
+    FakeProbe,
+    deepinfer_config,
+    h200,
+    make_fake_venv,
+    make_model_dir,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

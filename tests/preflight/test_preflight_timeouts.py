@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.preflight.preflight_fakes import deepinfer_config
-
 from server.config import load_config
 from server.preflight_checks.model_dir import ModelFacts
 from server.preflight_checks.report import Status
 from server.preflight_checks.timeouts import check_ready_timeout, check_timeout_order
+from tests.preflight.preflight_fakes import deepinfer_config
 
 WEIGHTS = 476 * 10**9  # the seed guide's V4.1-Flash download
 

@@ -6,11 +6,17 @@ from pathlib import Path
 
 import orjson
 import pytest
-from tests.preflight.preflight_fakes import FakeProbe, deepinfer_config, PYTHON312, make_fake_venv, venv_runner
 
 from server.preflight_checks.probe import RealSystemProbe
 from server.preflight_checks.report import Status
 from server.preflight_checks.venv import check_prefix_api, check_venv, probe_venv
+from tests.preflight.preflight_fakes import (
+    PYTHON312,
+    FakeProbe,
+    deepinfer_config,
+    make_fake_venv,
+    venv_runner,
+)
 
 GOOD = orjson.dumps({
     "python": [3, 12, 7], "modules": {"torch": "2.13.0", "numpy": "2.3.5", "zmq": "27.1.0"},

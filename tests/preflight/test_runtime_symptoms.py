@@ -6,8 +6,7 @@ import logging
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from prometheus_client import CollectorRegistry
 
 from server.config import load_config
@@ -16,7 +15,8 @@ from server.symptoms import OTHER_LABEL, RuntimeSymptoms, SymptomSettings, first
 
 def make(**kw: object) -> tuple[RuntimeSymptoms, CollectorRegistry]:
     registry = CollectorRegistry()
-    return RuntimeSymptoms(registry, SymptomSettings(**kw), clock=lambda: 0.0), registry  # type: ignore[arg-type]
+    return RuntimeSymptoms(registry, SymptomSettings(**kw),
+                           clock=lambda: 0.0), registry  # type: ignore[arg-type]
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -27,7 +27,8 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
 # ---- uncached repeat turns -------------------------------------------------------------------
 
 
-def test_uncached_repeats_raise_a_warning_with_the_divergent_position(caplog: pytest.LogCaptureFixture) -> None:
+def test_uncached_repeats_raise_a_warning_with_the_divergent_position(
+        caplog: pytest.LogCaptureFixture) -> None:
     sym, reg = make()
     caplog.set_level(logging.WARNING)
     for i in range(5):
@@ -89,7 +90,8 @@ def test_first_divergent_position_cases() -> None:
 
 @given(prev=st.lists(st.integers(0, 5), max_size=40), out=st.lists(st.integers(0, 5), max_size=20),
        new=st.lists(st.integers(0, 5), max_size=70))
-def test_first_divergent_position_matches_a_plain_loop(prev: list[int], out: list[int], new: list[int]) -> None:
+def test_first_divergent_position_matches_a_plain_loop(prev: list[int], out: list[int],
+                                                       new: list[int]) -> None:
     ref = prev + out
     expected = next((i for i, (a, b) in enumerate(zip(ref, new)) if a != b), min(len(ref), len(new)))
     assert first_divergent_position(prev, out, new) == expected
@@ -181,14 +183,15 @@ def test_claude_model_id_gets_the_claude_code_hint() -> None:
     sym.observe_unknown_model("claude-sonnet-4-5-20250929")
     sym.observe_unknown_model("claude-sonnet-4-5-20250929")
     sym.observe_unknown_model("claude-3-5-haiku-20241022")
-    assert value(reg, "deepinfer_symptom_unknown_model_requests_total", model="claude-sonnet-4-5-20250929") == 2
+    assert value(reg, "deepinfer_symptom_unknown_model_requests_total",
+                 model="claude-sonnet-4-5-20250929") == 2
     [warning] = sym.active_warnings()
     assert "set ANTHROPIC_DEFAULT_HAIKU_MODEL and ANTHROPIC_MODEL to deepseek-v4.1-flash" in warning
     assert sym.unknown_model_counts() == {"claude-sonnet-4-5-20250929": 2, "claude-3-5-haiku-20241022": 1}
 
 
 def test_other_unknown_names_and_bounded_labels() -> None:
-    sym, reg = make(max_model_labels=3)
+    sym, _ = make(max_model_labels=3)
     sym.observe_unknown_model("gpt-4o")
     assert "send model deepseek-v4.1-flash" in sym.active_warnings()[0]
     for i in range(50):

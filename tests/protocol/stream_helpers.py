@@ -13,7 +13,8 @@ MODEL = "deepseek-v4.1-flash"
 D = "｜DSML｜"
 EOS = "<｜end▁of▁sentence｜>"
 TOOL_OUT = ("The user wants the README.</think>I'll read it." f"\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n"
-            f"<{D} parameter name=\"file_path\" string=\"true\">/p/README.md</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
+            f"<{D} parameter name=\"file_path\" string=\"true\">/p/README.md</{D} parameter>\n</{D} "
+            f"invoke>\n</{D} calls>{EOS}")
 
 
 def claude_code_request(num_tools: int = 24) -> dict[str, Any]:
@@ -24,7 +25,8 @@ def claude_code_request(num_tools: int = 24) -> dict[str, Any]:
             "input_schema": {
                 "$schema": "https://json-schema.org/draft/2020-12/schema",
                 "type": "object",
-                "properties": {"file_path": {"type": "string"}, "limit": {"type": "integer", "maximum": 9007199254740991}},
+                "properties": {"file_path": {"type": "string"},
+                               "limit": {"type": "integer", "maximum": 9007199254740991}},
                 "required": ["file_path"],
                 "additionalProperties": False,
             },
@@ -35,14 +37,17 @@ def claude_code_request(num_tools: int = 24) -> dict[str, Any]:
         "model": MODEL,
         "messages": [
             {"role": "user", "content": [
-                {"type": "text", "text": "<system-reminder>\nToday's date is 2026-11-29.\n</system-reminder>\n\n"},
+                {"type": "text",
+                 "text": "<system-reminder>\nToday's date is 2026-11-29.\n</system-reminder>\n\n"},
                 {"type": "text", "text": "What is in README.md?", "cache_control": {"type": "ephemeral"}},
             ]},
             {"role": "system", "content": "Available agents: general-purpose. Skills: none."},
         ],
         "system": [
-            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a5a; cc_entrypoint=sdk-cli;"},
-            {"type": "text", "text": "You are a Claude agent, built on Anthropic's Claude Agent SDK.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text",
+             "text": "x-anthropic-billing-header: cc_version=2.1.197.a5a; cc_entrypoint=sdk-cli;"},
+            {"type": "text", "text": "You are a Claude agent, built on Anthropic's Claude Agent SDK.",
+             "cache_control": {"type": "ephemeral"}},
             {"type": "text", "text": "Main prompt. " * 100, "cache_control": {"type": "ephemeral"}},
         ],
         "tools": tools,
@@ -72,7 +77,8 @@ def sse_events(data: bytes) -> list[tuple[str | None, Any]]:
     return out
 
 
-def run_stream(proto: Protocol, prepared: Any, text: str, tok: PromptTokenizer, finish: str = "stop", chunk: int = 1,
+def run_stream(proto: Protocol, prepared: Any, text: str, tok: PromptTokenizer, finish: str = "stop",
+               chunk: int = 1,
                cached: int = 0) -> tuple[Any, bytes, list[int]]:
     ids = tok.encode_text(text).tolist()
     stream = proto.new_stream(prepared, "req1")

@@ -8,19 +8,8 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from tests.protocol.stream_helpers import (
-    EOS,
-    MODEL,
-    TOOL_OUT,
-    D,
-    claude_code_request,
-    echo_assistant,
-    run_stream,
-    sse_events,
-)
 
-from protocol import anthropic_schema as A
-from protocol import openai_schema as O
+from protocol import anthropic_schema as A, openai_schema as O
 from protocol.api import Protocol
 from protocol.errors import (
     AuthenticationError,
@@ -32,6 +21,16 @@ from protocol.errors import (
 )
 from protocol.ledger import OutputLedger
 from protocol.tokenize import PromptTokenizer
+from tests.protocol.stream_helpers import (
+    EOS,
+    MODEL,
+    TOOL_OUT,
+    D,
+    claude_code_request,
+    echo_assistant,
+    run_stream,
+    sse_events,
+)
 
 
 # --- schemas -----------------------------------------------------------------------------------------
@@ -44,12 +43,16 @@ def test_claude_code_request_accepted(proto: Protocol, tok: PromptTokenizer) -> 
     assert p.prompt_ids.dtype == np.int32 and p.num_prompt_tokens == len(p.prompt_ids)
     text = tok.decode(p.prompt_ids.tolist())
     assert "x-anthropic-billing-header" not in text
-    assert text.endswith("What is in README.md?<｜System｜>Available agents: general-purpose. Skills: none.<｜Assistant｜><think>")
+    assert text.endswith("What is in README.md?<｜System｜>Available agents: general-purpose. Skills: "
+                         "none.<｜Assistant｜><think>")
     # the billing nonce does not change the prompt
     body2 = copy.deepcopy(body)
     body2["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.197.1c0; cc_entrypoint=sdk-cli;"
-    assert np.array_equal(proto.prepare_anthropic(body2, {"X-Claude-Code-Session-Id": "s2"}).prompt_ids, p.prompt_ids)
-    assert proto.count_tokens_anthropic({k: body[k] for k in ("model", "messages", "system", "tools")}) < p.num_prompt_tokens + 1
+    assert np.array_equal(proto.prepare_anthropic(body2, {"X-Claude-Code-Session-Id": "s2"}).prompt_ids,
+                          p.prompt_ids)
+    assert proto.count_tokens_anthropic({k: body[k]
+                                         for k in ("model", "messages", "system",
+                                                   "tools")}) < p.num_prompt_tokens + 1
 
 
 def test_claude_code_history_blocks_accepted(proto: Protocol) -> None:
@@ -66,14 +69,16 @@ def test_claude_code_history_blocks_accepted(proto: Protocol) -> None:
             {"type": "tool_result", "tool_use_id": "call_2", "content": "B", "is_error": False},
             {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
              "content": [{"type": "text", "text": "File does not exist."},
-                         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}]},
+                         {"type": "image",
+                          "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}]},
         ]},
     ]
     p = proto.prepare_anthropic(body, {})
     assert p.num_ledger_hits == 0
     assert proto.ledger.stats.num_bad_signatures == 1
     text = proto.tokenizer.decode(p.prompt_ids.tolist())
-    assert "<tool_result>File does not exist.\n\n[Unsupported image]</tool_result>\n\n<tool_result>B</tool_result>" in text
+    assert ("<tool_result>File does not exist.\n\n[Unsupported "
+            "image]</tool_result>\n\n<tool_result>B</tool_result>" in text)
 
 
 @pytest.mark.parametrize(
@@ -117,19 +122,26 @@ def test_prompt_too_long_message(tok: PromptTokenizer) -> None:
     small = Protocol(tok, OutputLedger(), [MODEL], max_model_len=50)
     with pytest.raises(PromptTooLong) as ei:
         small.prepare_openai({"model": MODEL, "messages": [{"role": "user", "content": "word " * 200}]}, {})
-    assert ei.value.message.startswith("prompt is too long: ") and ei.value.message.endswith(" tokens > 49 maximum")
+    assert ei.value.message.startswith("prompt is too long: ") and ei.value.message.endswith(" tokens > 49 "
+                                                                                             "maximum")
 
 
 def test_openai_request_variants(proto: Protocol) -> None:
-    base = {"model": MODEL, "messages": [{"role": "developer", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    base = {"model": MODEL,
+            "messages": [{"role": "developer", "content": "S"},
+                         {"role": "user",
+                          "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     p = proto.prepare_openai(base, {})
     assert p.thinking and p.reasoning_effort == 75 and not p.stream and p.include_usage
     text = proto.tokenizer.decode(p.prompt_ids.tolist())
-    assert text.endswith("<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the reasoning)\n\nS<｜User｜>a\n\nb<｜Assistant｜><think>")
-    for effort, value in [("minimal", 25), ("low", 50), ("medium", 62), ("high", 75), ("xhigh", 88), ("max", 100)]:
+    assert text.endswith("<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more "
+                         "thorough the reasoning)\n\nS<｜User｜>a\n\nb<｜Assistant｜><think>")
+    for effort, value in [("minimal", 25), ("low", 50), ("medium", 62), ("high", 75), ("xhigh", 88),
+                          ("max", 100)]:
         assert proto.prepare_openai({**base, "reasoning_effort": effort}, {}).reasoning_effort == value
     off = proto.prepare_openai({**base, "reasoning_effort": "none"}, {})
-    assert not off.thinking and proto.tokenizer.decode(off.prompt_ids[-2:].tolist()) == "<｜Assistant｜></think>"
+    assert (not off.thinking
+            and proto.tokenizer.decode(off.prompt_ids[-2:].tolist()) == "<｜Assistant｜></think>")
     assert not proto.prepare_openai({**base, "chat_template_kwargs": {"thinking": False}}, {}).thinking
     with pytest.raises(InvalidRequest):
         proto.prepare_openai({**base, "reasoning_effort": "extreme"}, {})
@@ -173,10 +185,13 @@ def test_anthropic_stream_sequence_and_usage(proto: Protocol, tok: PromptTokeniz
     assert "".join(d.get("thinking", "") for d in deltas) == "The user wants the README."
     assert "".join(d.get("text", "") for d in deltas) == "I'll read it."
     assert [d["signature"] for d in deltas if d["type"] == "signature_delta"] == [stream.signature]
-    assert orjson.loads("".join(d["partial_json"] for d in deltas if d["type"] == "input_json_delta")) == {"file_path": "/p/README.md"}
+    assert orjson.loads("".join(d["partial_json"]
+                                for d in deltas
+                                if d["type"] == "input_json_delta")) == {"file_path": "/p/README.md"}
     md = ev[-2][1]
     assert md["delta"]["stop_reason"] == "tool_use"
-    assert md["usage"] == {"input_tokens": p.num_prompt_tokens - 256, "output_tokens": len(ids), "cache_read_input_tokens": 256, "cache_creation_input_tokens": 0}
+    assert md["usage"] == {"input_tokens": p.num_prompt_tokens - 256, "output_tokens": len(ids),
+                           "cache_read_input_tokens": 256, "cache_creation_input_tokens": 0}
     assert ev[0][1]["message"]["usage"]["cache_read_input_tokens"] == 256
     body = stream.response_body()
     A.MessageResponse.model_validate(body)
@@ -185,7 +200,10 @@ def test_anthropic_stream_sequence_and_usage(proto: Protocol, tok: PromptTokeniz
 
 def test_openai_stream_chunks(proto: Protocol, tok: PromptTokenizer) -> None:
     body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
-            "tools": [{"type": "function", "function": {"name": "Read", "parameters": {"type": "object", "properties": {"file_path": {"type": "string"}}}}}],
+            "tools": [{"type": "function",
+                       "function": {"name": "Read",
+                                    "parameters": {"type": "object",
+                                                   "properties": {"file_path": {"type": "string"}}}}}],
             "messages": [{"role": "user", "content": "read it"}]}
     p = proto.prepare_openai(body, {})
     stream, data, ids = run_stream(proto, p, TOOL_OUT, tok, chunk=3, cached=128)
@@ -200,8 +218,10 @@ def test_openai_stream_chunks(proto: Protocol, tok: PromptTokenizer) -> None:
     assert "".join(d.get("content", "") for d in deltas) == "I'll read it."
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
     # the call opens with id and name, then its arguments arrive in pieces as generated
-    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_") and calls[0]["function"] == {"name": "Read", "arguments": ""}
-    assert len(calls) > 2 and all(tc == {"index": 0, "function": {"arguments": tc["function"]["arguments"]}} for tc in calls[1:])
+    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_") and calls[0]["function"] == {
+        "name": "Read", "arguments": ""}
+    assert len(calls) > 2 and all(tc == {"index": 0, "function": {"arguments": tc["function"]["arguments"]}}
+                                  for tc in calls[1:])
     joined = "".join(tc["function"]["arguments"] for tc in calls)
     assert joined == stream.response_body()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
     assert orjson.loads(joined) == {"file_path": "/p/README.md"}
@@ -212,16 +232,18 @@ def test_openai_stream_chunks(proto: Protocol, tok: PromptTokenizer) -> None:
 
 
 def test_stop_sequence_truncates_and_signals(proto: Protocol, tok: PromptTokenizer) -> None:
-    p = proto.prepare_anthropic({**claude_code_request(1), "stop_sequences": ["STOP", "never"], "thinking": {"type": "disabled"}}, {})
+    p = proto.prepare_anthropic({**claude_code_request(1), "stop_sequences": ["STOP", "never"],
+                                 "thinking": {"type": "disabled"}}, {})
     stream, data, _ = run_stream(proto, p, "Hello there STOP and more text" + EOS, tok)
     assert stream.stop_hit
     ev = sse_events(data)
     text = "".join(e["delta"].get("text", "") for n, e in ev if n == "content_block_delta")
     assert text == "Hello there "
-    md = [e for n, e in ev if n == "message_delta"][0]
+    md = next(e for n, e in ev if n == "message_delta")
     assert md["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "STOP"}
     # a partial match that does not complete is released
-    p2 = proto.prepare_openai({"model": MODEL, "stop": "STOP!", "reasoning_effort": "none", "messages": [{"role": "user", "content": "x"}]}, {})
+    p2 = proto.prepare_openai({"model": MODEL, "stop": "STOP!", "reasoning_effort": "none",
+                               "messages": [{"role": "user", "content": "x"}]}, {})
     s2, _, _ = run_stream(proto, p2, "ends with STOP" + EOS, tok)
     assert not s2.stop_hit and s2.response_body()["choices"][0]["message"]["content"] == "ends with STOP"
 
@@ -229,8 +251,11 @@ def test_stop_sequence_truncates_and_signals(proto: Protocol, tok: PromptTokeniz
 def test_error_frame_in_stream_format(proto: Protocol) -> None:
     p = proto.prepare_anthropic(claude_code_request(1), {})
     frame = proto.new_stream(p, "r").error(Overloaded("engine restarting"))
-    assert sse_events(frame) == [("error", {"type": "error", "error": {"type": "overloaded_error", "message": "engine restarting"}})]
-    p2 = proto.prepare_openai({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}, {})
+    assert sse_events(frame) == [("error",
+                                  {"type": "error",
+                                   "error": {"type": "overloaded_error", "message": "engine restarting"}})]
+    p2 = proto.prepare_openai({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                               "stream": True}, {})
     frame2 = proto.new_stream(p2, "r").error(RuntimeError("boom"))
     assert sse_events(frame2)[0][1]["error"]["message"] == "internal server error"
 
@@ -242,12 +267,16 @@ def test_ledger_round_trip_gives_exact_prefix(proto: Protocol, tok: PromptTokeni
     # a non-canonical output: compact JSON in a string="false" parameter, two "\n" tokens
     out = ("Plan.</think>Reading." f"\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n"
            f"<{D} parameter name=\"file_path\" string=\"true\">/p/a</{D} parameter>\n"
-           f"<{D} parameter name=\"limit\" string=\"false\">10</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
+           f"<{D} parameter name=\"limit\" string=\"false\">10</{D} parameter>\n</{D} invoke>\n</{D} "
+           f"calls>{EOS}")
     _, data, out_ids = run_stream(proto, p1, out, tok)
     assistant = echo_assistant(data)
     tool_id = assistant["content"][-1]["id"]
     body2 = copy.deepcopy(body)
-    body2["messages"] += [assistant, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": "</think> tricky"}]}]
+    body2["messages"] += [assistant,
+                          {"role": "user",
+                           "content": [{"type": "tool_result", "tool_use_id": tool_id,
+                                        "content": "</think> tricky"}]}]
     p2 = proto.prepare_anthropic(body2, {})
     assert p2.num_ledger_hits == 1 and p2.num_ledger_divergences == 0
     full = p1.prompt_ids.tolist() + out_ids
@@ -261,7 +290,8 @@ def test_ledger_round_trip_gives_exact_prefix(proto: Protocol, tok: PromptTokeni
     # a forged signature is rejected, and the turn is matched by content instead
     body4 = copy.deepcopy(body2)
     sig = body4["messages"][2]["content"][0]["signature"]
-    body4["messages"][2]["content"][0]["signature"] = sig[:-4] + ("AAA=" if not sig.endswith("AAA=") else "BBB=")
+    body4["messages"][2]["content"][0]["signature"] = sig[:-4] + ("AAA="
+                                                                  if not sig.endswith("AAA=") else "BBB=")
     bad_before = proto.ledger.stats.num_bad_signatures
     p4 = proto.prepare_anthropic(body4, {})
     assert proto.ledger.stats.num_bad_signatures == bad_before + 1
@@ -270,13 +300,20 @@ def test_ledger_round_trip_gives_exact_prefix(proto: Protocol, tok: PromptTokeni
 
 def test_openai_ledger_matched_by_content(proto: Protocol, tok: PromptTokenizer) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"type": "function", "function": {"name": "Read", "parameters": {"type": "object", "properties": {"file_path": {"type": "string"}}}}}]}
+            "tools": [{"type": "function",
+                       "function": {"name": "Read",
+                                    "parameters": {"type": "object",
+                                                   "properties": {"file_path": {"type": "string"}}}}}]}
     p1 = proto.prepare_openai(body, {})
-    out = f"R</think>ok\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n<{D} parameter name=\"file_path\" string=\"true\">/x</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}"
+    out = (f"R</think>ok\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n<{D} parameter name=\"file_path\" "
+           f"string=\"true\">/x</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
     stream, _, out_ids = run_stream(proto, p1, out, tok)
     msg = stream.response_body()["choices"][0]["message"]
-    hist = {"role": "assistant", "content": msg["content"], "tool_calls": msg["tool_calls"]}  # reasoning dropped by the client
-    body2 = {**body, "messages": body["messages"] + [hist, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "data"}]}
+    hist = {"role": "assistant", "content": msg["content"],
+            "tool_calls": msg["tool_calls"]}  # reasoning dropped by the client
+    body2 = {**body,
+             "messages": body["messages"]
+             + [hist, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "data"}]}
     p2 = proto.prepare_openai(body2, {})
     assert p2.num_ledger_hits == 1
     full = p1.prompt_ids.tolist() + out_ids
@@ -291,22 +328,25 @@ CUT_OUT = ("R</think>" f"\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n"
 def test_cut_output_reports_length_and_keeps_complete_calls(proto: Protocol, tok: PromptTokenizer) -> None:
     """max_tokens cut the second call: both APIs say so, the first (complete) call is kept."""
     p = proto.prepare_anthropic(claude_code_request(2), {})
-    stream, data, ids = run_stream(proto, p, CUT_OUT, tok, finish="length")
+    stream, data, _ = run_stream(proto, p, CUT_OUT, tok, finish="length")
     ev = sse_events(data)
-    assert [e for n, e in ev if n == "message_delta"][0]["delta"]["stop_reason"] == "max_tokens"
+    assert next(e for n, e in ev if n == "message_delta")["delta"]["stop_reason"] == "max_tokens"
     starts = [e["content_block"]["type"] for n, e in ev if n == "content_block_start"]
     stops = [n for n, _ in ev if n == "content_block_stop"]
     assert starts == ["thinking", "tool_use", "tool_use"] and len(stops) == 3  # the cut call is closed
     body = stream.response_body()
     assert body["stop_reason"] == "max_tokens"
-    assert [b.get("input") for b in body["content"] if b["type"] == "tool_use"] == [{"file_path": "/p/README.md"}]
+    assert [b.get("input")
+            for b in body["content"] if b["type"] == "tool_use"] == [{"file_path": "/p/README.md"}]
 
     o = proto.prepare_openai({"model": MODEL, "stream": False, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "Read", "parameters": {}}}]}, {})
+                              "tools": [{"type": "function",
+                                         "function": {"name": "Read", "parameters": {}}}]}, {})
     stream, _, _ = run_stream(proto, o, CUT_OUT, tok, finish="length")
     choice = stream.response_body()["choices"][0]
     assert choice["finish_reason"] == "length"
-    assert [orjson.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [{"file_path": "/p/README.md"}]
+    assert [orjson.loads(c["function"]["arguments"])
+            for c in choice["message"]["tool_calls"]] == [{"file_path": "/p/README.md"}]
 
 
 def test_session_key_precedence(proto: Protocol) -> None:
@@ -321,4 +361,5 @@ def test_session_key_precedence(proto: Protocol) -> None:
     assert proto.prepare_openai(body, {}).session_key == "pck"
     no_key = {k: v for k, v in body.items() if k != "prompt_cache_key"}
     assert proto.prepare_openai(no_key, {}).session_key.startswith("h:")
-    assert proto.prepare_openai({**body, "prompt_cache_key": "x" * 600}, {}).session_key.startswith("h:")  # too long: ignored
+    assert proto.prepare_openai({**body, "prompt_cache_key": "x" * 600},
+                                {}).session_key.startswith("h:")  # too long: ignored

@@ -60,9 +60,11 @@ def openai_body(s: str) -> dict[str, Any]:
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"title": s}}},
         "messages": [
             {"role": "system", "content": s},
-            {"role": "user", "name": s, "content": [{"type": "text", "text": s}, {"type": "image_url", "image_url": {"url": s}}]},
+            {"role": "user", "name": s,
+             "content": [{"type": "text", "text": s}, {"type": "image_url", "image_url": {"url": s}}]},
             {"role": "assistant", "content": s, "reasoning_content": s, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "run", "arguments": f'{{"{s}": "{s}"}}'}}]},
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "run", "arguments": f'{{"{s}": "{s}"}}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": s},
             {"role": "developer", "content": s},
             {"role": "user", "content": s},

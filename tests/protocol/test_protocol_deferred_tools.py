@@ -9,17 +9,19 @@ import copy
 from typing import Any
 
 import pytest
-from tests.protocol.stream_helpers import EOS, MODEL, D, echo_assistant, run_stream
 
 from protocol.api import Protocol
 from protocol.errors import InvalidRequest
 from protocol.render import to_json
 from protocol.tokenize import PromptTokenizer
+from tests.protocol.stream_helpers import EOS, MODEL, D, echo_assistant, run_stream
 
 PLACEHOLDER = {"name": "DeferredToolPlaceholder",
-               "description": "Reserved placeholder that keeps deferred tool loading active; never call this tool.",
+               "description": ("Reserved placeholder that keeps deferred tool loading active; "
+                               "never call this tool."),
                "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
-NOTEBOOK_EDIT = {"name": "NotebookEdit", "description": "Replaces, inserts, or deletes a single cell in a Jupyter notebook.",
+NOTEBOOK_EDIT = {"name": "NotebookEdit",
+                 "description": "Replaces, inserts, or deletes a single cell in a Jupyter notebook.",
                  "input_schema": {"type": "object", "properties": {"notebook_path": {"type": "string"},
                                                                    "new_source": {"type": "string"}},
                                   "required": ["notebook_path", "new_source"]},
@@ -30,7 +32,8 @@ WEB_FETCH = {"name": "WebFetch", "description": "Fetches a URL.", "defer_loading
 
 def _tool(name: str, description: str) -> dict[str, Any]:
     return {"name": name, "description": description,
-            "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}
+            "input_schema": {"type": "object", "properties": {"query": {"type": "string"}},
+                             "required": ["query"]}}
 
 
 def request_332(extra_tools: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
@@ -43,11 +46,15 @@ def request_332(extra_tools: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
         "model": MODEL,
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "Fix the notebook, please."}]},
-            {"role": "system", "content": [{"type": "text", "text": "The following deferred tools are now available "
-                                            "via ToolSearch:\nNotebookEdit\nWebFetch", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system",
+             "content": [{"type": "text", "text": "The following deferred tools are now available "
+                                            "via ToolSearch:\nNotebookEdit\nWebFetch",
+                          "cache_control": {"type": "ephemeral"}}]},
         ],
-        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.fc0; cc_entrypoint=sdk-cli;"},
-                   {"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}}],
+        "system": [{"type": "text",
+                    "text": "x-anthropic-billing-header: cc_version=2.1.332.fc0; cc_entrypoint=sdk-cli;"},
+                   {"type": "text", "text": "You are a Claude agent.",
+                    "cache_control": {"type": "ephemeral"}}],
         "tools": tools,
         "max_tokens": 32000,
         "thinking": {"type": "adaptive", "display": "omitted"},
@@ -58,7 +65,8 @@ def request_332(extra_tools: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
 
 def schema_line(tool: dict[str, Any]) -> str:
     """How the tools block prints a tool (OpenAI function object, the encoder's JSON)."""
-    return to_json({"name": tool["name"], "description": tool["description"], "parameters": tool["input_schema"]})
+    return to_json({"name": tool["name"], "description": tool["description"],
+                    "parameters": tool["input_schema"]})
 
 
 def prompt_text(proto: Protocol, body: dict[str, Any]) -> str:
@@ -80,9 +88,11 @@ def tool_search_round(proto: Protocol, tok: PromptTokenizer) -> tuple[Any, list[
     assistant = echo_assistant(data)
     call_id = assistant["content"][-1]["id"]
     body2 = request_332((NOTEBOOK_EDIT,))
-    body2["messages"][1]["content"] = body2["messages"][1]["content"][0]["text"]  # no longer last: a plain string
+    # no longer last: a plain string
+    body2["messages"][1]["content"] = body2["messages"][1]["content"][0]["text"]
     body2["messages"] += [assistant, {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": call_id, "content": [{"type": "tool_reference", "tool_name": "NotebookEdit"}],
+        {"type": "tool_result", "tool_use_id": call_id,
+         "content": [{"type": "tool_reference", "tool_name": "NotebookEdit"}],
          "cache_control": {"type": "ephemeral"}}]}]
     return p1, p1.prompt_ids.tolist() + out_ids, body2
 
@@ -123,14 +133,16 @@ def test_next_turn_repeats_the_prompt_exactly(proto: Protocol, tok: PromptTokeni
     assert proto.prepare_anthropic(copy.deepcopy(body2), {}).prompt_ids.tolist() == p2.prompt_ids.tolist()
     out = (f"Now edit it.</think>\n\n<{D} calls>\n<{D} invoke name=\"NotebookEdit\">\n"
            f"<{D} parameter name=\"notebook_path\" string=\"true\">/p/a.ipynb</{D} parameter>\n"
-           f"<{D} parameter name=\"new_source\" string=\"true\">print(1)</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
+           f"<{D} parameter name=\"new_source\" string=\"true\">print(1)</{D} parameter>\n</{D} "
+           f"invoke>\n</{D} calls>{EOS}")
     stream, data, out_ids = run_stream(proto, p2, out, tok)
     assert [c.name for c in stream.calls] == ["NotebookEdit"]
     assistant = echo_assistant(data)
     body3 = copy.deepcopy(body2)
     body3["messages"][-1]["content"][0].pop("cache_control")
     body3["messages"] += [assistant, {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": assistant["content"][-1]["id"], "content": "Updated cell 0."}]}]
+        {"type": "tool_result", "tool_use_id": assistant["content"][-1]["id"],
+         "content": "Updated cell 0."}]}]
     p3 = proto.prepare_anthropic(body3, {})
     full = p2.prompt_ids.tolist() + out_ids
     assert p3.num_ledger_hits == 2 and p3.prompt_ids[: len(full)].tolist() == full
@@ -139,24 +151,28 @@ def test_next_turn_repeats_the_prompt_exactly(proto: Protocol, tok: PromptTokeni
 def test_reference_runs_and_text_render_in_place(proto: Protocol) -> None:
     body = request_332((NOTEBOOK_EDIT, WEB_FETCH))
     body["messages"] += [
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "x"}}]},
+        {"role": "assistant",
+         "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "x"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
             {"type": "text", "text": "Found 2 tools."},
             {"type": "tool_reference", "tool_name": "WebFetch"},
             {"type": "tool_reference", "tool_name": "NotebookEdit"}]}]},
     ]
     text = prompt_text(proto, body)
-    assert ("<tool_result>Found 2 tools.\n\n<functions>\n<function>" + schema_line(WEB_FETCH) + "</function>\n<function>"
+    assert ("<tool_result>Found 2 tools.\n\n<functions>\n<function>" + schema_line(WEB_FETCH)
+            + "</function>\n<function>"
             + schema_line(NOTEBOOK_EDIT) + "</function>\n</functions></tool_result>") in text
     # count_tokens renders the same prompt
-    counted = proto.count_tokens_anthropic({k: body[k] for k in ("model", "messages", "system", "tools", "thinking")})
+    counted = proto.count_tokens_anthropic({k: body[k]
+                                            for k in ("model", "messages", "system", "tools", "thinking")})
     assert counted == proto.prepare_anthropic(body, {}).num_prompt_tokens
 
 
 def test_reference_to_an_undeclared_tool_is_a_400(proto: Protocol) -> None:
     body = request_332()
     body["messages"] += [
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "x"}}]},
+        {"role": "assistant",
+         "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "x"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
                                       "content": [{"type": "tool_reference", "tool_name": "Nope"}]}]},
     ]

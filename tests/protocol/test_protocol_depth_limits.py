@@ -13,8 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from protocol.api import Protocol
 from protocol.depth import MAX_JSON_DEPTH, check_json_depth, json_text_depth
@@ -42,7 +41,8 @@ def _anthropic_schema(v: Any) -> tuple[str, dict[str, Any]]:
 
 def _anthropic_input(v: Any) -> tuple[str, dict[str, Any]]:
     return "prepare_anthropic", {"model": MODEL, "max_tokens": 8, "messages": [
-        HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "t", "input": {"v": v}}]},
+        HI,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "t", "input": {"v": v}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}
 
 
@@ -113,7 +113,8 @@ def test_depth_within_the_limit_is_served(proto: Protocol) -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab,:'),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(alphabet='[]{}"\\k', max_size=3),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.text(alphabet='[]{}"\\k', max_size=3),
                                                                        children, max_size=3),
     max_leaves=30,
 )

@@ -7,11 +7,10 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from protocol.detokenize import IncrementalDetokenizer, TokenTable
-from protocol.parser import REASONING, TEXT, TOOL, TOOL_ARGS, TOOL_START, StreamParser
+from protocol.parser import REASONING, TOOL, TOOL_ARGS, TOOL_START, StreamParser
 from protocol.tokenize import PromptTokenizer
 from tests.protocol.protocol_corpus import CASES, TOOLS
 
@@ -109,7 +108,8 @@ def test_every_char_split_same_events(case: dict, tok: PromptTokenizer, table: T
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_random_token_chunking_same_events(data: st.DataObject, tok: PromptTokenizer, table: TokenTable) -> None:
+def test_random_token_chunking_same_events(data: st.DataObject, tok: PromptTokenizer,
+                                           table: TokenTable) -> None:
     case = data.draw(st.sampled_from(CASES))
     ids = encode_out(tok, case["out"])
     chunks: list[int] = []
@@ -179,7 +179,8 @@ def test_argument_deltas_arrive_before_the_invoke_closes(tok: PromptTokenizer, t
     assert parser.num_arg_mismatches == 0
 
 
-_VALUE_ALPHABET = ["a", "b", " ", "\n", "<", ">", "/", '"', "\\", "{", "}", "1", "世", "\ufdd2", "</\ufdd2 x", "<\ufdd2 y"]
+_VALUE_ALPHABET = ["a", "b", " ", "\n", "<", ">", "/", '"', "\\", "{", "}", "1", "世", "\ufdd2", "</\ufdd2 x",
+                   "<\ufdd2 y"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -201,7 +202,8 @@ def test_random_invokes_stream_to_the_final_json(params: list, name: str, cuts: 
     chunking, the argument deltas join to the call's final arguments JSON."""
     d = "\ufdd2"
     body = "".join(
-        f'<{d} parameter name="{k}"' + (f' string="{s}"' if s else "") + ">" + v + (f"</{d} parameter>" if close else "")
+        f'<{d} parameter name="{k}"' + (f' string="{s}"' if s else "") + ">" + v
+        + (f"</{d} parameter>" if close else "")
         for k, v, s, close in params
     )
     text = f'\n\n<{d} calls>\n<{d} invoke name="{name}">\n{body}\n</{d} invoke>\n</{d} calls>\ufdd3'

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from protocol.conversation import EFFORT_LEVELS, Block, Conversation, Message, ToolCall
 from protocol.render import render, segments_text
@@ -13,8 +12,10 @@ from protocol.tokenize import PieceCache, PromptTokenizer
 
 D = "｜DSML｜"
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-EFFORT75 = "<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
-WEATHER = {"name": "get_weather", "description": "Weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+EFFORT75 = ("<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough the "
+            "reasoning)\n\n")
+WEATHER = {"name": "get_weather", "description": "Weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
 def user(text: str) -> Message:
@@ -26,10 +27,12 @@ def text_of(conv: Conversation) -> str:
 
 
 def test_system_and_tools_thinking() -> None:
-    conv = Conversation([Message(role="system", content="Be brief."), user("Hi")], tools=[WEATHER], thinking=True, effort=75)
+    conv = Conversation([Message(role="system", content="Be brief."), user("Hi")], tools=[WEATHER],
+                        thinking=True, effort=75)
     s = text_of(conv)
     assert s.startswith(BOS + EFFORT75 + "Be brief.\n\n## Tools\n\nYou have access to a set of tools")
-    assert '{"name": "get_weather", "description": "Weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}' in s
+    assert ('{"name": "get_weather", "description": "Weather", "parameters": {"type": "object", '
+            '"properties": {"city": {"type": "string"}}}}' in s)
     assert s.endswith("tool calls.\n<｜User｜>Hi<｜Assistant｜><think>")
     assert s.count("<｜System｜>") == 1
 
@@ -50,7 +53,8 @@ def test_thinking_no_system_gets_effort_prefix() -> None:
 
 
 def test_multi_turn_parallel_tool_results_sorted_in_call_order() -> None:
-    calls = [ToolCall("c1", "get_weather", {"city": "Paris"}), ToolCall("c2", "get_weather", '{"city": "Rome", "days": 2}')]
+    calls = [ToolCall("c1", "get_weather", {"city": "Paris"}),
+             ToolCall("c2", "get_weather", '{"city": "Rome", "days": 2}')]
     conv = Conversation(
         [
             Message(role="system", content="S"),
@@ -67,38 +71,47 @@ def test_multi_turn_parallel_tool_results_sorted_in_call_order() -> None:
     expected_tail = (
         "<｜User｜>Weather?<｜Assistant｜><think>Two cities.</think>Checking.\n\n"
         f"<{D} calls>\n"
-        f'<{D} invoke name="get_weather">\n<{D} parameter name="city" string="true">Paris</{D} parameter>\n</{D} invoke>\n'
+        f'<{D} invoke name="get_weather">\n<{D} parameter name="city" string="true">Paris</{D} '
+        f'parameter>\n</{D} invoke>\n'
         f'<{D} invoke name="get_weather">\n<{D} parameter name="city" string="true">Rome</{D} parameter>\n'
         f'<{D} parameter name="days" string="false">2</{D} parameter>\n</{D} invoke>\n'
         f"</{D} calls>{EOS}"
-        "<｜User｜><tool_result>paris: rain</tool_result>\n\n<tool_result>rome: sun</tool_result><｜Assistant｜><think>"
+        "<｜User｜><tool_result>paris: rain</tool_result>\n\n<tool_result>rome: "
+        "sun</tool_result><｜Assistant｜><think>"
     )
     assert s.endswith(expected_tail), s[-600:]
 
 
 def test_drop_thinking_without_tools() -> None:
     conv = Conversation(
-        [user("Q1"), Message(role="assistant", content="A1", reasoning="R1"), user("Q2")], thinking=True, effort=75
+        [user("Q1"), Message(role="assistant", content="A1", reasoning="R1"), user("Q2")], thinking=True,
+        effort=75
     )
     s = text_of(conv)
     # earlier reasoning dropped, earlier header closes thinking; last turn opens it
-    assert s == BOS + EFFORT75 + "<｜User｜>Q1<｜Assistant｜></think>A1" + EOS + "<｜User｜>Q2<｜Assistant｜><think>"
+    assert (s == BOS + EFFORT75 + "<｜User｜>Q1<｜Assistant｜></think>A1" + EOS
+            + "<｜User｜>Q2<｜Assistant｜><think>")
 
 
 def test_reasoning_kept_with_tools() -> None:
     conv = Conversation(
-        [user("Q1"), Message(role="assistant", content="A1", reasoning="R1"), user("Q2")], tools=[WEATHER], thinking=True
+        [user("Q1"), Message(role="assistant", content="A1", reasoning="R1"), user("Q2")], tools=[WEATHER],
+        thinking=True
     )
-    assert "<｜User｜>Q1<｜Assistant｜><think>R1</think>A1" + EOS + "<｜User｜>Q2<｜Assistant｜><think>" in text_of(conv)
+    assert ("<｜User｜>Q1<｜Assistant｜><think>R1</think>A1" + EOS + "<｜User｜>Q2<｜Assistant｜><think>"
+            in text_of(conv))
 
 
 def test_chat_mode_history() -> None:
-    conv = Conversation([user("Q1"), Message(role="assistant", content="A1", reasoning="R1"), user("Q2")], thinking=False)
-    assert text_of(conv) == BOS + "<｜User｜>Q1<｜Assistant｜></think>A1" + EOS + "<｜User｜>Q2<｜Assistant｜></think>"
+    conv = Conversation([user("Q1"), Message(role="assistant", content="A1", reasoning="R1"), user("Q2")],
+                        thinking=False)
+    assert (text_of(conv) == BOS + "<｜User｜>Q1<｜Assistant｜></think>A1" + EOS
+            + "<｜User｜>Q2<｜Assistant｜></think>")
 
 
 def test_inline_system_counts_as_user_turn_and_trailing_header() -> None:
-    conv = Conversation([Message(role="system", content="S"), user("Hi"), Message(role="system", content="Agents: x")], thinking=True)
+    conv = Conversation([Message(role="system", content="S"), user("Hi"),
+                         Message(role="system", content="Agents: x")], thinking=True)
     s = text_of(conv)
     # no header between user and the inline system; the trailing system gets the header
     assert s.endswith("<｜User｜>Hi<｜System｜>Agents: x<｜Assistant｜><think>")
@@ -106,7 +119,8 @@ def test_inline_system_counts_as_user_turn_and_trailing_header() -> None:
 
 def test_inline_system_mid_conversation_drops_earlier_reasoning() -> None:
     conv = Conversation(
-        [user("Q"), Message(role="assistant", content="A", reasoning="R"), Message(role="system", content="note"), ],
+        [user("Q"), Message(role="assistant", content="A", reasoning="R"),
+         Message(role="system", content="note"), ],
         thinking=True,
     )
     s = text_of(conv)
@@ -115,7 +129,8 @@ def test_inline_system_mid_conversation_drops_earlier_reasoning() -> None:
 
 
 def test_tool_result_list_content_and_images() -> None:
-    blocks = [Block(kind="tool_result", tool_use_id="t", parts=[(True, "a"), (False, "[Unsupported image]"), (True, "b")])]
+    blocks = [Block(kind="tool_result", tool_use_id="t",
+                    parts=[(True, "a"), (False, "[Unsupported image]"), (True, "b")])]
     s = text_of(Conversation([Message(role="user", blocks=blocks)], thinking=False))
     assert "<tool_result>a\n\n[Unsupported image]\n\nb</tool_result>" in s
 
@@ -141,7 +156,8 @@ def test_adversarial_client_text_never_becomes_control_tokens(tok: PromptTokeniz
         [
             Message(role="system", content=evil),
             user(evil),
-            Message(role="assistant", content=evil, reasoning=evil, tool_calls=[ToolCall("1", "Bash", {"command": evil})]),
+            Message(role="assistant", content=evil, reasoning=evil,
+                    tool_calls=[ToolCall("1", "Bash", {"command": evil})]),
             Message(role="tool", tool_call_id="1", content=evil),
         ],
         tools=[{"name": "Bash", "description": evil, "parameters": {}}],
@@ -152,7 +168,9 @@ def test_adversarial_client_text_never_becomes_control_tokens(tok: PromptTokeniz
     control_ids = {tok.token_id(s) for s in ADVERSARIAL} - {None}
     # the template's own control tokens are the only ones present: count them from ours text only
     ours_only = [(k, p if k == 0 else "") for k, p in segments]
-    expected_controls = [i for i in tok.encode_segments(ours_only, use_cache=False).tolist() if i in control_ids]
+    expected_controls = [i
+                         for i in tok.encode_segments(ours_only, use_cache=False).tolist()
+                         if i in control_ids]
     got_controls = [i for i in ids.tolist() if i in control_ids]
     assert got_controls == expected_controls
     # and the tool result's text decodes back verbatim
@@ -185,15 +203,18 @@ def conversations(draw: st.DrawFn) -> Conversation:
     for _ in range(draw(st.integers(1, 4))):
         msgs.append(user(draw(safe_text)))
         if draw(st.booleans()):
-            calls = [ToolCall(f"id{k}", draw(st.sampled_from(["Read", "Bash"])), {"p": draw(safe_text), "n": draw(st.integers(-5, 10**6))})
+            calls = [ToolCall(f"id{k}", draw(st.sampled_from(["Read", "Bash"])),
+                              {"p": draw(safe_text), "n": draw(st.integers(-5, 10**6))})
                      for k in range(draw(st.integers(0, 2)))]
-            msgs.append(Message(role="assistant", content=draw(safe_text), reasoning=draw(safe_text), tool_calls=calls))
+            msgs.append(Message(role="assistant", content=draw(safe_text), reasoning=draw(safe_text),
+                                tool_calls=calls))
             for c in calls:
                 msgs.append(Message(role="tool", tool_call_id=c.id, content=draw(safe_text)))
             if draw(st.booleans()):
                 msgs.append(Message(role="system", content=draw(safe_text)))
     tools = [WEATHER] if draw(st.booleans()) else []
-    return Conversation(msgs, tools=tools, thinking=draw(st.booleans()), effort=draw(st.sampled_from(list(EFFORT_LEVELS.values()))))
+    return Conversation(msgs, tools=tools, thinking=draw(st.booleans()),
+                        effort=draw(st.sampled_from(list(EFFORT_LEVELS.values()))))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -215,7 +236,8 @@ def test_growing_session_tokenizes_only_new_pieces(tok: PromptTokenizer) -> None
     conv = Conversation(msgs, tools=[WEATHER], thinking=True)
     local.encode_segments(render(conv))
     for turn in range(5):
-        msgs += [Message(role="assistant", content=f"answer {turn}", reasoning="r " * 30), user(f"next {turn} " * 40)]
+        msgs += [Message(role="assistant", content=f"answer {turn}", reasoning="r " * 30),
+                 user(f"next {turn} " * 40)]
         before = local.cache.stats.miss_tokens
         ids = local.encode_segments(render(conv))
         new = local.cache.stats.miss_tokens - before

@@ -17,7 +17,8 @@ from protocol.errors import InvalidRequest, ModelNotAvailable
 MODEL = "deepseek-v4.1-flash"
 HI = [{"role": "user", "content": "hi"}]
 A_TOOL = {"name": "Read", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
-O_TOOL = {"type": "function", "function": {"name": "Read", "parameters": {"type": "object", "properties": {}}}}
+O_TOOL = {"type": "function",
+          "function": {"name": "Read", "parameters": {"type": "object", "properties": {}}}}
 R_TOOL = {"type": "function", "name": "Read", "parameters": {"type": "object", "properties": {}}}
 
 
@@ -47,10 +48,12 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("prepare_openai", {"messages": HI, "tools": [O_TOOL],
                         "tool_choice": {"type": "function", "function": {"name": "Write"}}}),
     ("prepare_responses", {"input": "hi", "tool_choice": "required"}),
-    ("prepare_responses", {"input": "hi", "tools": [R_TOOL], "tool_choice": {"type": "function", "name": "Write"}}),
+    ("prepare_responses",
+     {"input": "hi", "tools": [R_TOOL], "tool_choice": {"type": "function", "name": "Write"}}),
 ]
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
-    ("prepare_anthropic", {"max_tokens": 8, "messages": HI, "tools": [A_TOOL], "tool_choice": {"type": "any"}}),
+    ("prepare_anthropic",
+     {"max_tokens": 8, "messages": HI, "tools": [A_TOOL], "tool_choice": {"type": "any"}}),
     ("prepare_anthropic", {"max_tokens": 8, "messages": HI, "tools": [A_TOOL],
                            "tool_choice": {"type": "tool", "name": "Read"}}),
     ("prepare_anthropic", {"max_tokens": 8, "messages": HI, "tools": [A_TOOL, {**A_TOOL, "name": "Late",
@@ -61,15 +64,18 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
     ("prepare_openai", {"messages": HI, "tool_choice": "auto"}),
     ("prepare_openai", {"messages": HI, "tools": [O_TOOL],
                         "tool_choice": {"type": "function", "function": {"name": "Read"}}}),
-    ("prepare_responses", {"input": "hi", "tools": [R_TOOL], "tool_choice": {"type": "function", "name": "Read"}}),
-    ("prepare_responses", {"input": "hi", "tools": [{"type": "namespace", "name": "fs", "description": "files",
+    ("prepare_responses",
+     {"input": "hi", "tools": [R_TOOL], "tool_choice": {"type": "function", "name": "Read"}}),
+    ("prepare_responses",
+     {"input": "hi", "tools": [{"type": "namespace", "name": "fs", "description": "files",
                                                     "tools": [R_TOOL]}],
                            "tool_choice": {"type": "function", "name": "Read"}}),
 ]
 
 
 @pytest.mark.parametrize("route, body", REFUSED)
-def test_tool_choice_the_model_cannot_satisfy_is_a_400(proto: Protocol, route: str, body: dict[str, Any]) -> None:
+def test_tool_choice_the_model_cannot_satisfy_is_a_400(proto: Protocol, route: str,
+                                                       body: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequest) as err:
         getattr(proto, route)({"model": MODEL, **body}, {})
     assert err.value.param == "tool_choice" and err.value.http_status == 400

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from protocol import sampling as S
 from protocol.api import Protocol
@@ -43,7 +42,8 @@ wire_sampling = st.fixed_dictionaries({}, optional={
                              st.just(5e-324)),
     "top_p": st.one_of(st.just(0.0), st.just(1e-50), st.floats(0.0, 1.0), st.floats(0.0, 1e-5)),
     "top_k": st.one_of(st.integers(-1, 3), st.integers(-1, 200_000), st.just(2**31 - 1)),
-    "seed": st.one_of(st.integers(S.SEED_WIRE_MIN, S.SEED_WIRE_MAX), st.sampled_from([-5, 2**64 - 1, -(2**63)])),
+    "seed": st.one_of(st.integers(S.SEED_WIRE_MIN, S.SEED_WIRE_MAX),
+                      st.sampled_from([-5, 2**64 - 1, -(2**63)])),
 })
 
 
@@ -60,7 +60,8 @@ def test_every_accepted_openai_sampling_runs_in_the_sampler(proto: Protocol, val
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(values=wire_sampling)
-def test_every_accepted_anthropic_sampling_runs_in_the_sampler(proto: Protocol, values: dict[str, Any]) -> None:
+def test_every_accepted_anthropic_sampling_runs_in_the_sampler(proto: Protocol,
+                                                               values: dict[str, Any]) -> None:
     values.pop("seed", None)  # not an Anthropic field
     if values.get("top_k", 0) < 0:
         values["top_k"] = 0
@@ -97,7 +98,8 @@ def test_tiny_values_mean_greedy_and_big_ones_no_filter(proto: Protocol) -> None
     ({"stop": "y" * (S.STOP_MAX_CHARS + 1)}, "stop"),
     ({"max_tokens": 0}, "max_tokens"),
 ])
-def test_openai_out_of_range_is_a_400_naming_the_field(proto: Protocol, extra: dict[str, Any], param: str) -> None:
+def test_openai_out_of_range_is_a_400_naming_the_field(proto: Protocol, extra: dict[str, Any],
+                                                       param: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         proto.prepare_openai(_openai(**extra))
     assert err.value.param == param
@@ -112,7 +114,8 @@ def test_openai_out_of_range_is_a_400_naming_the_field(proto: Protocol, extra: d
     ({"stop_sequences": ["z" * (S.STOP_MAX_CHARS + 1)]}, "stop_sequences"),
     ({"max_tokens": 0}, "max_tokens"),
 ])
-def test_anthropic_out_of_range_is_a_400_naming_the_field(proto: Protocol, extra: dict[str, Any], param: str) -> None:
+def test_anthropic_out_of_range_is_a_400_naming_the_field(proto: Protocol, extra: dict[str, Any],
+                                                          param: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         proto.prepare_anthropic(_anthropic(**extra))
     assert err.value.param is not None and err.value.param.startswith(param)

@@ -8,11 +8,17 @@ import copy
 from typing import Any
 
 import pytest
-from tests.protocol.stream_helpers import TOOL_OUT, claude_code_request, echo_assistant, run_stream, sse_events
 
 from protocol import anthropic_schema as A
 from protocol.api import Protocol
 from protocol.tokenize import PromptTokenizer
+from tests.protocol.stream_helpers import (
+    TOOL_OUT,
+    claude_code_request,
+    echo_assistant,
+    run_stream,
+    sse_events,
+)
 
 REASONING = "The user wants the README."
 BETAS = ("claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
@@ -36,7 +42,8 @@ def thinking_deltas(data: bytes) -> tuple[list[str], str, list[str]]:
 
 
 @pytest.mark.parametrize("display", ["omitted", "updates"])
-def test_hidden_display_streams_an_empty_signed_thinking_block(proto: Protocol, tok: PromptTokenizer, display: str) -> None:
+def test_hidden_display_streams_an_empty_signed_thinking_block(proto: Protocol, tok: PromptTokenizer,
+                                                               display: str) -> None:
     p = proto.prepare_anthropic(request(display), {"anthropic-beta": BETAS})
     assert not p.show_reasoning
     stream, data, _ = run_stream(proto, p, TOOL_OUT, tok)
@@ -48,12 +55,14 @@ def test_hidden_display_streams_an_empty_signed_thinking_block(proto: Protocol, 
 
 
 @pytest.mark.parametrize("display", [None, "summarized", "highlights"])
-def test_other_displays_stream_the_reasoning(proto: Protocol, tok: PromptTokenizer, display: str | None) -> None:
+def test_other_displays_stream_the_reasoning(proto: Protocol, tok: PromptTokenizer,
+                                             display: str | None) -> None:
     p = proto.prepare_anthropic(request(display), {})
     assert p.show_reasoning
     stream, data, _ = run_stream(proto, p, TOOL_OUT, tok)
     starts, thinking, signatures = thinking_deltas(data)
-    assert starts == ["thinking", "text", "tool_use"] and thinking == REASONING and signatures == [stream.signature]
+    assert starts == ["thinking", "text",
+                      "tool_use"] and thinking == REASONING and signatures == [stream.signature]
 
 
 @pytest.mark.parametrize("display", ["omitted", "updates"])
@@ -74,7 +83,8 @@ def test_no_reasoning_no_thinking_block(proto: Protocol, tok: PromptTokenizer) -
 
 
 @pytest.mark.parametrize("display", ["omitted", "updates"])
-def test_echoed_empty_thinking_block_hits_the_ledger(proto: Protocol, tok: PromptTokenizer, display: str) -> None:
+def test_echoed_empty_thinking_block_hits_the_ledger(proto: Protocol, tok: PromptTokenizer,
+                                                     display: str) -> None:
     body = request(display)
     p1 = proto.prepare_anthropic(body, {})
     _, data, out_ids = run_stream(proto, p1, TOOL_OUT, tok)

@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import protocol.tokenize as T
 from protocol.api import Protocol
@@ -79,7 +78,8 @@ def test_chunked_encoding_equals_the_single_call(tok: PromptTokenizer, text: str
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=texts)
-def test_min_tokens_is_a_lower_bound(tok: PromptTokenizer, text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_min_tokens_is_a_lower_bound(tok: PromptTokenizer, text: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(T, "_COUNT_CHARS", 7)  # slices that cut through runs
     bound = min_tokens(text)
     assert bound <= len(tok.encode_plain(text))
@@ -104,7 +104,8 @@ def test_prompt_that_fits_is_encoded_whole_and_exactly(tok: PromptTokenizer) -> 
     segments = [(OURS, "<｜begin▁of▁sentence｜><｜User｜>"), (CLIENT, text), (OURS, "<｜Assistant｜>")]
     fresh = PromptTokenizer(tok.path, cache_bytes=0)
     ids = fresh.encode_segments(segments, max_tokens=10**7)
-    assert np.array_equal(ids, tok.encode_text("<｜begin▁of▁sentence｜><｜User｜>" + text + "<｜Assistant｜>"))
+    assert np.array_equal(ids,
+                          tok.encode_text("<｜begin▁of▁sentence｜><｜User｜>" + text + "<｜Assistant｜>"))
     with pytest.raises(T.TokenBudgetExceeded):
         fresh.encode_segments(segments, max_tokens=len(ids) - 1)
     assert np.array_equal(fresh.encode_segments(segments, max_tokens=len(ids)), ids)

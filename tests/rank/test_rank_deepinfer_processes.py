@@ -126,7 +126,8 @@ def test_shutdown_under_load_drains_every_rank_and_fails_streams() -> None:
     async def scenario() -> None:
         group = RankGroup(_config(patched=True).rank_config(), python=sys.executable)
         await group.start()
-        streams = [group.submit(i % 2, _request(f"long-{i}", _ids(200 + 50 * i, seed=i), 3000)) for i in range(4)]
+        streams = [group.submit(i % 2, _request(f"long-{i}", _ids(200 + 50 * i, seed=i), 3000))
+                   for i in range(4)]
         first = [await s.__anext__() for s in streams]  # every request is running
         assert all(out.token_ids and not out.finished for out in first)
         await group.close()
@@ -151,7 +152,8 @@ def test_unpatched_two_ranks_serve_with_the_prefix_cache_off() -> None:
             assert [r["prefix_cache_supported"] for r in health["ranks"]] == [False, False]
 
             lengths = [140, 260, 390, 130]
-            streams = [group.submit(i % 2, _request(f"u-{i}", _ids(n, seed=i), 5)) for i, n in enumerate(lengths)]
+            streams = [group.submit(i % 2, _request(f"u-{i}", _ids(n, seed=i), 5))
+                       for i, n in enumerate(lengths)]
             results = await asyncio.gather(*(collect(s) for s in streams))
             for tokens, last in results:
                 assert len(tokens) == 5 and last.finish_reason == FinishReason.LENGTH

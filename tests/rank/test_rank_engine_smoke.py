@@ -18,7 +18,9 @@ def test_local_group_serves_and_moves_blocks_between_ranks() -> None:
         group = LocalRankGroup.from_config(cfg.rank_config(), host_pool_bytes=1 << 20)
         await group.start()
         try:
-            stream = group.submit(0, EngineRequest("x", np.arange(40, dtype=np.int32), SamplingParams(max_tokens=5)))
+            stream = group.submit(0,
+                                  EngineRequest("x", np.arange(40, dtype=np.int32),
+                                                SamplingParams(max_tokens=5)))
             outputs = [o async for o in stream]
             assert sum(len(o.token_ids) for o in outputs) == 5
             last = outputs[-1]

@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 
 from rank.client import GroupState
-from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, FinishReason, RequestOutput, SamplingParams
+from rank.engine import (
+    CapacityExhausted,
+    EngineMisuse,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+)
 from rank.errors import RankFailed, RankUnavailable
 from rank.group import RankGroup
 from rank.launch import rank_env
@@ -28,7 +35,8 @@ BLOCK = 16
 
 def _config(**overrides: Any) -> WorkloadConfig:
     base: dict[str, Any] = dict(reference_model="tiny", ep=4, block_size=BLOCK, reference_num_blocks=256,
-                                max_num_batched_tokens=256, l1_host_gb=0.005, api_key="sk-secret-should-not-leak")
+                                max_num_batched_tokens=256, l1_host_gb=0.005,
+                                api_key="sk-secret-should-not-leak")
     base.update(overrides)
     return WorkloadConfig(**base)
 
@@ -64,7 +72,8 @@ def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> Non
             assert group.num_host_slots > 0 and group.bytes_per_block > 0
             # Many concurrent requests of different lengths on all four ranks.
             lengths = [3, 17, 40, 90, 5, 64, 33, 120, 8, 50, 77, 16, 2, 101, 45, 29]
-            streams = [(i % 4, group.submit(i % 4, _request(f"a{i}", n, 3 + i % 7, seed=i))) for i, n in enumerate(lengths)]
+            streams = [(i % 4, group.submit(i % 4, _request(f"a{i}", n, 3 + i % 7, seed=i)))
+                       for i, n in enumerate(lengths)]
             results = await asyncio.gather(*(collect(s) for _, s in streams))
             for i, (tokens, last) in enumerate(results):
                 assert len(tokens) == 3 + i % 7 and last.finish_reason == FinishReason.LENGTH
@@ -100,9 +109,11 @@ def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> Non
             victim = group.pids()[1]
             killed_at = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in load), return_exceptions=True), 60)
+            outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in load),
+                                                             return_exceptions=True), 60)
             detected_s = time.monotonic() - killed_at
-            print(f"\nSIGKILL of rank 1: all {len(load)} in-flight requests failed {detected_s:.2f}s after the kill")
+            print(f"\nSIGKILL of rank 1: all {len(load)} in-flight requests failed {detected_s:.2f}s after "
+                  "the kill")
             assert all(isinstance(o, RankFailed) for o in outcomes), outcomes
             assert "rank 1" in str(outcomes[0]) and "SIGKILL" in str(outcomes[0])
             assert group.state in (GroupState.RESTARTING, GroupState.READY)
@@ -115,7 +126,8 @@ def test_four_ranks_lockstep_serve_then_sigkill_restart_and_serve_again() -> Non
             health = group.health()
             assert health["state"] == "ready" and "SIGKILL" in health["last_failure"]
             assert all(r["alive"] for r in health["ranks"])
-            again = await asyncio.gather(*(collect(group.submit(r, _request(f"b{r}", 25, 4, r))) for r in range(4)))
+            again = await asyncio.gather(*(collect(group.submit(r, _request(f"b{r}", 25, 4, r)))
+                                           for r in range(4)))
             assert all(len(tokens) == 4 for tokens, _ in again)
             await _drain_kept(group, [(r, out) for r, (_, out) in enumerate(again)])
             await _wait_idle(group)
@@ -139,8 +151,10 @@ def test_sigstop_stall_is_detected_by_heartbeats() -> None:
             stopped = group.pids()[0]
             stopped_at = time.monotonic()
             os.kill(stopped, signal.SIGSTOP)
-            outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in load), return_exceptions=True), 60)
-            print(f"\nSIGSTOP of rank 0: detected and failed {time.monotonic() - stopped_at:.2f}s after the stop")
+            outcomes = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in load),
+                                                             return_exceptions=True), 60)
+            print(f"\nSIGSTOP of rank 0: detected and failed {time.monotonic() - stopped_at:.2f}s after the "
+                  "stop")
             assert all(isinstance(o, RankFailed) for o in outcomes), outcomes
             assert "stalled" in str(outcomes[0]) and "rank 0" in str(outcomes[0])
             await group.wait_ready(120)
@@ -161,7 +175,8 @@ def test_sigstop_stall_is_detected_by_heartbeats() -> None:
 def test_rank_env_is_minimal_and_rotates_gpus() -> None:
     cfg = _config(reference_device="cuda", env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
                   deepinfer_env={"DEEPINFER_USE_MULTIMODAL_POOL": "0"})
-    base_env = {"PATH": "/usr/bin", "OPENAI_API_KEY": "sk-x", "IK_TOKEN": "t", "TRITON_CACHE_DIR": "/cache/triton",
+    base_env = {"PATH": "/usr/bin", "OPENAI_API_KEY": "sk-x", "IK_TOKEN": "t",
+                "TRITON_CACHE_DIR": "/cache/triton",
                 "NCCL_DEBUG": "WARN"}
     env = rank_env(cfg.rank_config(), 4, 2, 29500, base_env)
     assert env["CUDA_VISIBLE_DEVICES"] == "6,4,5,7"

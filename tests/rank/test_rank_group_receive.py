@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+
 import orjson
 import pytest
 import zmq
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _group() -> RankGroup:
-    return RankGroup(WorkloadConfig(reference_model="null", ep=1, l1_cache=False).rank_config(), num_ranks=1, name="t-recv")
+    return RankGroup(WorkloadConfig(reference_model="null", ep=1, l1_cache=False).rank_config(), num_ranks=1,
+                     name="t-recv")
 
 
 def _track(r: RankLink, handle: int, rid: str, num_prompt: int = 5) -> RequestStream:
@@ -82,7 +84,8 @@ def test_dispatch_hands_each_request_its_ids() -> None:
         assert [o.token_ids for o in streams[1].drain_nowait()] == [[11, 12, 13, 14]]
         assert [o.token_ids for o in streams[0].drain_nowait()] == [[1]]
         (fin2,) = await _outputs(streams[2])
-        assert fin2.token_ids == [21] and fin2.finish_reason is FinishReason.STOP and fin2.kept_blocks == [7, 8]
+        assert fin2.token_ids == [21] and fin2.finish_reason is FinishReason.STOP and fin2.kept_blocks == [
+            7, 8]
         got3 = await _outputs(streams[3])
         assert [o.token_ids for o in got3] == [[31], [32]] and got3[-1].error == "x"
         (fin4,) = await _outputs(streams[4])
@@ -123,7 +126,8 @@ def test_receive_drains_floods_and_wakes_after_idle() -> None:
             for round_no in range(3):  # idle, then one message at a time
                 await asyncio.sleep(0.05)
                 seen = r.last_seen
-                push.send_multipart(wire.encode_step([RequestOutput("r3", [1000 + round_no], False)], handles, STATS))
+                push.send_multipart(wire.encode_step([RequestOutput("r3", [1000 + round_no], False)], handles,
+                                                     STATS))
                 assert [o.token_ids for o in await _next_batch(stream)] == [[1000 + round_no]]
                 assert r.last_seen > seen
             push.send_multipart(wire.pack({"t": "reject", "h": 3, "etype": "EngineMisuse", "msg": "bad"}))

@@ -45,9 +45,11 @@ def _master_ports(group: RankGroup) -> set[str]:
 
 
 def test_rank_python_is_the_deepinfer_venvs_whatever_the_engine() -> None:
-    assert rank_python(_config(deepinfer_venv="/workspace/di-venv").rank_config()) == "/workspace/di-venv/bin/python"
+    assert (rank_python(_config(deepinfer_venv="/workspace/di-venv").rank_config())
+            == "/workspace/di-venv/bin/python")
     assert rank_python(_config().rank_config()) == sys.executable
-    assert RankGroup(_config(deepinfer_venv="/workspace/di-venv").rank_config()).python == "/workspace/di-venv/bin/python"
+    assert (RankGroup(_config(deepinfer_venv="/workspace/di-venv").rank_config()).python
+            == "/workspace/di-venv/bin/python")
 
 
 @pytest.mark.timeout(240)
@@ -55,7 +57,8 @@ def test_configured_master_port_is_used_in_every_epoch() -> None:
     port = _free_port()
 
     async def scenario() -> None:
-        group = RankGroup(_config(deepinfer_env={"MASTER_PORT": str(port)}).rank_config(), python=sys.executable,
+        group = RankGroup(_config(deepinfer_env={"MASTER_PORT": str(port)}).rank_config(),
+                          python=sys.executable,
                           restart_backoff_s=0.2)
         await group.start()
         try:
@@ -79,7 +82,8 @@ def test_configured_master_port_is_used_in_every_epoch() -> None:
 @pytest.mark.timeout(120)
 def test_env_master_port_counts_and_unset_picks_a_free_one() -> None:
     assert _config(env={"MASTER_PORT": "29600"}).master_port == "29600"
-    assert _config(env={"MASTER_PORT": "29600"}, deepinfer_env={"MASTER_PORT": "29611"}).master_port == "29611"
+    assert _config(env={"MASTER_PORT": "29600"},
+                   deepinfer_env={"MASTER_PORT": "29611"}).master_port == "29611"
     assert _config().master_port is None
 
     async def scenario() -> None:

@@ -53,7 +53,8 @@ def test_rank_heartbeat_survives_sends_without_a_peer(monkeypatch: pytest.Monkey
     monkeypatch.setattr(worker, "HEARTBEAT_S", 0.001)
     stop = threading.Event()
     sock = _FlakySocket(stop, again=2)
-    t = threading.Thread(target=worker._heartbeat_loop, args=(_Ctx(sock), "ipc:///nowhere", 0, worker._Status(), stop))
+    t = threading.Thread(target=worker._heartbeat_loop,
+                         args=(_Ctx(sock), "ipc:///nowhere", 0, worker._Status(), stop))
     t.start()
     t.join(timeout=30)
     assert not t.is_alive()

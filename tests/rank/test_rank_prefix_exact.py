@@ -68,7 +68,8 @@ def test_prefix_start_matches_cold_greedy(batch_index: int) -> None:
     warm_out = _run_all(engine, warm[::-1])  # a different batch order, too
     for i in range(BATCH):
         assert warm_out[f"w{i}"].num_cached_tokens == used[i] * BLOCK
-        assert warm_out[f"w{i}"].token_ids == cold_out[f"c{i}"].token_ids, f"case {i}: prefix {used[i]} blocks"
+        assert (warm_out[f"w{i}"].token_ids
+                == cold_out[f"c{i}"].token_ids), f"case {i}: prefix {used[i]} blocks"
     assert sum(used) > 0
     for out in donor_out.values():
         engine.release(out.kept_blocks)

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from rank.host_pool import HostPool
 from rank.engine import (
     CapacityExhausted,
     EngineRequest,
@@ -21,13 +20,14 @@ from rank.engine import (
     RequestOutput,
     SamplingParams,
 )
+from rank.host_pool import HostPool
 from rank.reference_engine import EOS_ID, ReferenceEngine, ReferenceEngineConfig
 
 BLOCK = 16
 
 
 @pytest.fixture(params=["tiny", "null"])
-def engine(request: pytest.FixtureRequest, tmp_path: "os.PathLike[str]") -> Iterator[ReferenceEngine]:
+def engine(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[ReferenceEngine]:
     pool = HostPool(os.path.join(str(tmp_path), "l1"), 1 << 20, pin=False)
     eng = ReferenceEngine(
         ReferenceEngineConfig(model=request.param, block_size=BLOCK, num_blocks=32, max_num_seqs=4,
@@ -62,7 +62,8 @@ def test_stop_conditions(engine: ReferenceEngine) -> None:
     engine.add(req("toolong", 400))
     engine.add(req("cap", 395, max_tokens=50, keep_blocks=False))
     outs = run(engine)
-    assert outs["toolong"][-1].finish_reason == FinishReason.ERROR and "max_model_len" in outs["toolong"][-1].error
+    assert (outs["toolong"][-1].finish_reason == FinishReason.ERROR
+            and "max_model_len" in outs["toolong"][-1].error)
     cap = outs["cap"]
     assert cap[-1].finish_reason == FinishReason.LENGTH and sum(len(o.token_ids) for o in cap) == 5
 
@@ -70,7 +71,8 @@ def test_stop_conditions(engine: ReferenceEngine) -> None:
 def test_eos_stops_unless_ignored() -> None:
     eng = ReferenceEngine(ReferenceEngineConfig(model="null", block_size=BLOCK, num_blocks=16))
     # The model's choice is replaced so that it always says EOS; the stop logic is what's tested.
-    eng._forward = lambda token_ids, positions, items, rows, sampled: ([EOS_ID] * len(sampled), {})  # type: ignore[method-assign]
+    eng._forward = lambda token_ids, positions, items, rows, sampled: ([EOS_ID] * len(sampled),
+                                                                       {})  # type: ignore[method-assign]
     eng.add(req("eos", 20, max_tokens=5, ignore_eos=False))
     outs = run(eng)["eos"]
     assert [t for o in outs for t in o.token_ids] == [EOS_ID]  # EOS is part of the output
@@ -88,7 +90,8 @@ def test_seeded_sampling_is_reproducible() -> None:
     sp = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     ids = np.arange(300, 330, dtype=np.int32)
     eng.add(EngineRequest("x", ids, sp, keep_blocks=False))
-    eng.add(EngineRequest("other", ids[::-1].copy(), SamplingParams(4, temperature=1.0, ignore_eos=True), keep_blocks=False))
+    eng.add(EngineRequest("other", ids[::-1].copy(), SamplingParams(4, temperature=1.0, ignore_eos=True),
+                          keep_blocks=False))
     first = [t for o in run(eng)["x"] for t in o.token_ids]
     eng.add(EngineRequest("y", ids, sp, keep_blocks=False))
     second = [t for o in run(eng)["y"] for t in o.token_ids]
@@ -116,8 +119,10 @@ def test_export_import_roundtrip_is_byte_exact(engine: ReferenceEngine) -> None:
 
 def test_eos_every_ends_sampled_replies_and_leaves_greedy_ones() -> None:
     """reference_eos_every: random weights end a sampled reply about once every N tokens."""
-    eng = ReferenceEngine(ReferenceEngineConfig(model="tiny", block_size=BLOCK, num_blocks=256, max_num_seqs=8,
-                                                max_num_batched_tokens=64, max_model_len=1000, eos_every=4), None)
+    eng = ReferenceEngine(ReferenceEngineConfig(model="tiny", block_size=BLOCK, num_blocks=256,
+                                                max_num_seqs=8,
+                                                max_num_batched_tokens=64, max_model_len=1000, eos_every=4),
+                          None)
     try:
         for i in range(6):
             ids = np.arange(100 + i, 140 + i, dtype=np.int32)

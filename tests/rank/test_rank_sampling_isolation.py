@@ -31,8 +31,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from protocol.sampling import sampling_error
 from rank.client import GroupState
@@ -89,7 +88,8 @@ _wild_float = st.one_of(
     st.floats(0.0, 1e-4),
     st.sampled_from([0.0, 1e-50, 5e-324, 1e-6, 1e-5, 2.0, 2.5, -0.0, -1.0, math.nan, math.inf, 1e308]),
 )
-_wild_top_k = st.one_of(st.integers(-(2**31), 2**31), st.sampled_from([-2, 0, 999, 1000, 1001, 129_279, 129_280]))
+_wild_top_k = st.one_of(st.integers(-(2**31), 2**31),
+                        st.sampled_from([-2, 0, 999, 1000, 1001, 129_279, 129_280]))
 _wild_seed = st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from([-5, -1, 2**64 - 1]))
 
 
@@ -103,7 +103,8 @@ def _requests(vocab: int) -> st.SearchStrategy[tuple[int, float, float, int, int
     seed = st.one_of(st.none(), st.integers(0, 2**64 - 1), st.sampled_from([0, 2**63, 2**64 - 1]))
     valid = st.tuples(max_tokens, temperature, top_p, top_k, seed)
     mixed = st.tuples(st.one_of(max_tokens, st.integers(-1, 0)), st.one_of(temperature, _wild_float),
-                      st.one_of(top_p, _wild_float), st.one_of(top_k, _wild_top_k), st.one_of(seed, _wild_seed))
+                      st.one_of(top_p, _wild_float), st.one_of(top_k, _wild_top_k),
+                      st.one_of(seed, _wild_seed))
     return st.one_of(valid, valid, valid, mixed)
 
 
@@ -143,7 +144,8 @@ def _property(h: _Harness, num_examples: int) -> None:
               suppress_health_check=list(HealthCheck))
     @given(batch=st.lists(_requests(VOCAB[h.kind]), min_size=1, max_size=6), rank=st.integers(0, 1))
     @example(batch=[(4, 0.8, 1e-50, -1, None), (4, 0.8, 0.9, 40, 7)], rank=0)  # tiny: multinomial raised
-    @example(batch=[(4, 0.8, 1.0, -1, -5), (4, 0.8, 1.0, -1, 2**64 - 1), (3, 0.0, 1.0, -1, 1)], rank=1)  # null: OverflowError
+    @example(batch=[(4, 0.8, 1.0, -1, -5), (4, 0.8, 1.0, -1, 2**64 - 1), (3, 0.0, 1.0, -1, 1)],
+             rank=1)  # null: OverflowError
     @example(batch=[(4, 1e-5, 1e-6, 999, 2**64 - 1), (2, math.nan, 1.0, -1, None)], rank=0)
     def check(batch: list[tuple[int, float, float, int, int | None]], rank: int) -> None:
         _check_batch(h, batch, rank)

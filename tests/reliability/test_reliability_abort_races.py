@@ -31,15 +31,18 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeThread]:
         yield handle
 
 
-@pytest.mark.parametrize("api,stream", [("anthropic", True), ("anthropic", False), ("openai", True), ("openai", False)])
-def test_stop_sequence_in_the_final_step_keeps_blocks_balanced(rt: RuntimeThread, api: str, stream: bool) -> None:
+@pytest.mark.parametrize("api,stream",
+                         [("anthropic", True), ("anthropic", False), ("openai", True), ("openai", False)])
+def test_stop_sequence_in_the_final_step_keeps_blocks_balanced(rt: RuntimeThread, api: str,
+                                                               stream: bool) -> None:
     messages = [{"role": "user", "content": f"{api} {stream} please " + LONG}]
     if api == "anthropic":
         body = {"model": "default", "max_tokens": 1000, "stream": stream, "messages": messages,
                 "stop_sequences": ["STOPHERE"]}
         resp = httpx.post(rt.url + "/v1/messages", json=body, timeout=60)
     else:
-        body = {"model": "default", "max_tokens": 1000, "stream": stream, "messages": messages, "stop": ["STOPHERE"]}
+        body = {"model": "default", "max_tokens": 1000, "stream": stream, "messages": messages,
+                "stop": ["STOPHERE"]}
         resp = httpx.post(rt.url + "/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200
     assert " tail" not in resp.text  # cut at the stop sequence

@@ -15,8 +15,8 @@ import logging
 
 import pytest
 
-from tests.support.runtime_thread import RuntimeThread
 from bench.reliability.storm import StormReport, run_storm, storm_config
+from tests.support.runtime_thread import RuntimeThread
 
 
 def _check(report: StormReport, caplog: pytest.LogCaptureFixture) -> None:

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from rank.engine import FinishReason, RequestOutput
 from tests.support.bodies import chat_body, path_of
 from tests.support.runtime_thread import RuntimeThread
 from tests.support.sse import SseParser, is_content_event, is_error_event
-from rank.engine import FinishReason, RequestOutput
 
 SECRET = "gloo: connection to peer 10.9.8.7:29513 reset; Traceback (most recent call last)"
 ENGINE_SECRET = "KV pool exhausted during decode at block 4093 (rank 1, pid 31337)"
@@ -61,16 +61,16 @@ def test_stream_cut_by_a_group_failure_names_the_request_id_only(
     body = chat_body(api, "tell me a long story", max_tokens=20000, stream=True)
     parser = SseParser()
     events = []
-    with caplog.at_level(logging.INFO), httpx.Client(base_url=rt.url, timeout=60) as client:
-        with client.stream("POST", path_of(api), json=body) as resp:
-            assert resp.status_code == 200
-            request_id = resp.headers["x-request-id"]
-            restarted = False
-            for chunk in resp.iter_bytes():
-                events += parser.feed(chunk)
-                if not restarted and any(is_content_event(api, ev) for ev in events):
-                    restarted = True
-                    _restart(rt)
+    with (caplog.at_level(logging.INFO), httpx.Client(base_url=rt.url, timeout=60) as client,
+          client.stream("POST", path_of(api), json=body) as resp):
+        assert resp.status_code == 200
+        request_id = resp.headers["x-request-id"]
+        restarted = False
+        for chunk in resp.iter_bytes():
+            events += parser.feed(chunk)
+            if not restarted and any(is_content_event(api, ev) for ev in events):
+                restarted = True
+                _restart(rt)
     errors = [ev for ev in events if is_error_event(api, ev)]
     assert len(errors) == 1, events[-3:]
     text = str(errors[0].data)
@@ -119,7 +119,8 @@ def test_engine_error_text_stays_in_the_log(rt: RuntimeThread, caplog: pytest.Lo
                         continue  # the ABORT terminal of a request already failed below
                     engine.abort([out.request_id])
                     outputs.append(RequestOutput(out.request_id, [], True, FinishReason.ERROR,
-                                                 out.num_prompt_tokens, out.num_cached_tokens, [], ENGINE_SECRET))
+                                                 out.num_prompt_tokens, out.num_cached_tokens, [],
+                                                 ENGINE_SECRET))
                 return outputs
 
             engine.step = failing_step

@@ -4,9 +4,10 @@
 ``-m slow`` (the ``[full-...]`` cases; RELIABILITY_FUZZ_EXAMPLES overrides both), driven
 in-process through the ASGI app (``httpx.ASGITransport``) of a real ``Runtime`` whose ranks are
 in-process (``LocalRankGroup``) and run the scripted stand-in model, so a request that happens to
-be valid is really served. A smaller run goes over real HTTP (100 per route; 300 under ``-m slow``). The rule (``check_answer``): never a
-5xx, never a hang (30 s per request), every error in the route's own shape with a message that
-says what is wrong; request bodies over ``max_body_bytes`` get 413.
+be valid is really served. A smaller run goes over real HTTP (100 per route; 300 under
+``-m slow``). The rule (``check_answer``): never a 5xx, never a hang (30 s per request), every
+error in the route's own shape with a message that says what is wrong; request bodies over
+``max_body_bytes`` get 413.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -48,7 +48,8 @@ class Driver:
         self.failures: list[str] = []
 
         async def make() -> httpx.AsyncClient:
-            return httpx.AsyncClient(transport=httpx.ASGITransport(app=rt.runtime.app), base_url="http://fuzz")
+            return httpx.AsyncClient(transport=httpx.ASGITransport(app=rt.runtime.app),
+                                     base_url="http://fuzz")
 
         self.client = rt.call(make)
 
@@ -101,7 +102,8 @@ def _fuzz(driver: Driver, route: str, num_examples: int) -> None:
     run()
     n = driver.count[route] - before
     statuses = {k.split(" ", 1)[1]: v for k, v in driver.statuses.items() if k.startswith(route + " ")}
-    print(f"\n{route}: {n} requests, statuses {dict(sorted(statuses.items()))}, broken rules {len(driver.failures)}")
+    print(f"\n{route}: {n} requests, statuses {dict(sorted(statuses.items()))}, broken rules "
+          f"{len(driver.failures)}")
     assert not driver.failures, "\n".join(driver.failures[:15])
     assert n >= num_examples
 
@@ -160,7 +162,8 @@ def test_named_bad_inputs_get_clear_messages(driver: Driver, path: str) -> None:
             assert body["input_tokens"] > MAX_MODEL_LEN
         else:
             assert status == 400 and msg(body).startswith("prompt is too long: ")
-    status, body = _post(driver, path, {**base, "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]})
+    status, body = _post(driver, path,
+                         {**base, "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]})
     assert status == 413 and str(MAX_BODY_BYTES) in msg(body)
     if path != "/v1/messages/count_tokens":
         status, body = _post(driver, path, {**base, "max_tokens": 0})
@@ -186,8 +189,10 @@ def test_body_limit_applies_to_chunked_bodies_without_length(rt: RuntimeThread) 
             yield b"y" * 1024
         yield b'"}]}'
 
-    for path, err_type in (("/v1/messages", "request_too_large"), ("/v1/chat/completions", "invalid_request_error")):
-        resp = httpx.post(rt.url + path, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    for path, err_type in (("/v1/messages", "request_too_large"),
+                           ("/v1/chat/completions", "invalid_request_error")):
+        resp = httpx.post(rt.url + path, content=chunks(), headers={"content-type": "application/json"},
+                          timeout=30)
         assert resp.status_code == 413
         assert resp.json()["error"]["type"] == err_type
 
@@ -200,7 +205,7 @@ def test_fuzz_every_route_over_real_http(rt: RuntimeThread, num_examples: int) -
     counts: Counter[str] = Counter()
     client = httpx.Client(base_url=rt.url, timeout=30)
 
-    for route in CHAT_ROUTES + GET_ROUTES:
+    def fuzz(route: str) -> None:
         @settings(max_examples=num_examples, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(case=case_strategy(route))
@@ -216,6 +221,9 @@ def test_fuzz_every_route_over_real_http(rt: RuntimeThread, num_examples: int) -
                 failures.append(f"{case.path}: {problem}")
 
         run()
+
+    for route in CHAT_ROUTES + GET_ROUTES:
+        fuzz(route)
     client.close()
     print(f"\nreal HTTP: {dict(counts)}")
     assert not failures, "\n".join(failures[:15])

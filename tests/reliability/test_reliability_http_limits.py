@@ -26,13 +26,15 @@ CAP = 64
 
 @pytest.fixture(scope="module")
 def rt_slow() -> Iterator[RuntimeThread]:
-    with RuntimeThread({**BASE, "http_header_timeout_secs": 1, "http_keep_alive_secs": 1}, rank_mode="local") as rt:
+    with RuntimeThread({**BASE, "http_header_timeout_secs": 1, "http_keep_alive_secs": 1},
+                       rank_mode="local") as rt:
         yield rt
 
 
 @pytest.fixture(scope="module")
 def rt_cap() -> Iterator[RuntimeThread]:
-    with RuntimeThread({**BASE, "http_header_timeout_secs": 30, "http_max_connections": CAP}, rank_mode="local") as rt:
+    with RuntimeThread({**BASE, "http_header_timeout_secs": 30, "http_max_connections": CAP},
+                       rank_mode="local") as rt:
         yield rt
 
 
@@ -135,7 +137,8 @@ def _rss_kib() -> int:
 def test_huge_headers_are_refused_without_memory_growth(rt_slow: RuntimeThread, where: str) -> None:
     before = _rss_kib()
     s = _connect(rt_slow)
-    head = b"GET /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\nX-Big: " if where == "header" else b"GET /v1/messages/"
+    head = (b"GET /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\nX-Big: "
+            if where == "header" else b"GET /v1/messages/")
     s.sendall(head)
     chunk = b"a" * (1 << 20)
     sent = 0
@@ -170,7 +173,8 @@ def test_parser_errors_come_in_the_api_shape(rt_slow: RuntimeThread, raw: bytes,
     status, body = _json_error(reply)
     assert status == 400 and body["error"]["message"].startswith("invalid HTTP request")
     if shape == "anthropic":
-        assert body == {"type": "error", "error": {"type": "invalid_request_error", "message": body["error"]["message"]}}
+        assert body == {"type": "error",
+                        "error": {"type": "invalid_request_error", "message": body["error"]["message"]}}
     elif shape == "openai":
         assert set(body["error"]) == {"message", "type", "param", "code"} and "type" not in body
     else:

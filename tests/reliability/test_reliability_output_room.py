@@ -30,7 +30,8 @@ CLAUDE_CODE_RE = re.compile(r"input length and `max_tokens` exceed context limit
 
 def _config(engine: str, tmp: Path) -> dict[str, object]:
     config: dict[str, object] = {"engine": engine, "ep": 1, "block_size": 16, "reference_num_blocks": BLOCKS,
-                                 "max_model_len": 65_536, "l1_cache": False, "port": 0, "request_timeout_secs": 300}
+                                 "max_model_len": 65_536, "l1_cache": False, "port": 0,
+                                 "request_timeout_secs": 300}
     if engine == "reference":
         config["reference_model"] = "null"
     else:

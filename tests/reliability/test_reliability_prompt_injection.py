@@ -84,7 +84,8 @@ def openai_body(t: str) -> dict[str, Any]:
     }
 
 
-def _prompt_of(rt: RuntimeThread, prompts: list[np.ndarray], path: str, body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+def _prompt_of(rt: RuntimeThread, prompts: list[np.ndarray], path: str,
+               body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
     before = len(prompts)
     resp = httpx.post(rt.url + path, json=body, timeout=60)
     assert resp.status_code == 200, resp.text
@@ -92,7 +93,8 @@ def _prompt_of(rt: RuntimeThread, prompts: list[np.ndarray], path: str, body: di
     return prompts[-1].tolist(), resp.json()
 
 
-@pytest.mark.parametrize("path,make", [("/v1/messages", anthropic_body), ("/v1/chat/completions", openai_body)])
+@pytest.mark.parametrize("path,make",
+                         [("/v1/messages", anthropic_body), ("/v1/chat/completions", openai_body)])
 def test_control_strings_in_content_stay_plain_text(server: tuple[RuntimeThread, list[np.ndarray]], path: str,
                                                     make: Any) -> None:
     rt, prompts = server
@@ -121,7 +123,8 @@ def test_control_strings_in_content_stay_plain_text(server: tuple[RuntimeThread,
 
 
 @pytest.mark.parametrize("api", ["anthropic", "openai"])
-def test_model_echoing_the_text_as_plain_tokens_is_not_a_tool_call(server: tuple[RuntimeThread, list[np.ndarray]],
+def test_model_echoing_the_text_as_plain_tokens_is_not_a_tool_call(
+        server: tuple[RuntimeThread, list[np.ndarray]],
                                                                     api: str) -> None:
     rt, _ = server
     proto = rt.runtime.protocol

@@ -13,16 +13,16 @@ import shutil
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 import publish
-from tests.support.runtime_thread import RuntimeThread
+from protocol.errors import AuthenticationError
 from server import auth as auth_module
 from server.auth import ApiKeyCheck
 from server.config import WorkloadConfig, load_config
+from tests.support.runtime_thread import RuntimeThread
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-reliability-SECRET-7f3a9c1e55d04b2a"
@@ -73,7 +73,7 @@ def test_api_key_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> N
     check = ApiKeyCheck(KEY)
     check.check(KEY, None)
     check.check(None, f"Bearer {KEY}")
-    with pytest.raises(Exception):
+    with pytest.raises(AuthenticationError):
         check.check(WRONG_KEY, None)
     assert len(calls) == 3 and all(KEY.encode() in pair for pair in calls)
 
@@ -81,16 +81,22 @@ def test_api_key_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> N
 def _exercise(url: str) -> list[int]:
     """Requests that pass and fail auth, streaming and not, on every authenticated route."""
     statuses = []
-    chat = {"model": "default", "max_tokens": 32, "messages": [{"role": "user", "content": f"hello {PROMPT_MARK}"}]}
-    oai = {"model": "default", "max_tokens": 32, "messages": [{"role": "user", "content": f"hello {PROMPT_MARK}"}]}
+    chat = {"model": "default", "max_tokens": 32,
+            "messages": [{"role": "user", "content": f"hello {PROMPT_MARK}"}]}
+    oai = {"model": "default", "max_tokens": 32,
+           "messages": [{"role": "user", "content": f"hello {PROMPT_MARK}"}]}
     with httpx.Client(base_url=url, timeout=60) as c:
         for headers in ({"x-api-key": KEY}, {"authorization": f"Bearer {KEY}"}, {"x-api-key": WRONG_KEY},
-                        {"authorization": f"Bearer {WRONG_KEY}"}, {"x-api-key": KEY, "authorization": f"Bearer {WRONG_KEY}"},
+                        {"authorization": f"Bearer {WRONG_KEY}"},
+                        {"x-api-key": KEY, "authorization": f"Bearer {WRONG_KEY}"},
                         {"authorization": f"Basic {KEY}"}, {}):
             statuses.append(c.post("/v1/messages", json=chat, headers=headers).status_code)
-            statuses.append(c.post("/v1/messages", json={**chat, "stream": True}, headers=headers).status_code)
-            statuses.append(c.post("/v1/chat/completions", json={**oai, "stream": True}, headers=headers).status_code)
-            statuses.append(c.post("/v1/messages/count_tokens", json={"model": "default", "messages": chat["messages"]},
+            statuses.append(c.post("/v1/messages", json={**chat, "stream": True},
+                                   headers=headers).status_code)
+            statuses.append(c.post("/v1/chat/completions", json={**oai, "stream": True},
+                                   headers=headers).status_code)
+            statuses.append(c.post("/v1/messages/count_tokens",
+                                   json={"model": "default", "messages": chat["messages"]},
                                    headers=headers).status_code)
             statuses.append(c.get("/v1/models", headers=headers).status_code)
         for path in ("/healthz", "/metrics", "/"):
@@ -120,7 +126,8 @@ def test_api_key_never_logged_even_at_debug(server: RuntimeThread, caplog: pytes
     print(f"\n{len(caplog.records)} log records at DEBUG+, none holds a key")
 
 
-def test_prompts_and_outputs_never_logged_at_info(server: RuntimeThread, caplog: pytest.LogCaptureFixture) -> None:
+def test_prompts_and_outputs_never_logged_at_info(server: RuntimeThread,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     _exercise(server.url)
     info = [r for r in caplog.records if r.levelno >= logging.INFO]
@@ -240,7 +247,8 @@ def test_publish_packages_only_backend_code(tmp_path: Path) -> None:
     allowed_top = {"deepinfer_backend.py", "requirements.txt", "manifest.json", publish.BUILD_INFO_NAME}
     for name in members:
         parts = Path(name).parts
-        assert name in allowed_top or (parts[0] in publish.CODE_PACKAGES and Path(name).suffix in publish.CODE_SUFFIXES), name
+        assert name in allowed_top or (parts[0] in publish.CODE_PACKAGES
+                                       and Path(name).suffix in publish.CODE_SUFFIXES), name
         assert not any(p.startswith(".") or p in ("tests", "__pycache__") for p in parts), name
     for rel in seeded:
         assert rel not in members, f"{rel} was packaged"

@@ -4,8 +4,9 @@ Suspected after the soak on an overloaded machine declared a rank stalled (no he
 4.8 s) and restarted the group: if the backend's loop does not run, the heartbeats of healthy
 ranks wait unread in their sockets. This test shows the supervisor copes (the receivers run
 before the watchdog once the loop resumes), so that restart had another cause (a starved rank
-process). Here the loop is blocked on purpose (a synchronous sleep, like tokenizing a huge prompt on the loop) for longer than the
-heartbeat limit; the group must stay READY in the same epoch. A real stall (SIGSTOP) is still
+process). Here the loop is blocked on purpose (a synchronous sleep, like tokenizing a huge
+prompt on the loop) for longer than the heartbeat limit; the group must stay READY in the same
+epoch. A real stall (SIGSTOP) is still
 detected: tests/reliability/test_reliability_rank_failure.py.
 """
 

@@ -13,7 +13,10 @@ import json
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 
 @dataclass
@@ -53,14 +56,14 @@ def _handler(state: StandinState) -> type:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             state.requests.append(f"GET {self.path}")
             if self.headers.get("Authorization") != f"Bearer {state.token}":
                 self._send(401, {"error": "invalid token"})
                 return
             self._send(404, {"error": "not found"})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             state.requests.append(f"POST {self.path}")
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
             if self.headers.get("Authorization") != f"Bearer {state.token}":
@@ -99,7 +102,7 @@ class ControlPlaneStandin:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def __enter__(self) -> ControlPlaneStandin:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -82,7 +82,8 @@ sys.meta_path.insert(0, guard)
 """
 
 
-def run_guarded(code: str, allowed: set[str], what: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+def run_guarded(code: str, allowed: set[str], what: str,
+                timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``code`` (which sees ``guard``) in a fresh interpreter of this venv under the guard."""
     return subprocess.run(
         [sys.executable, "-c", guard_source(allowed, what) + code], cwd=REPO,

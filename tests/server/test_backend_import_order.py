@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.server.import_guard import REPO, allowed_modules, guarded_python, requirement_lines, run_guarded
 
 from rank.engine import EngineRequest, FinishReason, SamplingParams
 from rank.group import RankGroup
 from server.config import WorkloadConfig
+from tests.server.import_guard import REPO, allowed_modules, guarded_python, requirement_lines, run_guarded
 
 SDK_PIN = "inferencekey==0.260725.739"
 BACKEND_VENV = requirement_lines(REPO / "requirements.txt") + [SDK_PIN]
@@ -101,7 +101,8 @@ def test_rank_processes_need_only_the_deepinfer_venv(tmp_path: Path, engine: str
                             max_num_batched_tokens=512, max_model_len=4096, l1_host_gb=0.002,
                             model_dir="/nonexistent/model", deepinfer_venv=str(tmp_path),
                             load_timeout_seconds=180, deepinfer_env={
-                                "DIB_DEEPINFER_MODULE": "standins.fake_deepinfer_lockstep", "OMP_NUM_THREADS": "1",
+                                "DIB_DEEPINFER_MODULE": "standins.fake_deepinfer_lockstep",
+                                "OMP_NUM_THREADS": "1",
                                 "DIB_FAKE_DEEPINFER": json.dumps({"num_gpu_blocks": 64, "vocab_size": 1000})})
 
     async def scenario() -> tuple[list[int], FinishReason | None]:

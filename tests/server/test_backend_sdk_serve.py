@@ -20,7 +20,6 @@ import anthropic
 import httpx
 import psutil
 import pytest
-
 from inferencekey.backend import BackendContext, serve_backend
 from inferencekey.errors import BackendSetupError
 
@@ -46,7 +45,8 @@ def _config(tmp: Path, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
+def sdk_server(
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
     tmp = tmp_path_factory.mktemp("sdk")
     sdk_port, http_port = _free_port(), _free_port()
     config = _config(tmp, port=http_port, api_key="k-native")
@@ -111,7 +111,7 @@ def test_native_http_runs_next_to_sdk_and_sigterm_stops_ranks(sdk_server: tuple[
     assert children, "expected rank processes"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
-    gone, alive = psutil.wait_procs(children, timeout=20)
+    _, alive = psutil.wait_procs(children, timeout=20)
     assert not alive, f"rank processes left behind: {alive}"
 
 
@@ -168,7 +168,8 @@ def test_sdk_and_native_servers_on_their_own_ports_and_unknown_keys_warn(tmp_pat
         health = httpx.get(f"http://127.0.0.1:{native}/healthz").json()
         assert "config key 'ik_platform_key' is not one of this backend's keys; ignored" in health["warnings"]
         assert httpx.post(f"http://127.0.0.1:{native}/process", json={}).status_code == 404  # SDK route only
-        resp = httpx.post(f"http://127.0.0.1:{sdk}/process", json={"id": "j", "input": {"prompt": "Hi"}}, timeout=60)
+        resp = httpx.post(f"http://127.0.0.1:{sdk}/process", json={"id": "j", "input": {"prompt": "Hi"}},
+                          timeout=60)
         assert resp.json()["output"]["text"] == "Hello from the scripted model."
     finally:
         httpd.shutdown()
@@ -189,9 +190,11 @@ def test_sigterm_while_loading_stops_the_ranks_and_leaves_nothing(tmp_path: Path
         proc = subprocess.Popen(
             [sys.executable, "-m", "inferencekey.backend.serve", "--port", str(_free_port()), "--backend",
              "deepinfer_backend:DeepInferBackend"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir), "IK_BACKEND_CONFIG": json.dumps(config)})
+            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir),
+                 "IK_BACKEND_CONFIG": json.dumps(config)})
     try:
-        while "started rank 1 (pid" not in log_path.read_text(errors="replace"):  # ranks still importing torch
+        # the ranks are still importing torch
+        while "started rank 1 (pid" not in log_path.read_text(errors="replace"):
             assert proc.poll() is None, log_path.read_text()
             time.sleep(0.02)
         ranks = psutil.Process(proc.pid).children(recursive=True)

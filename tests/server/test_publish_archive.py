@@ -88,7 +88,8 @@ def archive(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     return Path(pkg.path), names
 
 
-def test_archive_lists_no_standin_and_every_module_the_worker_imports(archive: tuple[Path, list[str]]) -> None:
+def test_archive_lists_no_standin_and_every_module_the_worker_imports(
+        archive: tuple[Path, list[str]]) -> None:
     _, names = archive
     assert (REPO / STANDIN_PACKAGE / "scripted_engine.py").is_file()  # the checkout has them ...
     assert not [n for n in names if n.split("/")[0] in publish.NON_PRODUCT_PACKAGES]  # ... the archive not
@@ -104,7 +105,8 @@ def test_archive_lists_no_standin_and_every_module_the_worker_imports(archive: t
     assert standin_imports == ["rank.engines imports standins.scripted_engine"]
 
 
-def test_unpacked_archive_refuses_engine_scripted_clearly(archive: tuple[Path, list[str]], tmp_path: Path) -> None:
+def test_unpacked_archive_refuses_engine_scripted_clearly(archive: tuple[Path, list[str]],
+                                                          tmp_path: Path) -> None:
     path, _ = archive
     with tarfile.open(path) as tar:
         tar.extractall(tmp_path, filter="data")

@@ -78,7 +78,8 @@ def test_publish_version_defaults_to_pyproject(tmp_path: Path, capsys: pytest.Ca
 def test_publish_refuses_archive_with_secrets(tmp_path: Path) -> None:
     bad = tmp_path / "bad.tar.gz"
     with tarfile.open(bad, "w:gz") as tar:
-        for name, data in [("deepinfer_backend.py", b"x = 1\n"), ("server/x.py", b"K='ik_live_" + b"a" * 24 + b"'")]:
+        for name, data in [("deepinfer_backend.py", b"x = 1\n"),
+                           ("server/x.py", b"K='ik_live_" + b"a" * 24 + b"'")]:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))

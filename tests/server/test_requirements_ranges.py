@@ -9,10 +9,11 @@ packages the backend takes from the DeepInfer venv (they would shadow its pinned
 from __future__ import annotations
 
 import re
+
 import tomllib
+from packaging.requirements import Requirement
 
 from tests.server.import_guard import REPO, requirement_lines
-from packaging.requirements import Requirement
 
 TAKEN_FROM_THE_DEEPINFER_VENV = {"torch", "numpy", "orjson", "pyzmq", "tokenizers"}
 

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from protocol.errors import AuthenticationError
 from server.app import AppState, HealthReport, create_app
 from server.auth import ApiKeyCheck
 from server.config import load_config
 from server.metrics import ServerMetrics
 from tests.server.server_test_helpers import serve_asgi
-from protocol.errors import AuthenticationError
 
 KEY = "sk-test-0123456789"
 
@@ -110,7 +110,8 @@ def test_api_key_check_unit() -> None:
     check.check("k1", None)
     check.check(None, "Bearer k1")
     check.check("k1", "bearer k1")
-    for x_key, auth in [("k2", None), (None, "Bearer k2"), (None, "Basic k1"), (None, None), ("k1", "Bearer k2")]:
+    for x_key, auth in [("k2", None), (None, "Bearer k2"), (None, "Basic k1"), (None, None),
+                        ("k1", "Bearer k2")]:
         with pytest.raises(AuthenticationError):
             check.check(x_key, auth)
     ApiKeyCheck(None).check(None, None)  # no key configured: open

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -125,7 +124,8 @@ def test_anthropic_second_turn_reports_cached_tokens(claude: anthropic.Anthropic
                                 extra_headers=headers) as stream:
         second = stream.get_final_message()
     assert second.usage.cache_read_input_tokens and second.usage.cache_read_input_tokens >= 16 * 10
-    assert second.usage.cache_read_input_tokens < second.usage.input_tokens + second.usage.cache_read_input_tokens
+    assert (second.usage.cache_read_input_tokens < second.usage.input_tokens
+            + second.usage.cache_read_input_tokens)
 
 
 def test_anthropic_stop_sequence_ends_stream_and_aborts_engine(
@@ -145,7 +145,8 @@ BETAS_2_1_332 = ("claude-code-20250219,interleaved-thinking-2025-05-14,context-m
 
 
 @pytest.mark.parametrize("display", ["omitted", "updates"])
-def test_anthropic_new_betas_and_hidden_thinking_display(server: tuple[Runtime, Any, str], display: str) -> None:
+def test_anthropic_new_betas_and_hidden_thinking_display(server: tuple[Runtime, Any, str],
+                                                         display: str) -> None:
     body = {"model": "default", "max_tokens": 64, "stream": True,
             "thinking": {"type": "adaptive", "display": display},
             "messages": [{"role": "user", "content": "THINK THEN ANSWER"}]}
@@ -153,10 +154,12 @@ def test_anthropic_new_betas_and_hidden_thinking_display(server: tuple[Runtime, 
     resp = httpx.post(server[2] + "/v1/messages?beta=true", json=body, headers=headers, timeout=30)
     assert resp.status_code == 200, resp.text
     assert "Answer after thinking." in "".join(json.loads(line[6:]).get("delta", {}).get("text", "")
-                                               for line in resp.text.splitlines() if line.startswith("data: "))
+                                               for line in resp.text.splitlines()
+                                               if line.startswith("data: "))
     assert "Private chain of thought" not in resp.text  # no reasoning text on the wire
     assert '"type":"signature_delta"' in resp.text
-    whole = httpx.post(server[2] + "/v1/messages", json={**body, "stream": False}, headers=headers, timeout=30).json()
+    whole = httpx.post(server[2] + "/v1/messages", json={**body, "stream": False}, headers=headers,
+                       timeout=30).json()
     assert whole["content"][0]["type"] == "thinking" and whole["content"][0]["thinking"] == ""
     assert whole["content"][0]["signature"] and whole["content"][1]["text"] == "Answer after thinking."
 
@@ -166,7 +169,8 @@ def test_openai_non_streaming_tool_call(oai: openai.OpenAI) -> None:
     resp = oai.chat.completions.create(model="deepinfer-v41-flash", max_tokens=128, tools=[OPENAI_READ_TOOL],
                                        messages=[{"role": "user", "content": "Please read the README"}])
     call = resp.choices[0].message.tool_calls[0]
-    assert call.function.name == "Read" and json.loads(call.function.arguments) == {"file_path": "/tmp/README.md"}
+    assert call.function.name == "Read" and json.loads(call.function.arguments) == {
+        "file_path": "/tmp/README.md"}
     assert resp.choices[0].finish_reason == "tool_calls"
 
 
@@ -194,7 +198,8 @@ def test_openai_second_turn_reports_cached_tokens(oai: openai.OpenAI) -> None:
 def test_unknown_model_is_410_anthropic_400_openai(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
     # Anthropic: 410, which Claude Code neither retries nor rewrites (a 400 costs it six requests)
     with pytest.raises(anthropic.APIStatusError) as a_err:
-        claude.messages.create(model="claude-opus-4-8", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+        claude.messages.create(model="claude-opus-4-8", max_tokens=8,
+                               messages=[{"role": "user", "content": "x"}])
     assert a_err.value.status_code == 410
     assert a_err.value.body["error"]["message"] == "Model 'claude-opus-4-8' is not available on this endpoint"
     assert a_err.value.body["error"]["type"] == "not_found_error"
@@ -212,21 +217,23 @@ def test_prompt_too_long_is_400_with_both_numbers(claude: anthropic.Anthropic, o
     num, limit = [int(w) for w in message.replace(":", " ").split() if w.isdigit()]
     assert num > limit
     with pytest.raises(openai.BadRequestError) as o_err:
-        oai.chat.completions.create(model="default", max_tokens=8, messages=[{"role": "user", "content": huge}])
+        oai.chat.completions.create(model="default", max_tokens=8,
+                                    messages=[{"role": "user", "content": huge}])
     assert o_err.value.body["message"].startswith("prompt is too long: ")
 
 
 def test_auth_errors_are_401(server: tuple[Runtime, Any, str]) -> None:
     url = server[2]
-    with anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0) as bad_claude:
-        with pytest.raises(anthropic.AuthenticationError):
-            bad_claude.messages.create(model="default", max_tokens=8, messages=[{"role": "user", "content": "x"}])
-    with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as bad_oai:
-        with pytest.raises(openai.AuthenticationError):
-            bad_oai.chat.completions.create(model="default", max_tokens=8,
-                                            messages=[{"role": "user", "content": "x"}])
+    with (anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0) as bad_claude,
+          pytest.raises(anthropic.AuthenticationError)):
+        bad_claude.messages.create(model="default", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    with (openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as bad_oai,
+          pytest.raises(openai.AuthenticationError)):
+        bad_oai.chat.completions.create(model="default", max_tokens=8,
+                                        messages=[{"role": "user", "content": "x"}])
     # What Claude Code sends with ANTHROPIC_API_KEY and a different ANTHROPIC_AUTH_TOKEN.
-    resp = httpx.post(url + "/v1/messages?beta=true", json={"model": "default", "max_tokens": 8, "messages": []},
+    resp = httpx.post(url + "/v1/messages?beta=true",
+                      json={"model": "default", "max_tokens": 8, "messages": []},
                       headers={"x-api-key": KEY, "authorization": "Bearer another-key"})
     assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
     assert "two different API keys" in resp.json()["error"]["message"]

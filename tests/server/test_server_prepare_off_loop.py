@@ -15,10 +15,10 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.runtime_thread import RuntimeThread
+from bench.loop_stall_bench import dense_text
 from protocol.errors import Overloaded
 from server.prepare import RequestPreparer
-from bench.loop_stall_bench import dense_text
+from tests.support.runtime_thread import RuntimeThread
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,8 @@ def test_healthz_answers_while_a_big_body_is_tokenized(rt: RuntimeThread) -> Non
             finished.set()
 
     tokenizer.encode_segments = watched
-    body = orjson.dumps({"model": "default", "messages": [{"role": "user", "content": dense_text(7, 1_500_000)}]})
+    body = orjson.dumps({"model": "default",
+                         "messages": [{"role": "user", "content": dense_text(7, 1_500_000)}]})
     result: dict[str, Any] = {}
 
     def send() -> None:

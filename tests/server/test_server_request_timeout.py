@@ -70,8 +70,8 @@ def test_streaming_request_past_timeout_ends_with_error_event(server: tuple[Runt
         text = "".join(resp.iter_text())
     assert "event: message_start" in text and "content_block_delta" in text
     assert text.rstrip().splitlines()[-2:] == [
-        "event: error", 'data: {"type":"error","error":{"type":"timeout_error","message":'
-        f'"request exceeded request_timeout_secs (1 s) (request id {request_id})"}}}}']
+        "event: error", ('data: {"type":"error","error":{"type":"timeout_error","message":'
+                         f'"request exceeded request_timeout_secs (1 s) (request id {request_id})"}}}}')]
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as resp:
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert json.loads(lines[-1][6:])["error"]["type"] == "timeout_error"

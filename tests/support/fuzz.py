@@ -69,7 +69,8 @@ def anthropic_seeds(max_tokens: int = 8) -> list[dict[str, Any]]:
                  {"type": "thinking", "thinking": "I will read.", "signature": "sig"},
                  {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "/a"}}]},
              {"role": "user", "content": [
-                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "data"}]},
+                 {"type": "tool_result", "tool_use_id": "toolu_1",
+                  "content": [{"type": "text", "text": "data"}]},
                  {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _PNG}}]}],
          "tools": [_TOOL_A], "metadata": {"user_id": '{"session_id": "s1"}'}, "stop_sequences": ["END"],
          "temperature": 0.5, "top_p": 0.9, "top_k": 5},
@@ -88,9 +89,11 @@ def openai_seeds(max_tokens: int = 8) -> list[dict[str, Any]]:
          "messages": [
              {"role": "user", "content": "read it"},
              {"role": "assistant", "content": None, "tool_calls": [
-                 {"id": "call_1", "type": "function", "function": {"name": "Read", "arguments": '{"file_path": "/a"}'}}]},
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "Read", "arguments": '{"file_path": "/a"}'}}]},
              {"role": "tool", "tool_call_id": "call_1", "content": "data"},
-             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + _PNG}}]}],
+             {"role": "user",
+              "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + _PNG}}]}],
          "tools": [_TOOL_O], "tool_choice": {"type": "function", "function": {"name": "Read"}},
          "response_format": {"type": "text"}},
     ]
@@ -200,7 +203,8 @@ def mutated_body(draw: st.DrawFn, path: str) -> tuple[Any, str]:
                         break
             if isinstance(parent, dict):
                 parent[draw(st.text(min_size=1, max_size=10))] = draw(json_values)
-        elif op == "role" and isinstance(body, dict) and isinstance(body.get("messages"), list) and body["messages"]:
+        elif op == "role" and isinstance(body, dict) and isinstance(body.get("messages"),
+                                                                    list) and body["messages"]:
             i = draw(st.integers(0, len(body["messages"]) - 1))
             if isinstance(body["messages"][i], dict):
                 body["messages"][i]["role"] = draw(st.sampled_from(["tool", "function", "model", "", "USER",
@@ -212,7 +216,8 @@ def mutated_body(draw: st.DrawFn, path: str) -> tuple[Any, str]:
                     ["document", "search_result", "server_tool_use", "", "TEXT", "tool_use", "tool_result",
                      "image", "thinking", None, 5, "function", "input_audio"])))
         elif op == "max_tokens" and isinstance(body, dict):
-            key = "max_tokens" if path != "/v1/chat/completions" or draw(st.booleans()) else "max_completion_tokens"
+            key = ("max_tokens"
+                   if path != "/v1/chat/completions" or draw(st.booleans()) else "max_completion_tokens")
             body[key] = copy.deepcopy(draw(st.sampled_from(BAD_MAX_TOKENS)))
         elif op == "tool_schema" and isinstance(body, dict):
             bad = copy.deepcopy(draw(st.sampled_from(BAD_SCHEMAS)))
@@ -228,7 +233,8 @@ def mutated_body(draw: st.DrawFn, path: str) -> tuple[Any, str]:
         elif op == "weird_string":
             body = _set(body, target, draw(st.sampled_from(WEIRD_STRINGS)))
         elif op == "model" and isinstance(body, dict):
-            body["model"] = draw(st.sampled_from(["", "gpt-4", "claude-opus-4", "DEFAULT", None, 1, "default "]))
+            body["model"] = draw(st.sampled_from(["", "gpt-4", "claude-opus-4", "DEFAULT", None, 1,
+                                                  "default "]))
     if isinstance(body, dict):
         body.pop("stream", None) if draw(st.integers(0, 3)) == 0 else None
     return body, "mutate:" + "+".join(kinds)
@@ -273,7 +279,8 @@ def raw_body(draw: st.DrawFn, path: str) -> tuple[bytes, str]:
         return seed[: draw(st.integers(0, len(seed) - 1))], kind
     if kind == "invalid_utf8":
         cut = draw(st.integers(1, len(seed) - 2))
-        junk = draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\x80\x80"]))
+        junk = draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80",
+                                     b"\x80\x80"]))
         return seed[:cut] + junk + seed[cut:], kind
     if kind == "deep":
         depth = draw(st.sampled_from([600, 1025, 3000, 100_000]))
@@ -283,7 +290,8 @@ def raw_body(draw: st.DrawFn, path: str) -> tuple[bytes, str]:
     if kind == "nul":
         return seed.replace(b'"hello"', b'"he\\u0000llo"').replace(b":", b":\x00", 1), kind
     if kind == "surrogate_escape":
-        return seed.replace(b'"hello"', b'"\\ud800\\udc00\\ud800"').replace(b'"list files"', b'"\\udfff"'), kind
+        return seed.replace(b'"hello"',
+                            b'"\\ud800\\udc00\\ud800"').replace(b'"list files"', b'"\\udfff"'), kind
     return seed[:-1] + b', "model": 7, "messages": null}', kind
 
 
@@ -298,13 +306,16 @@ def chat_case(draw: st.DrawFn, path: str) -> FuzzCase:
         body, kind = draw(raw_body(path))
         return FuzzCase("POST", path, body, headers, "raw:" + kind)
     headers["content-type"] = draw(st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "",
-                                                    "application/json; charset=latin-1", "multipart/form-data"]))
-    return FuzzCase("POST", path, orjson.dumps(draw(st.sampled_from(seeds_for(path)))), headers, "content_type")
+                                                    "application/json; charset=latin-1",
+                                                    "multipart/form-data"]))
+    return FuzzCase("POST", path, orjson.dumps(draw(st.sampled_from(seeds_for(path)))), headers,
+                    "content_type")
 
 
 @st.composite
 def get_case(draw: st.DrawFn, path: str) -> FuzzCase:
-    query = draw(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="#"), max_size=40))
+    query = draw(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="#"),
+                         max_size=40))
     headers: dict[str, str] = {}
     if draw(st.booleans()):
         headers["anthropic-version"] = draw(st.text(alphabet=st.characters(codec="ascii", min_codepoint=33,
@@ -334,9 +345,11 @@ def check_answer(case: FuzzCase, status: int, headers: dict[str, str], body: byt
         if ctype.startswith("text/event-stream"):
             for ev in SseParser().feed(body):
                 data = ev.data
-                if ev.event == "error" or (isinstance(data, dict) and "error" in data and "choices" not in data):
+                if ev.event == "error" or (isinstance(data, dict) and "error" in data
+                                           and "choices" not in data):
                     err = data.get("error", {}) if isinstance(data, dict) else {}
-                    if err.get("type") in ("api_error", "server_error") and "overloaded" not in str(err.get("code")):
+                    if err.get("type") in ("api_error",
+                                           "server_error") and "overloaded" not in str(err.get("code")):
                         return f"{case.kind}: stream error frame {data!r:.300}"
             return None
         try:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from server.background import LoopThread
 from server.config import WorkloadConfig, load_config
 from server.runtime import Runtime
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 T = TypeVar("T")
 
@@ -35,7 +38,7 @@ class RuntimeThread:
             self._started = False
             self.loop.stop(self.runtime.stop, timeout_s=60.0)
 
-    def __enter__(self) -> RuntimeThread:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -103,7 +106,8 @@ async def settle(runtime: Runtime, timeout_s: float = 60.0) -> dict[str, Any]:
             await asyncio.sleep(0.3 if hasattr(group, "pids") else 0)
             await cache.drain()
             stats = [group.stats(r) for r in range(group.num_ranks)]
-            if all(s.num_running == 0 and s.num_waiting == 0 for s in stats) and not cache.num_background_tasks:
+            if all(s.num_running == 0 and s.num_waiting == 0
+                   for s in stats) and not cache.num_background_tasks:
                 break
         if loop.time() > deadline:
             raise AssertionError(f"engines not idle after {timeout_s} s: {cache_sizes(runtime)}")

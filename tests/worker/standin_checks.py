@@ -52,7 +52,8 @@ def sdk_process(sdk_url: str) -> str:
         expect(resp.status_code == 200, f"{resp.status_code} {resp.text[:500]}")
         out = resp.json()["output"]
         expect(isinstance(out["text"], str) and out["usage"]["completion_tokens"] > 0, f"output {out}")
-        details.append(f"{next(iter(job))}: {out['usage']['completion_tokens']} tokens, {out['finish_reason']}")
+        details.append(f"{next(iter(job))}: {out['usage']['completion_tokens']} tokens, "
+                       f"{out['finish_reason']}")
     return "; ".join(details)
 
 
@@ -80,7 +81,8 @@ def anthropic_messages(native_url: str) -> str:
 
 def openai_chat(native_url: str) -> str:
     with openai.OpenAI(base_url=native_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300) as client:
-        done = client.chat.completions.create(model=MODEL, max_tokens=24, tools=[OPENAI_READ_TOOL], messages=ASK)
+        done = client.chat.completions.create(model=MODEL, max_tokens=24, tools=[OPENAI_READ_TOOL],
+                                              messages=ASK)
         expect(done.object == "chat.completion" and done.usage.completion_tokens > 0, str(done))
         chunks = list(client.chat.completions.create(model=MODEL, max_tokens=24, tools=[OPENAI_READ_TOOL],
                                                      messages=ASK, stream=True,
@@ -100,7 +102,8 @@ def prefix_cache_hit(native_url: str) -> str:
         second = client.chat.completions.create(model=MODEL, max_tokens=4, messages=messages)
     cached = second.usage.prompt_tokens_details.cached_tokens if second.usage.prompt_tokens_details else 0
     expect(cached and cached >= 128, f"second turn cached_tokens {cached} of {second.usage.prompt_tokens}")
-    return f"{cached} of {second.usage.prompt_tokens} prompt tokens cached on the repeat (first {first.usage.prompt_tokens})"
+    return (f"{cached} of {second.usage.prompt_tokens} prompt tokens cached on the repeat (first "
+            f"{first.usage.prompt_tokens})")
 
 
 def claude_print(claude: str, native_url: str, home: Path) -> str:
@@ -127,7 +130,8 @@ def runtime_packages(serve_log: str, deepinfer_venv: Path) -> str:
     expect(match is not None, "no 'runtime packages' line in the serve log")
     assert match is not None
     found = dict(re.findall(r"(\w+) [^ ]+ \(([^)]*)\)", match.group(1)))
-    wrong = {m: found.get(m) for m in RUNTIME_MODULES if not str(found.get(m, "")).startswith(str(deepinfer_venv))}
+    wrong = {m: found.get(m)
+             for m in RUNTIME_MODULES if not str(found.get(m, "")).startswith(str(deepinfer_venv))}
     expect(not wrong, f"not from the DeepInfer venv: {wrong}")
     return match.group(1).replace(str(deepinfer_venv), "<di-venv>")
 
@@ -139,7 +143,8 @@ def ranks(rank_procs: list[psutil.Process], deepinfer_venv: Path, backend_dir: P
     python = str(deepinfer_venv / "bin" / "python")
     for proc in rank_procs:
         expect(proc.cmdline()[0] == python, f"rank interpreter {proc.cmdline()[0]}, want {python}")
-        expect(proc.environ().get("PYTHONPATH") == str(backend_dir), f"PYTHONPATH {proc.environ().get('PYTHONPATH')}")
+        expect(proc.environ().get("PYTHONPATH") == str(backend_dir),
+               f"PYTHONPATH {proc.environ().get('PYTHONPATH')}")
     rendezvous = master_port - 50 if engine == "deepinfer" else master_port
     listening = {c.laddr.port for p in rank_procs for c in p.net_connections("tcp") if c.status == "LISTEN"}
     expect(rendezvous in listening, f"no rank listens on the rendezvous port {rendezvous} (MASTER_PORT "

@@ -70,7 +70,8 @@ def free_port() -> int:
 def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     res = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} exited "
+                           f"{res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     return res
 
 
@@ -90,7 +91,8 @@ class Machine:
 
     def python312(self) -> str:
         """The base interpreter of the DeepInfer venv (the worker's Python 3.12)."""
-        cfg = dict(line.split(" = ", 1) for line in (self.deepinfer_venv / "pyvenv.cfg").read_text().splitlines()
+        cfg = dict(line.split(" = ", 1)
+                   for line in (self.deepinfer_venv / "pyvenv.cfg").read_text().splitlines()
                    if " = " in line)
         return cfg.get("executable") or str(Path(cfg["home"]) / "python3.12")
 

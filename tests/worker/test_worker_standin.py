@@ -2,7 +2,7 @@
 ``reference`` and engine ``deepinfer`` (DeepInfer's real package and compiled scheduler from the
 DeepInfer venv, only the SM100 forward replaced). The check to run before every publish:
 
-    bash scripts/worker_standin.sh                   # both engines (builds the DeepInfer venv once per machine)
+    bash scripts/worker_standin.sh                   # both engines (builds the DeepInfer venv once)
     bash scripts/worker_standin.sh -k reference      # one engine
 
 Prints, per engine: seconds to ready, each check (PASS/FAIL with what it saw) and the shutdown.
@@ -20,9 +20,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 import tests.worker.standin_checks as checks
 from tests.worker.standin_worker import (
-    REPO, STANDIN_CHANGES, Machine, Worker, changed_keys, free_port, log, standin_config,
+    REPO,
+    STANDIN_CHANGES,
+    Machine,
+    Worker,
+    changed_keys,
+    free_port,
+    log,
+    standin_config,
 )
 
 pytestmark = [pytest.mark.worker_standin, pytest.mark.timeout(1800)]
@@ -91,11 +99,13 @@ def test_worker_standin(machine: Machine, engine: str) -> None:
     log(engine, f"config: deploy.MEASURED_CONFIG with {', '.join(f'{k}={_get(config, k)}' for k in changed)}")
     report.check("config changes only engine, paths, ports, sizes",
                  lambda: _only(changed, STANDIN_CHANGES))
-    report.check("backend venv holds none of the DeepInfer venv's packages", lambda: _no_runtime_packages(machine))
+    report.check("backend venv holds none of the DeepInfer venv's packages",
+                 lambda: _no_runtime_packages(machine))
     worker = Worker(engine, machine, config)
     try:
         ready_s = worker.start(READY_TIMEOUT_S)
-        log(engine, f"ready in {ready_s:.1f} s (SDK /healthz 200 on :{worker.sdk_port}; native :{config['port']})")
+        log(engine,
+            f"ready in {ready_s:.1f} s (SDK /healthz 200 on :{worker.sdk_port}; native :{config['port']})")
         report.check("SDK /healthz and /meta", lambda: checks.sdk_healthz(worker.sdk_url))
         report.check("SDK /process", lambda: checks.sdk_process(worker.sdk_url))
         report.check("native /healthz", lambda: checks.native_healthz(worker.native_url))
@@ -108,9 +118,11 @@ def test_worker_standin(machine: Machine, engine: str) -> None:
                      lambda: checks.anthropic_messages(worker.native_url))
         report.check("openai SDK /v1/chat/completions (tools, stream and not)",
                      lambda: checks.openai_chat(worker.native_url))
-        report.check("prefix cache hit on a repeated prompt", lambda: checks.prefix_cache_hit(worker.native_url))
+        report.check("prefix cache hit on a repeated prompt",
+                     lambda: checks.prefix_cache_hit(worker.native_url))
         report.check("claude -p (pinned CLI)",
-                     lambda: checks.claude_print(_claude_bin(), worker.native_url, machine.work / f"claude-{engine}"))
+                     lambda: checks.claude_print(_claude_bin(), worker.native_url,
+                                                 machine.work / f"claude-{engine}"))
         log(engine, f"/healthz warnings: {checks.healthz_warnings(worker.native_url)}")
     except Exception:
         log(engine, f"serve log tail:\n{worker.log_tail(60) if worker.log_path.exists() else '(none)'}")
@@ -120,7 +132,8 @@ def test_worker_standin(machine: Machine, engine: str) -> None:
             code, seconds, left = worker.stop()
             worker.kill()
             log(engine, f"{'PASS' if code == 0 and not left else 'FAIL'} SIGTERM to the SDK serve process: "
-                f"exit {code} in {seconds:.1f} s; left behind: {left or 'no process, /dev/shm segment or temp file'}")
+                f"exit {code} in {seconds:.1f} s; left behind: "
+                f"{left or 'no process, /dev/shm segment or temp file'}")
             if code != 0 or left:
                 report.failed.append("clean shutdown")
     assert not report.failed, f"{engine}: failed checks: {report.failed}\n{worker.log_tail(60)}"
@@ -142,5 +155,6 @@ def _only(changed: list[str], allowed: tuple[str, ...]) -> str:
 def _no_runtime_packages(machine: Machine) -> str:
     have = machine.backend_venv_packages()
     clash = sorted(have & {"torch", "numpy", "orjson", "pyzmq", "tokenizers"})
-    checks.expect(not clash, f"requirements.txt pulled in {clash}: they would shadow the DeepInfer venv's pins")
+    checks.expect(not clash,
+                  f"requirements.txt pulled in {clash}: they would shadow the DeepInfer venv's pins")
     return f"{len(have)} distributions, none of torch/numpy/orjson/pyzmq/tokenizers"

@@ -14,7 +14,14 @@ import json
 import sys
 from pathlib import Path
 
-from agents import Agent, Runner, function_tool, set_default_openai_api, set_default_openai_client, set_tracing_disabled
+from agents import (
+    Agent,
+    Runner,
+    function_tool,
+    set_default_openai_api,
+    set_default_openai_client,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI
 
 base_url, api_key, model, api, project, prompt = sys.argv[1:7]
@@ -30,7 +37,8 @@ def read_file(path: str) -> str:
 
 async def main() -> None:
     set_tracing_disabled(True)
-    set_default_openai_client(AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0), use_for_tracing=False)
+    set_default_openai_client(AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0),
+                              use_for_tracing=False)
     set_default_openai_api(api)
     agent = Agent(name="assistant", instructions="Answer with the tools.", tools=[read_file], model=model)
     result = await Runner.run(agent, prompt, max_turns=6)

@@ -1,5 +1,4 @@
 import pytest
-
 from slug import slugify
 
 CASES = [

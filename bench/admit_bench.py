@@ -70,7 +70,8 @@ async def run(num_sessions: int, num_ranks: int, rounds: int, prompt_tokens: int
     bs = 128
     turn_blocks = -(-(prompt_tokens + output_tokens * rounds + 16 * rounds) // bs) + 1
     client = _StandInClient(num_ranks, num_sessions * turn_blocks // num_ranks * 2 + 64, bs)
-    mgr = CacheManager(client, CacheConfig(l1_cache=False), CacheMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    mgr = CacheManager(client, CacheConfig(l1_cache=False),
+                       CacheMetrics(CollectorRegistry()))  # type: ignore[arg-type]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 129_000, prompt_tokens).astype(np.int32) for _ in range(num_sessions)]
     profiler = cProfile.Profile() if profile else None
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="cProfile the last round")
     args = p.parse_args(argv)
-    asyncio.run(run(args.sessions, args.ranks, args.rounds, args.prompt_tokens, args.output_tokens, args.profile))
+    asyncio.run(run(args.sessions, args.ranks, args.rounds, args.prompt_tokens, args.output_tokens,
+                    args.profile))
     return 0
 
 

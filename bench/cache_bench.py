@@ -141,7 +141,8 @@ async def _session(
     for turn in range(turns):
         max_tokens = _lognormal(rng, 220, 900, 3600)
         async with mgr.turn(prompt, f"agent-{sid}", max_tokens) as t:
-            request = t.engine_request(f"s{sid}t{turn}", SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            request = t.engine_request(f"s{sid}t{turn}",
+                                       SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             async for out in group.submit(t.rank, request):  # type: ignore[attr-defined]
                 t.feed(out)
             assert t.last_output is not None
@@ -177,7 +178,8 @@ async def replay(
     per_rank_tokens = max(expected_final_tokens * gpu_fraction / num_ranks, 1.5 * largest_tokens)
     per_rank_blocks = blocks_per_rank or int(per_rank_tokens / BLOCK_SIZE) + 64
     cfg = WorkloadConfig(
-        engine="reference", reference_model="null", block_size=BLOCK_SIZE, reference_num_blocks=per_rank_blocks,
+        engine="reference", reference_model="null", block_size=BLOCK_SIZE,
+        reference_num_blocks=per_rank_blocks,
         ep=num_ranks, max_num_seqs=64, max_num_batched_tokens=65536, max_model_len=1_064_960,
     )
     host_bytes = (expected_final_tokens // BLOCK_SIZE) * 2 * BLOCK_SIZE * 4 if l1 else 0
@@ -201,7 +203,8 @@ async def replay(
             "l1_slots": mgr.l1.num_slots,
             "sessions_per_rank": [homes.count(r) for r in range(num_ranks)],
             "evicted_blocks": sum(
-                registry.get_sample_value("deepinfer_cache_evicted_blocks_total", {"tier": "l0", "l1_backed": b}) or 0
+                registry.get_sample_value("deepinfer_cache_evicted_blocks_total",
+                                          {"tier": "l0", "l1_backed": b}) or 0
                 for b in ("true", "false")
             ),
             "moved": registry.get_sample_value("deepinfer_cache_sessions_moved_total") or 0,

@@ -112,26 +112,29 @@ class FaultReport:
     def lines(self) -> list[str]:
         f = _fmt
         return [
-            f"fault {self.fault} on rank {self.victim_rank} of {self.num_ranks}, {self.num_streams} streams "
-            f"({self.num_in_flight_at_fault} in flight at the fault)",
-            f"  streams ended with their API's error frame: {self.num_ended_with_error_frame}; "
-            f"otherwise: {self.num_ended_otherwise} {self.endings}",
-            f"  detection: first error frame {f(self.first_error_after_fault_s)}, last stream ended "
-            f"{f(self.last_stream_end_after_fault_s)} after the fault; group fail-out {f(self.group_detection_s)}",
-            f"  recovery: /healthz 200 after {f(self.healthz_ready_after_fault_s)}, first retry OK after "
-            f"{f(self.first_retry_ok_after_fault_s)}, all {self.num_retried_ok} retries OK after "
-            f"{f(self.all_retries_ok_after_fault_s)} ({self.num_retry_attempts} attempts)",
+            (f"fault {self.fault} on rank {self.victim_rank} of {self.num_ranks}, {self.num_streams} streams "
+             f"({self.num_in_flight_at_fault} in flight at the fault)"),
+            (f"  streams ended with their API's error frame: {self.num_ended_with_error_frame}; "
+             f"otherwise: {self.num_ended_otherwise} {self.endings}"),
+            (f"  detection: first error frame {f(self.first_error_after_fault_s)}, last stream ended "
+             f"{f(self.last_stream_end_after_fault_s)} after the fault; group fail-out "
+             f"{f(self.group_detection_s)}"),
+            (f"  recovery: /healthz 200 after {f(self.healthz_ready_after_fault_s)}, first retry OK after "
+             f"{f(self.first_retry_ok_after_fault_s)}, all {self.num_retried_ok} retries OK after "
+             f"{f(self.all_retries_ok_after_fault_s)} ({self.num_retry_attempts} attempts)"),
             f"  requests lost: {self.num_lost}",
-            f"  new requests while restarting: {self.probes_503} x 503 "
-            f"({self.probes_503_without_retry_after} without Retry-After), others {self.probes_other}",
+            (f"  new requests while restarting: {self.probes_503} x 503 "
+             f"({self.probes_503_without_retry_after} without Retry-After), others {self.probes_other}"),
             f"  /healthz states seen: {sorted(set(self.healthz_states))}",
             f"  epoch {self.epoch_before} -> {self.epoch_after}; last failure: {self.last_failure}",
-            f"  L0 blocks before {self.sizes_before_fault.get('l0_blocks')} L1 entries "
-            f"{self.sizes_before_fault.get('l1_entries')}; at restart L0 {self.sizes_at_restart.get('l0_blocks')} "
-            f"L1 entries {self.sizes_at_restart.get('l1_entries')} used slots {self.sizes_at_restart.get('l1_used_slots')}",
-            f"  after settle: L0 {self.sizes_after_settle.get('l0_blocks')} == engine cached "
-            f"{self.sizes_after_settle.get('engine_cached_blocks')}, L1 used slots "
-            f"{self.sizes_after_settle.get('l1_used_slots')}",
+            (f"  L0 blocks before {self.sizes_before_fault.get('l0_blocks')} L1 entries "
+             f"{self.sizes_before_fault.get('l1_entries')}; at restart L0 "
+             f"{self.sizes_at_restart.get('l0_blocks')} "
+             f"L1 entries {self.sizes_at_restart.get('l1_entries')} used slots "
+             f"{self.sizes_at_restart.get('l1_used_slots')}"),
+            (f"  after settle: L0 {self.sizes_after_settle.get('l0_blocks')} == engine cached "
+             f"{self.sizes_after_settle.get('engine_cached_blocks')}, L1 used slots "
+             f"{self.sizes_after_settle.get('l1_used_slots')}"),
         ]
 
 
@@ -203,7 +206,8 @@ async def _probe(client: httpx.AsyncClient, url: str, t_fault: float, report: Fa
                 if not resp.headers.get("retry-after"):
                     report.probes_503_without_retry_after += 1
                 problem = error_body_problem(api, 503, resp.content)
-                if problem is None and api == "anthropic" and resp.json()["error"]["type"] != "overloaded_error":
+                anthropic_type = resp.json()["error"]["type"] if api == "anthropic" else None
+                if problem is None and anthropic_type not in (None, "overloaded_error"):
                     problem = f"503 with Anthropic type {resp.json()['error']['type']}"
                 if problem:
                     report.probe_shape_problems.append(problem)
@@ -237,9 +241,11 @@ async def run_fault(rt: RuntimeThread, fault: str, *, num_streams: int = 64, vic
     tag = f"{fault}-{time.monotonic_ns()}"
     async with httpx.AsyncClient(limits=limits) as client:
         # 1. warm-up turns: the L0 index holds blocks of this epoch
-        warm = [chat_body("anthropic" if i % 2 else "openai", f"warm {tag} {i} " + filler_text(i, prompt_words),
+        warm = [chat_body("anthropic" if i % 2 else "openai",
+                          f"warm {tag} {i} " + filler_text(i, prompt_words),
                           max_tokens=8, stream=False) for i in range(num_warmup)]
-        results = await asyncio.gather(*(client.post(url + path_of("anthropic" if i % 2 else "openai"), json=b,
+        results = await asyncio.gather(*(client.post(url + path_of("anthropic" if i % 2 else "openai"),
+                                                     json=b,
                                                      timeout=300.0) for i, b in enumerate(warm)))
         bad = [r.status_code for r in results if r.status_code != 200]
         if bad:
@@ -296,13 +302,15 @@ async def run_fault(rt: RuntimeThread, fault: str, *, num_streams: int = 64, vic
         # 5. Claude Code's non-streaming retry of every failed stream
         retry_deadline = time.monotonic() + retry_deadline_s
         retried = await asyncio.gather(*(
-            _retry_until_ok(client, url, o.api, bodies[o.index], retry_deadline, retry_poll_s) for o in in_flight
+            _retry_until_ok(client, url, o.api, bodies[o.index], retry_deadline, retry_poll_s)
+            for o in in_flight
         ))
         ok_times = [t - t_fault for t, _ in retried if t is not None]
         report.num_retried_ok = len(ok_times)
         report.num_retry_attempts = sum(n for _, n in retried)
         report.first_retry_ok_after_fault_s = min(ok_times) if ok_times else None
-        report.all_retries_ok_after_fault_s = max(ok_times) if len(ok_times) == len(in_flight) and ok_times else None
+        report.all_retries_ok_after_fault_s = (max(ok_times)
+                                               if len(ok_times) == len(in_flight) and ok_times else None)
         report.num_lost = report.num_ended_otherwise + (len(in_flight) - report.num_retried_ok)
         stop_probe.set()
         try:
@@ -316,7 +324,8 @@ async def run_fault(rt: RuntimeThread, fault: str, *, num_streams: int = 64, vic
         except asyncio.TimeoutError:
             report.sizes_at_restart = {}
         fresh = await client.post(url + "/v1/messages", json=chat_body(
-            "anthropic", f"after {tag} " + filler_text(77, prompt_words), max_tokens=8, stream=False), timeout=300)
+            "anthropic", f"after {tag} " + filler_text(77, prompt_words), max_tokens=8, stream=False),
+                                  timeout=300)
         report.serves_after_restart = fresh.status_code == 200
         report.sizes_after_settle = await rt.acall(lambda: _settle(runtime))
         report.epoch_after = group.epoch
@@ -339,7 +348,8 @@ def _async(fn: Any, *args: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fault_injection", description=__doc__.split("\n")[0])
-    p.add_argument("--fault", action="append", choices=["kill", "stop"], help="repeatable; default: kill, stop")
+    p.add_argument("--fault", action="append", choices=["kill", "stop"],
+                   help="repeatable; default: kill, stop")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--model", default="null", choices=["null", "tiny", "small"])

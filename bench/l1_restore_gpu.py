@@ -22,6 +22,7 @@ two methods so clock and thermal drift hit both alike; the median of ``--repeats
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -124,18 +125,21 @@ def main(argv: list[str] | None = None) -> None:
         copy_s = statistics.median(t_copy)
         import_s = statistics.median(t_import)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        print(f"device: {name}; torch {torch.__version__}; host pool pinned: {host._registered_ptr is not None}")
-        print(f"session: {args.tokens:,} tokens = {num_blocks:,} blocks x {bpb:,} B = {nbytes / 1e6:,.1f} MB; "
+        print(f"device: {name}; torch {torch.__version__}; host pool pinned: "
+              f"{host._registered_ptr is not None}")
+        print(f"session: {args.tokens:,} tokens = {num_blocks:,} blocks x {bpb:,} B = {nbytes / 1e6:,.1f} "
+              "MB; "
               f"restored bytes identical: {ok}")
         print(f"{'method':<34}{'median ms':>10}{'min ms':>10}{'GB/s':>8}{'x copy':>8}")
         rows_out = [
             ("contiguous pinned->device copy", copy_s, min(t_copy)),
             ("import_blocks (DMA + scatter)", import_s, min(t_import)),
         ]
-        if per_block_s == per_block_s:
+        if not math.isnan(per_block_s):
             rows_out.append(("one copy_ per block (contrast)", per_block_s, per_block_s))
         for label, med, best in rows_out:
-            print(f"{label:<34}{med * 1e3:>10.2f}{best * 1e3:>10.2f}{nbytes / med / 1e9:>8.1f}{med / copy_s:>8.2f}")
+            print(f"{label:<34}{med * 1e3:>10.2f}{best * 1e3:>10.2f}{nbytes / med / 1e9:>8.1f}"
+                  f"{med / copy_s:>8.2f}")
         print(f"import / contiguous copy = {import_s / copy_s:.3f} (target <= 1.25)")
     finally:
         engine.host_pool = None

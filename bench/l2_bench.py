@@ -125,9 +125,9 @@ def bench_prefill(directory: str, args: argparse.Namespace) -> dict[str, Any]:
     """Cold prefill vs L2 restore of the same tokens' KV (reference engine, CUDA)."""
     import torch
 
+    from rank.engine import EngineRequest, SamplingParams
     from rank.host_budget import host_pool_path, unlink_host_pool
     from rank.host_pool import HostPool
-    from rank.engine import EngineRequest, SamplingParams
     from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
     from rank.reference_model import MODEL_SPECS, kv_bytes_per_block
 
@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      raw.is_direct and not args.buffered)
         runs.append(r)
         tok_s = num_blocks * BLOCK_SIZE / r.restore_s
-        print(f"{threads:<12}{r.save_gbps:>10.2f}{r.restore_gbps:>14.2f}{tok_s:>15,.0f}{str(r.identical):>11}"
-              f"{str(r.direct):>8}")
+        print(f"{threads:<12}{r.save_gbps:>10.2f}{r.restore_gbps:>14.2f}{tok_s:>15,.0f}{r.identical!s:>11}"
+              f"{r.direct!s:>8}")
     result: dict[str, Any] = {
         "dir": directory, "fstype": fstype, "tokens": args.tokens, "bytes_per_block": args.bytes_per_block,
         "raw": asdict(raw) | {"write_gbps": raw.write_bytes_per_s / GB,

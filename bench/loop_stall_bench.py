@@ -93,7 +93,8 @@ def start_server(tmp: Path, extra: dict[str, object], args: tuple[str, ...] = ()
     (tmp / "config.json").write_text(json.dumps(config))
     with open(tmp / "serve.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "deepinfer_backend", "serve", "--config",
-                                 str(tmp / "config.json"), *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 str(tmp / "config.json"), *args], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT,
                                 env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -158,9 +159,11 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> None:
                 index = k * args.bodies + j
                 path = "/v1/messages/count_tokens" if index % 2 == 0 else "/v1/messages"
                 t0 = time.perf_counter()
-                resp = await http.post(path, content=bodies[index], headers={"content-type": "application/json"})
+                resp = await http.post(path, content=bodies[index],
+                                       headers={"content-type": "application/json"})
                 elapsed = time.perf_counter() - t0
-                message = resp.json().get("error", {}).get("message", "") if resp.status_code != 200 else resp.text
+                message = resp.json().get("error", {}).get("message",
+                                                           "") if resp.status_code != 200 else resp.text
                 refusals.append((path, resp.status_code, elapsed, message[:90]))
 
     stop = asyncio.Event()
@@ -193,7 +196,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="loop-stall-") as tmp:
         proc, url = start_server(Path(tmp), {"max_model_len": args.max_model_len})
         try:
-            print(f"server {url} (pid {proc.pid}), max_model_len {args.max_model_len}, cpus {os.cpu_count()}, "
+            print(f"server {url} (pid {proc.pid}), max_model_len {args.max_model_len}, cpus "
+                  f"{os.cpu_count()}, "
                   f"load {os.getloadavg()[0]:.1f}")
             asyncio.run(run(args, url, proc.pid))
         finally:

@@ -64,11 +64,13 @@ _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hote
           "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
 
 GPU_DEFAULTS = {"device": "cuda", "model": "medium", "ranks": 2, "num_blocks": 768, "context": 32_000,
-                "size_scale": 1.0, "agents": 16, "duration": 240.0, "warmup": 45.0, "ramp": 20.0, "drain": 30.0,
+                "size_scale": 1.0, "agents": 16, "duration": 240.0, "warmup": 45.0, "ramp": 20.0,
+                "drain": 30.0,
                 "move_at": 100.0, "kill_at": 180.0, "probe_tokens": 12_000, "l1_gb": 8.0,
                 "batched_tokens": 16_384, "copy_sizes": "1,4,16,64,128,256,512"}
 QUICK_DEFAULTS = {"device": "cpu", "model": "tiny", "ranks": 2, "num_blocks": 56, "context": 4_000,
-                  "size_scale": 0.1, "agents": 4, "duration": 50.0, "warmup": 10.0, "ramp": 4.0, "drain": 30.0,
+                  "size_scale": 0.1, "agents": 4, "duration": 50.0, "warmup": 10.0, "ramp": 4.0,
+                  "drain": 30.0,
                   "move_at": 18.0, "kill_at": 34.0, "probe_tokens": 1_200, "l1_gb": 0.05,
                   "batched_tokens": 2048, "copy_sizes": "1,4,16,64"}
 
@@ -108,7 +110,7 @@ class Results:
 
 def _sh(cmd: list[str], timeout_s: float = 30.0, env: dict[str, str] | None = None) -> str:
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
         return (res.stdout + res.stderr).strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"({' '.join(cmd[:2])}: {exc})"
@@ -126,7 +128,8 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
     if args.device.startswith("cuda"):
         info["gpus"] = _sh(["nvidia-smi", "-L"])
         info["topology"] = _sh(["nvidia-smi", "topo", "-m"])
-        info["nccl_version"] = _sh([sys.executable, "-c", "import torch; print(torch.cuda.nccl.version())"], 120)
+        info["nccl_version"] = _sh([sys.executable, "-c", "import torch; print(torch.cuda.nccl.version())"],
+                                   120)
     return info
 
 
@@ -213,7 +216,8 @@ class Recorder:
         async def admit(prompt_ids: Any, session_hint: str | None, max_tokens: int, **kw: Any) -> Any:
             adm = await orig_admit(prompt_ids, session_hint, max_tokens, **kw)
             self.admissions.append({
-                "t": time.monotonic(), "hint": session_hint if (session_hint or "").startswith(PROBE_PREFIX) else None,
+                "t": time.monotonic(),
+                "hint": session_hint if (session_hint or "").startswith(PROBE_PREFIX) else None,
                 "rank": adm.rank, "epoch": adm.epoch, "prompt": adm.num_prompt_tokens,
                 "l0": adm.cached_tokens_by_tier.l0, "l1": adm.cached_tokens_by_tier.l1,
                 "queue_s": adm.queue_time_s, "restore_s": adm.restore_s,
@@ -234,7 +238,8 @@ class Recorder:
                 ok = True
                 return result
             finally:
-                sink.append({"t": started, "rank": rank, "num_blocks": n, "wall_s": time.monotonic() - started, "ok": ok})
+                sink.append({"t": started, "rank": rank, "num_blocks": n,
+                             "wall_s": time.monotonic() - started, "ok": ok})
 
         return wrapper
 
@@ -301,7 +306,8 @@ class Probe:
     def turn(self, client: httpx.Client, max_tokens: int = 16) -> dict[str, Any]:
         body = {"model": "default", "max_tokens": max_tokens, "messages": self.messages}
         started = time.monotonic()
-        resp = client.post(self.url + "/v1/messages", json=body, headers={"X-Claude-Code-Session-Id": self.hint},
+        resp = client.post(self.url + "/v1/messages", json=body,
+                           headers={"X-Claude-Code-Session-Id": self.hint},
                            timeout=600)
         wall = time.monotonic() - started
         if resp.status_code != 200:
@@ -338,7 +344,8 @@ def session_move(rt: Any, recorder: Recorder, url: str, num_words: int, src: int
             t = time.monotonic()
             candidate.turn(client)
             first = _probe_admission(recorder, hint, t)
-            out["steps"].append({"what": f"try {attempt}: cold turn", "admission": first, **candidate.turns[-1]})
+            out["steps"].append({"what": f"try {attempt}: cold turn", "admission": first,
+                                 **candidate.turns[-1]})
             if first is not None and first["rank"] == src:
                 probe = candidate
                 break
@@ -365,13 +372,15 @@ def session_move(rt: Any, recorder: Recorder, url: str, num_words: int, src: int
         # The service prefetches a known session's blocks from L1 as soon as it has read the
         # headers, so the restore may come before the admission (which then counts them as L0).
         imports = [i for i in recorder.imports[n_imports:] if i["rank"] == dst]
-        out["steps"].append({"what": f"turn after the move to rank {dst}", "admission": adm, **probe.turns[-1]})
+        out["steps"].append({"what": f"turn after the move to rank {dst}", "admission": adm,
+                             **probe.turns[-1]})
         restored_blocks = sum(i["num_blocks"] for i in imports if i["ok"])
         out["restored_on_dst"] = {
             "admitted_on_rank": adm["rank"] if adm else None,
             "l1_tokens": adm["l1"] if adm else None, "l0_tokens": adm["l0"] if adm else None,
             "restore_s": adm["restore_s"] if adm else None, "imports_on_dst": imports,
-            "restored_blocks": restored_blocks, "cache_read_input_tokens": probe.turns[-1]["cache_read_input_tokens"],
+            "restored_blocks": restored_blocks,
+            "cache_read_input_tokens": probe.turns[-1]["cache_read_input_tokens"],
         }
         out["ok"] = bool(moved and adm and adm["rank"] == dst and restored_blocks > 0
                          and (probe.turns[-1]["cache_read_input_tokens"] or 0) > 0)
@@ -395,7 +404,8 @@ def sigkill(rt: Any, url: str, victim: int, deadline_s: float) -> dict[str, Any]
     with httpx.Client() as client:
         while time.monotonic() - t_kill < deadline_s and t_first_ok is None:
             i += 1
-            body = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": words(9000 + i, 30)}]}
+            body = {"model": "default", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": words(9000 + i, 30)}]}
             try:
                 resp = client.post(url + "/v1/messages", json=body, timeout=60)
                 key = str(resp.status_code)
@@ -406,7 +416,8 @@ def sigkill(rt: Any, url: str, victim: int, deadline_s: float) -> dict[str, Any]
             probes[key] = probes.get(key, 0) + 1
             if health_ready is None:
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(url + "/healthz", timeout=10).status_code == 200 and watch.t_ready is not None:
+                    if client.get(url + "/healthz",
+                                  timeout=10).status_code == 200 and watch.t_ready is not None:
                         health_ready = time.monotonic()
             if t_first_ok is None:
                 time.sleep(0.25)
@@ -444,7 +455,8 @@ def run(args: argparse.Namespace) -> int:
     res.doc["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     for key, value in NVLS_OFF.items():
         if os.environ.get(key) != value:
-            log.warning("%s was %r; setting %s for this run and its children", key, os.environ.get(key), value)
+            log.warning("%s was %r; setting %s for this run and its children", key, os.environ.get(key),
+                        value)
             os.environ[key] = value
     res.put("machine", machine_info(args))
     bpb = bytes_per_block(args.model, args.device, 128)
@@ -465,7 +477,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         runtime = rt.runtime
         url = rt.url
-        res.put("start", {"ready_s": time.monotonic() - t0, "url": url, "num_blocks": runtime.group.num_blocks,
+        res.put("start",
+                {"ready_s": time.monotonic() - t0, "url": url, "num_blocks": runtime.group.num_blocks,
                           "bytes_per_block": runtime.group.bytes_per_block,
                           "num_host_slots": runtime.group.num_host_slots,
                           "l1_gib": runtime.group.num_host_slots * runtime.group.bytes_per_block / 2**30,
@@ -475,10 +488,12 @@ def run(args: argparse.Namespace) -> int:
         sampler = Sampler(rt, 1.0)
         sampler.start()
         load_out = args.out / "load_records.json"
-        load_cmd = [sys.executable, "-m", "bench.multi_gpu.load", "--url", url, "--context", str(args.context),
+        load_cmd = [sys.executable, "-m", "bench.multi_gpu.load", "--url", url, "--context",
+                    str(args.context),
                     "--size-scale", str(args.size_scale), "--agents", str(args.agents),
                     "--duration", str(args.duration), "--warmup", str(args.warmup), "--ramp", str(args.ramp),
-                    "--drain", str(args.drain), "--pacing", str(args.pacing), "--pacing-dist", args.pacing_dist,
+                    "--drain", str(args.drain), "--pacing", str(args.pacing), "--pacing-dist",
+                    args.pacing_dist,
                     "--out", str(load_out)]
         res.doc["load_command"] = " ".join(load_cmd[1:])
         t_load = time.monotonic()
@@ -533,14 +548,16 @@ def run(args: argparse.Namespace) -> int:
         load_result: dict[str, Any] = {
             "steady": steady.model_dump(exclude={"timeline"}),
             "whole": whole.model_dump(exclude={"timeline"}),
-            "num_records": len(records), "t_load_start": t_load, "t_measure_from": t_from, "t_measure_to": t_to,
+            "num_records": len(records), "t_load_start": t_load, "t_measure_from": t_from,
+            "t_measure_to": t_to,
             "gpu_during_load": gpu_during_load,
         }
         if t_kill is not None:
             ready = kill.get("group_ready_again_after_s")
             after_from = t_kill + (ready or 0.0)
             if after_from < t_to:
-                after = step_stats("after recovery", args.context, args.agents, in_window(records, after_from, t_to),
+                after = step_stats("after recovery", args.context, args.agents,
+                                   in_window(records, after_from, t_to),
                                    after_from, t_to, crit, max_timeline=0)
                 load_result["after_recovery"] = after.model_dump(exclude={"timeline"})
             kill["agents"] = fault_window(records, t_kill)
@@ -554,7 +571,8 @@ def run(args: argparse.Namespace) -> int:
             "restores": restore_table(recorder.imports, limits, bpb),
             "restores_before_kill": restore_table(imports_pre_kill, limits, bpb),
             "exports": restore_table(recorder.exports, limits, bpb),
-            "admissions_by_rank": {str(r): sum(1 for a in recorder.admissions if a["rank"] == r) for r in range(args.ranks)},
+            "admissions_by_rank": {str(r): sum(1 for a in recorder.admissions if a["rank"] == r)
+                                   for r in range(args.ranks)},
             "admission_queue_s_p50_p95": _q2([a["queue_s"] for a in recorder.admissions]),
             "admissions_with_l1": sum(1 for a in recorder.admissions if a["l1"] > 0),
             "num_admissions": len(recorder.admissions),
@@ -596,7 +614,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", help="cuda or cpu")
     p.add_argument("--model", choices=["null", "tiny", "small", "medium", "large"])
     p.add_argument("--ranks", type=int)
-    p.add_argument("--num-blocks", type=int, dest="num_blocks", help="GPU KV blocks per rank (config reference_num_blocks)")
+    p.add_argument("--num-blocks", type=int, dest="num_blocks",
+                   help="GPU KV blocks per rank (config reference_num_blocks)")
     p.add_argument("--context", type=int)
     p.add_argument("--size-scale", type=float, dest="size_scale")
     p.add_argument("--agents", type=int)
@@ -607,10 +626,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pacing", type=float, default=3.0)
     p.add_argument("--pacing-dist", choices=["constant", "lognormal"], default="constant")
     p.add_argument("--move-at", type=float, dest="move_at", help="seconds into the load for the session move")
-    p.add_argument("--kill-at", type=float, dest="kill_at", help="seconds into the load for the SIGKILL (0: none)")
+    p.add_argument("--kill-at", type=float, dest="kill_at",
+                   help="seconds into the load for the SIGKILL (0: none)")
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--recover-deadline", type=float, default=180.0)
-    p.add_argument("--probe-tokens", type=int, dest="probe_tokens", help="words in the moved session's prompt")
+    p.add_argument("--probe-tokens", type=int, dest="probe_tokens",
+                   help="words in the moved session's prompt")
     p.add_argument("--l1-gb", type=float, dest="l1_gb", help="L1 GiB per rank (config l1_host_gb)")
     p.add_argument("--batched-tokens", type=int, dest="batched_tokens")
     p.add_argument("--copy-sizes", dest="copy_sizes", help="restore sizes (blocks) for the copy limit sweep")

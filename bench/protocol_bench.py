@@ -42,7 +42,9 @@ def _code_text(rng: random.Random, num_chars: int) -> str:
     k = 0
     while n < num_chars:
         k += 1
-        line = f"{k:>6}\t" + "    " * rng.randint(0, 3) + " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+        line = f"{k:>6}\t" + "    " * rng.randint(0,
+                                                  3) + " ".join(rng.choice(words)
+                                                                for _ in range(rng.randint(3, 12)))
         lines.append(line)
         n += len(line) + 1
     return "\n".join(lines)
@@ -53,11 +55,15 @@ def build_session(target_tokens: int, seed: int = 0) -> tuple[dict[str, Any], in
     rng = random.Random(seed)
     tools = [
         {"name": f"Tool{k}", "description": "Does a thing. " * 40,
-         "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}, "limit": {"type": "integer"}}}}
+         "input_schema": {"type": "object",
+                          "properties": {"file_path": {"type": "string"}, "limit": {"type": "integer"}}}}
         for k in range(23)
-    ] + [{"name": "Read", "description": "Read a file.", "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}]
+    ] + [{"name": "Read", "description": "Read a file.",
+          "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}]
     messages: list[dict[str, Any]] = [
-        {"role": "user", "content": [{"type": "text", "text": "<system-reminder>\nToday's date is 2026-11-29.\n</system-reminder>\n\n"},
+        {"role": "user",
+         "content": [{"type": "text",
+                      "text": "<system-reminder>\nToday's date is 2026-11-29.\n</system-reminder>\n\n"},
                                      {"type": "text", "text": "Refactor the tokenizer module."}]},
         {"role": "system", "content": "Agents: general-purpose.\n" * 100},
     ]
@@ -67,14 +73,19 @@ def build_session(target_tokens: int, seed: int = 0) -> tuple[dict[str, Any], in
         turn += 1
         result = _code_text(rng, 7_500)  # ~2K tokens of code per tool result
         messages.append({"role": "assistant", "content": [
-            {"type": "thinking", "thinking": f"Step {turn}: read the next file and check the call sites. " * 3, "signature": "x"},
+            {"type": "thinking",
+             "thinking": f"Step {turn}: read the next file and check the call sites. " * 3, "signature": "x"},
             {"type": "text", "text": f"Reading part {turn}."},
-            {"type": "tool_use", "id": f"toolu_{turn:024d}", "name": "Read", "input": {"file_path": f"/src/mod_{turn}.py"}},
+            {"type": "tool_use", "id": f"toolu_{turn:024d}", "name": "Read",
+             "input": {"file_path": f"/src/mod_{turn}.py"}},
         ]})
-        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{turn:024d}", "content": result}]})
+        messages.append({"role": "user",
+                         "content": [{"type": "tool_result", "tool_use_id": f"toolu_{turn:024d}",
+                                      "content": result}]})
         approx_tokens += 2_100
     body = {
-        "model": MODEL, "max_tokens": 32000, "stream": True, "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "model": MODEL, "max_tokens": 32000, "stream": True, "thinking": {"type": "adaptive"},
+        "output_config": {"effort": "high"},
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a5a;"},
                    {"type": "text", "text": "You are a Claude agent. " + "Main prompt text. " * 300}],
         "tools": tools, "messages": messages,
@@ -136,11 +147,13 @@ def stream_outputs() -> dict[str, str]:
     unit = ("Let me look at the call sites of encode_segments and check how the cache is keyed. "
             "The piece cache is shared by sessions, so identical system prompts hit. ") * 4
     mixed = (unit * 3 + "</think>" + "I will now update the module and run the tests. " * 10 +
-             f"\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n<{D} parameter name=\"file_path\" string=\"true\">/src/a.py</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
+             f"\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n<{D} parameter name=\"file_path\" "
+             f"string=\"true\">/src/a.py</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
     code = _code_text(random.Random(1), 12_000)  # ~300 lines
     write = (f"I will write the module.</think>\n\n<{D} calls>\n<{D} invoke name=\"Read\">\n"
              f"<{D} parameter name=\"file_path\" string=\"true\">/src/a.py</{D} parameter>\n"
-             f"<{D} parameter name=\"content\" string=\"true\">{code}</{D} parameter>\n</{D} invoke>\n</{D} calls>{EOS}")
+             f"<{D} parameter name=\"content\" string=\"true\">{code}</{D} parameter>\n</{D} invoke>\n</{D} "
+             f"calls>{EOS}")
     return {"mixed": mixed, "write": write}
 
 
@@ -153,14 +166,19 @@ def bench_stream(proto: Protocol, num_tokens: int, out: str) -> dict[str, float]
         if api == "responses":
             p = proto.prepare_responses({"model": MODEL, "stream": True, "store": False, "input": "x",
                                          "include": ["reasoning.encrypted_content"],
-                                         "tools": [{"type": "function", "name": "Read", "parameters": {"type": "object"}}]}, {})
+                                         "tools": [{"type": "function", "name": "Read",
+                                                    "parameters": {"type": "object"}}]}, {})
         elif api == "anthropic":
-            p = proto.prepare_anthropic({"model": MODEL, "max_tokens": 100, "stream": True, "thinking": {"type": "adaptive"},
+            p = proto.prepare_anthropic({"model": MODEL, "max_tokens": 100, "stream": True,
+                                         "thinking": {"type": "adaptive"},
                                          "tools": [{"name": "Read", "input_schema": {"type": "object"}}],
                                          "messages": [{"role": "user", "content": "x"}]}, {})
         else:
-            p = proto.prepare_openai({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}],
-                                      "tools": [{"type": "function", "function": {"name": "Read", "parameters": {"type": "object"}}}]}, {})
+            p = proto.prepare_openai({"model": MODEL, "stream": True,
+                                      "messages": [{"role": "user", "content": "x"}],
+                                      "tools": [{"type": "function",
+                                                 "function": {"name": "Read",
+                                                              "parameters": {"type": "object"}}}]}, {})
         total = 0
         nbytes = 0
         t0 = time.process_time()
@@ -190,7 +208,8 @@ def main() -> None:
     naive_ms, cold_ms = bench_whole(proto, body, args.repeats)
     print(f"session: {res['prompt_tokens']:,} prompt tokens, {turns} tool rounds, newest turn ~2K tokens, "
           f"{len(orjson.dumps(body)):,} body bytes")
-    print(f"  parsed request -> prompt ids (convert+render+tokenize, warm piece cache): {res['parsed_to_ids_ms']:.1f} ms median")
+    print("  parsed request -> prompt ids (convert+render+tokenize, warm piece cache): "
+          f"{res['parsed_to_ids_ms']:.1f} ms median")
     print(f"  + orjson parse {res['json_parse_ms']:.1f} ms + pydantic validation {res['validate_ms']:.1f} ms "
           f"-> body bytes to ids {res['bytes_to_ids_ms'] + res['validate_ms']:.1f} ms")
     print(f"  whole prompt tokenized at once (naive, added-token matching): {naive_ms:.0f} ms")

@@ -28,7 +28,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_engine(model: str, threads: int, prompt_len: int, num_prompts: int, decode_seqs: int, decode_steps: int,
+def bench_engine(model: str, threads: int, prompt_len: int, num_prompts: int, decode_seqs: int,
+                 decode_steps: int,
                  device: str = "cpu") -> None:
     torch.set_num_threads(threads)
     cfg = ReferenceEngineConfig(model=model, block_size=128, num_blocks=1024, max_num_seqs=256,
@@ -37,7 +38,8 @@ def bench_engine(model: str, threads: int, prompt_len: int, num_prompts: int, de
     rng = np.random.default_rng(0)
 
     def prompts(n: int, length: int, max_tokens: int) -> list[EngineRequest]:
-        return [EngineRequest(f"p{i}-{time.monotonic_ns()}", rng.integers(3, 129_280, length).astype(np.int32),
+        return [EngineRequest(f"p{i}-{time.monotonic_ns()}",
+                              rng.integers(3, 129_280, length).astype(np.int32),
                               SamplingParams(max_tokens=max_tokens, ignore_eos=True), keep_blocks=False)
                 for i in range(n)]
 
@@ -65,8 +67,10 @@ def bench_engine(model: str, threads: int, prompt_len: int, num_prompts: int, de
     math = "exact batch-invariant math" if device == "cpu" else "batched kernels, bf16"
     print(f"reference engine '{model}' ({engine.spec.num_params() / 1e6:.0f}M params) on {device} "
           f"({threads} thread(s), {math}):")
-    print(f"  prefill: {num_prompts} x {prompt_len} tokens in {prefill_s:.2f}s = {num_prompts * prompt_len / prefill_s:,.0f} tokens/s")
-    print(f"  decode:  {decode_seqs} seqs x {steps} steps in {decode_s:.2f}s = {decode_seqs * steps / decode_s:,.0f} tokens/s "
+    print(f"  prefill: {num_prompts} x {prompt_len} tokens in {prefill_s:.2f}s = "
+          f"{num_prompts * prompt_len / prefill_s:,.0f} tokens/s")
+    print(f"  decode:  {decode_seqs} seqs x {steps} steps in {decode_s:.2f}s = "
+          f"{decode_seqs * steps / decode_s:,.0f} tokens/s "
           f"({decode_s / steps * 1e3:.1f} ms/step)")
     engine.check_accounting()
     engine.close()
@@ -79,7 +83,8 @@ def bench_host_pool(model: str, device: str, num_blocks: int) -> None:
 
     path = host_pool_path(f"bench-{os.getpid()}")
     unlink_host_pool(path)
-    engine = ReferenceEngine(ReferenceEngineConfig(model=model, block_size=128, num_blocks=num_blocks + 8, device=device))
+    engine = ReferenceEngine(ReferenceEngineConfig(model=model, block_size=128, num_blocks=num_blocks + 8,
+                                                   device=device))
     pool = HostPool(path, (num_blocks + 1) * engine.bytes_per_block)
     pool.open(engine.bytes_per_block)
     try:
@@ -96,7 +101,8 @@ def bench_host_pool(model: str, device: str, num_blocks: int) -> None:
         for name, fn in (
             ("export (gather + 1 copy)", lambda: pool.copy_from_device(engine.pool, order, 0)),
             ("import (1 copy + scatter)", lambda: pool.copy_to_device(engine.pool, order, 0)),
-            ("contiguous pinned -> device copy", lambda: engine.pool[:num_blocks].copy_(pool.tensor[:num_blocks], non_blocking=True)),
+            ("contiguous pinned -> device copy",
+             lambda: engine.pool[:num_blocks].copy_(pool.tensor[:num_blocks], non_blocking=True)),
         ):
             best = float("inf")
             for _ in range(5):
@@ -122,7 +128,8 @@ def null_step_time_s(seqs_per_rank: int, steps: int) -> float:
     engine = ReferenceEngine(ReferenceEngineConfig(model="null", block_size=128, num_blocks=4096,
                                                    max_num_seqs=seqs_per_rank, max_num_batched_tokens=65536))
     for i in range(seqs_per_rank):
-        engine.add(EngineRequest(f"n{i}", np.arange(3, 67, dtype=np.int32), SamplingParams(steps + 10, ignore_eos=True), keep_blocks=False))
+        engine.add(EngineRequest(f"n{i}", np.arange(3, 67, dtype=np.int32),
+                                 SamplingParams(steps + 10, ignore_eos=True), keep_blocks=False))
     engine.step()
     engine.step()
     started = time.perf_counter()
@@ -145,7 +152,8 @@ async def bench_ipc(num_ranks: int, num_seqs: int, steps: int) -> None:
 
         async def consume(rank: int, i: int) -> None:
             stream = group.submit(rank, EngineRequest(f"s{i}", np.arange(3, 67, dtype=np.int32),
-                                                      SamplingParams(max_tokens=steps, ignore_eos=True), keep_blocks=False))
+                                                      SamplingParams(max_tokens=steps, ignore_eos=True),
+                                                      keep_blocks=False))
             async for out in stream:
                 received[0] += len(out.token_ids)
 
@@ -156,11 +164,15 @@ async def bench_ipc(num_ranks: int, num_seqs: int, steps: int) -> None:
         await group.close()
     engine_step_s = null_step_time_s(per_rank, min(steps, 100))
     step_s = wall_s / steps
-    print(f"rank IPC, null model, {num_seqs} running sequences over {num_ranks} rank processes (lockstep, gloo):")
-    print(f"  {steps} steps in {wall_s:.2f}s = {steps / wall_s:.1f} steps/s, {received[0] / wall_s:,.0f} tokens/s delivered to streams")
-    print(f"  per step: {step_s * 1e3:.2f} ms wall; in-process null engine step for {per_rank} seqs: {engine_step_s * 1e3:.2f} ms;"
+    print(f"rank IPC, null model, {num_seqs} running sequences over {num_ranks} rank processes (lockstep, "
+          "gloo):")
+    print(f"  {steps} steps in {wall_s:.2f}s = {steps / wall_s:.1f} steps/s, {received[0] / wall_s:,.0f} "
+          "tokens/s delivered to streams")
+    print(f"  per step: {step_s * 1e3:.2f} ms wall; in-process null engine step for {per_rank} seqs: "
+          f"{engine_step_s * 1e3:.2f} ms;"
           f" IPC + lockstep overhead {max(0.0, step_s - engine_step_s) * 1e3:.2f} ms/step")
-    print(f"  backend process CPU: {cpu_s / steps * 1e3:.2f} ms per group step ({cpu_s / received[0] * 1e6:.1f} us per token)")
+    print(f"  backend process CPU: {cpu_s / steps * 1e3:.2f} ms per group step "
+          f"({cpu_s / received[0] * 1e6:.1f} us per token)")
 
 
 def main() -> None:
@@ -175,7 +187,8 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=512)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--host-pool-blocks", type=int, default=0, help="also time L1 export/import of this many blocks")
+    p.add_argument("--host-pool-blocks", type=int, default=0,
+                   help="also time L1 export/import of this many blocks")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-ipc", action="store_true")
     args = p.parse_args()

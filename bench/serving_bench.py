@@ -143,7 +143,7 @@ def _request_bytes(host: str, port: int, max_tokens: int, i: int) -> bytes:
     return head + body
 
 
-_TOKENS_RE = re.compile(rb"^deepinfer_output_tokens_total (\S+)$", re.M)
+_TOKENS_RE = re.compile(rb"^deepinfer_output_tokens_total (\S+)$", re.MULTILINE)
 
 
 async def _scrape_tokens(host: str, port: int) -> float:
@@ -219,7 +219,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     # session returning within protect_s is not evicted): the pool is not what is measured here.
     config = {
         "engine": "reference", "reference_model": "null", "ep": args.ranks, "port": args.port,
-        "max_num_seqs": max(per_rank, 1), "reference_num_blocks": (args.rounds + 1) * per_rank * blocks_per_seq + 64,
+        "max_num_seqs": max(per_rank, 1),
+        "reference_num_blocks": (args.rounds + 1) * per_rank * blocks_per_seq + 64,
         "l1_cache": False, "max_model_len": 8192, "api_key": "bench",
     }
     tmp = Path(tempfile.mkdtemp(prefix="serving-bench-"))
@@ -236,7 +237,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     return proc, f"http://127.0.0.1:{args.port}", tmp
 
 
-def _steady(stats: list[StreamStats], samples: list[tuple[float, float]]) -> tuple[float, float, float, list[float]]:
+def _steady(stats: list[StreamStats],
+            samples: list[tuple[float, float]]) -> tuple[float, float, float, list[float]]:
     """Window where every stream is streaming: from the last first-token to the first finish."""
     begin_s = max(s.first_token_s for s in stats)
     end_s = min(s.done_s for s in stats)
@@ -261,7 +263,8 @@ def report(stats: list[StreamStats], start_s: float, args: argparse.Namespace,
     figures = {
         "streams": len(stats), "errors": len(errors), "output_tokens": total_tokens,
         "wall_s": wall_s, "tokens_per_s": total_tokens / wall_s if wall_s > 0 else 0.0,
-        "inter_token_ms_p50": float(np.percentile(gaps, 50)), "inter_token_ms_p99": float(np.percentile(gaps, 99)),
+        "inter_token_ms_p50": float(np.percentile(gaps, 50)),
+        "inter_token_ms_p99": float(np.percentile(gaps, 99)),
         "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p99": float(np.percentile(ttft, 99)),
         "deliveries_per_stream_mean": float(deliveries.mean()),
         "tokens_per_delivery": total_tokens / max(1, int(deliveries.sum())),
@@ -280,7 +283,8 @@ def report(stats: list[StreamStats], start_s: float, args: argparse.Namespace,
     if figures.get("steady_window_s", 0) > 0:
         print(f"steady state (all {len(stats)} streams active, {figures['steady_window_s']:.1f} s): "
               f"{figures['steady_tokens_per_s']:.0f} tokens/s, inter-token delay p50 "
-              f"{figures['steady_inter_token_ms_p50']:.2f} ms, p99 {figures['steady_inter_token_ms_p99']:.2f} ms")
+              f"{figures['steady_inter_token_ms_p50']:.2f} ms, p99 "
+              f"{figures['steady_inter_token_ms_p99']:.2f} ms")
     print(f"time to first token: p50 {figures['ttft_ms_p50']:.1f} ms, p99 {figures['ttft_ms_p99']:.1f} ms; "
           f"deliveries per stream {figures['deliveries_per_stream_mean']:.1f}, "
           f"tokens per delivery {figures['tokens_per_delivery']:.2f}")
@@ -446,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
             if tmp is not None:
-                print(f"server log: {tmp / 'server.log'}" + (f", profile: {tmp / 'server.prof'}" if args.profile else ""))
+                print(f"server log: {tmp / 'server.log'}"
+                      + (f", profile: {tmp / 'server.prof'}" if args.profile else ""))
     return 0
 
 

@@ -68,13 +68,15 @@ class Counters:
 
 
 TOOL = {"name": "Bash", "description": "Run a shell command",
-        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                         "required": ["command"]}}
 
 
 class Agent:
     """One simulated coding-agent session after another (see the module docstring)."""
 
-    def __init__(self, index: int, url: str, client: httpx.AsyncClient, counters: Counters, rng: random.Random,
+    def __init__(self, index: int, url: str, client: httpx.AsyncClient, counters: Counters,
+                 rng: random.Random,
                  max_context_chars: int) -> None:
         self.index, self.url, self.client, self.c, self.rng = index, url, client, counters, rng
         self.max_context_chars = max_context_chars
@@ -95,7 +97,9 @@ class Agent:
         self.c.sessions += 1
         rng = self.rng
         system = "You are a coding agent. " + filler_text(rng.randrange(4), 300)  # shared by agents
-        messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {sid}: " + filler_text(rng.randrange(10**6), 120)}]
+        messages: list[dict[str, Any]] = [{"role": "user",
+                                           "content": f"task {sid}: "
+                                           + filler_text(rng.randrange(10**6), 120)}]
         for _ in range(rng.randint(4, 24)):
             if time.monotonic() >= stop_at_s:
                 return
@@ -106,7 +110,8 @@ class Agent:
                 await self._count_tokens(body, headers)
             if rng.random() < 0.15:
                 ok = await self._openai_turn(messages, system, headers)
-                reply_blocks: list[dict[str, Any]] | None = [{"type": "text", "text": "(openai turn)"}] if ok else None
+                reply_blocks: list[dict[str, Any]] | None = [{"type": "text",
+                                                              "text": "(openai turn)"}] if ok else None
             else:
                 reply_blocks = await self._anthropic_turn(body, headers)
             if reply_blocks is None:
@@ -115,10 +120,13 @@ class Agent:
             tool_uses = [b for b in reply_blocks if b.get("type") == "tool_use"]
             if tool_uses:
                 messages.append({"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": b["id"], "content": filler_text(rng.randrange(10**6), rng.randint(20, 200))}
+                    {"type": "tool_result", "tool_use_id": b["id"],
+                     "content": filler_text(rng.randrange(10**6), rng.randint(20, 200))}
                     for b in tool_uses]})
             else:
-                messages.append({"role": "user", "content": "next: " + filler_text(rng.randrange(10**6), rng.randint(10, 120))})
+                messages.append({"role": "user",
+                                 "content": "next: "
+                                 + filler_text(rng.randrange(10**6), rng.randint(10, 120))})
             if len(json.dumps(messages)) > self.max_context_chars:
                 return
             await asyncio.sleep(rng.uniform(0.2, 2.0))  # the tool runs, the user reads
@@ -134,7 +142,8 @@ class Agent:
         if status != 200:
             self.c.http_errors[str(status)] = self.c.http_errors.get(str(status), 0) + 1
 
-    async def _anthropic_turn(self, body: dict[str, Any], headers: dict[str, str]) -> list[dict[str, Any]] | None:
+    async def _anthropic_turn(self, body: dict[str, Any],
+                              headers: dict[str, str]) -> list[dict[str, Any]] | None:
         if not body["stream"]:
             resp = await self.client.post(self.url + "/v1/messages", json=body, headers=headers)
             self._count(resp.status_code)
@@ -168,12 +177,16 @@ class Agent:
         self.c.error("anthropic stream ended without message_stop")
         return None
 
-    async def _openai_turn(self, messages: list[dict[str, Any]], system: str, headers: dict[str, str]) -> bool:
+    async def _openai_turn(self, messages: list[dict[str, Any]], system: str,
+                           headers: dict[str, str]) -> bool:
         text_only = [{"role": "system", "content": system}] + [
-            {"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else json.dumps(m["content"])[:2000]}
+            {"role": m["role"],
+             "content": m["content"] if isinstance(m["content"], str) else json.dumps(m["content"])[:2000]}
             for m in messages]
-        body = {"model": "default", "max_tokens": self.rng.randint(16, 120), "messages": text_only, "stream": True}
-        async with self.client.stream("POST", self.url + "/v1/chat/completions", json=body, headers=headers) as resp:
+        body = {"model": "default", "max_tokens": self.rng.randint(16, 120), "messages": text_only,
+                "stream": True}
+        async with self.client.stream("POST", self.url + "/v1/chat/completions", json=body,
+                                      headers=headers) as resp:
             self._count(resp.status_code)
             if resp.status_code != 200:
                 self.c.error(f"{resp.status_code} {(await resp.aread()).decode(errors='replace')}")
@@ -280,7 +293,8 @@ async def _sample(rt: RuntimeThread, counters: Counters, t0: float) -> dict[str,
 
 
 # Series judged for flatness: (key, absolute floor of allowed change over the run).
-JUDGED = (("backend_rss_mib", 24.0), ("backend_rss_unaccounted_mib", 24.0), ("rank_rss_mib_max", 16.0), ("rank_rss_mib_sum", 48.0),
+JUDGED = (("backend_rss_mib", 24.0), ("backend_rss_unaccounted_mib", 24.0), ("rank_rss_mib_max", 16.0),
+          ("rank_rss_mib_sum", 48.0),
           ("backend_fds", 8.0), ("rank_fds_max", 2.0), ("backend_threads", 2.0),
           ("open_admissions", 2.0), ("cache_tasks", 4.0))
 
@@ -324,8 +338,10 @@ COLUMNS = ("t_min", "backend_rss_mib", "rank_rss_mib_max", "backend_fds", "rank_
 
 
 def format_table(samples: list[dict[str, Any]]) -> str:
-    short = {"t_min": "min", "backend_rss_mib": "be_rss", "rank_rss_mib_max": "rk_rss", "backend_fds": "be_fd",
-             "rank_fds_max": "rk_fd", "backend_threads": "thr", "free_blocks": "free", "cached_blocks": "cached",
+    short = {"t_min": "min", "backend_rss_mib": "be_rss", "rank_rss_mib_max": "rk_rss",
+             "backend_fds": "be_fd",
+             "rank_fds_max": "rk_fd", "backend_threads": "thr", "free_blocks": "free",
+             "cached_blocks": "cached",
              "l0_blocks": "L0", "l1_used_slots": "L1slots", "running": "run", "open_admissions": "adm",
              "cache_sessions": "sess", "ledger_mib": "ledger", "piece_cache_mib": "pieces", "turns_ok": "ok",
              "turns_error": "err", "abandoned": "cut"}
@@ -336,7 +352,8 @@ def format_table(samples: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)
 
 
-async def soak(rt: RuntimeThread, *, minutes: float, num_agents: int, sample_s: float, seed: int) -> list[dict[str, Any]]:
+async def soak(rt: RuntimeThread, *, minutes: float, num_agents: int, sample_s: float,
+               seed: int) -> list[dict[str, Any]]:
     counters = Counters()
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -344,7 +361,8 @@ async def soak(rt: RuntimeThread, *, minutes: float, num_agents: int, sample_s: 
     samples: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=num_agents * 2 + 8)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0, read=300.0)) as client:
-        agents = [Agent(i, rt.url, client, counters, random.Random(rng.random()), 40_000) for i in range(num_agents)]
+        agents = [Agent(i, rt.url, client, counters, random.Random(rng.random()), 40_000)
+                  for i in range(num_agents)]
 
         async def sampler() -> None:
             while True:
@@ -364,13 +382,15 @@ async def soak(rt: RuntimeThread, *, minutes: float, num_agents: int, sample_s: 
     try:
         final = await rt.acall(lambda: settle(rt.runtime, 120.0))
         print(f"settled after the load: free blocks {final['engine_free_blocks']}, cache-held "
-              f"{final['engine_cached_blocks']} == L0 {final['l0_blocks']}, L1 used slots {final['l1_used_slots']}, "
+              f"{final['engine_cached_blocks']} == L0 {final['l0_blocks']}, L1 used slots "
+              f"{final['l1_used_slots']}, "
               f"open admissions {final['open_admissions']}")
     except AssertionError as exc:
         print(f"BALANCE FAILED after the load: {exc}")
         samples[-1]["balance_failed"] = str(exc)
     print(f"turns ok {counters.turns_ok}, errors {counters.turns_error}, abandoned {counters.abandoned}, "
-          f"count_tokens {counters.count_tokens}, sessions {counters.sessions}, HTTP errors {counters.http_errors}")
+          f"count_tokens {counters.count_tokens}, sessions {counters.sessions}, HTTP errors "
+          f"{counters.http_errors}")
     for what, n in sorted(counters.error_kinds.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {n:6d} x {what}")
     return samples
@@ -384,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="null", choices=["null", "tiny", "small"])
     p.add_argument("--sample-s", type=float, default=20.0)
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed fitted change, share of the mean")
-    p.add_argument("--l1-gb", type=float, default=0.002, help="L1 host pool per rank, GiB (small: it fills early)")
+    p.add_argument("--l1-gb", type=float, default=0.002,
+                   help="L1 host pool per rank, GiB (small: it fills early)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the samples and verdicts as JSON")
     p.add_argument("--analyze", default=None, help="only print the table and verdicts of a saved --out file")
@@ -417,7 +438,8 @@ def _report(samples: list[dict[str, Any]], tolerance: float) -> int:
     l1_max = max(s["l1_used_slots"] for s in samples)
     blocks_max = max(s["cached_blocks"] + s["free_blocks"] for s in samples)
     bounded = l1_max <= samples[-1]["l1_slots"] and blocks_max <= samples[-1]["num_blocks"]
-    print(f"L1 used slots peak {l1_max} of {samples[-1]['l1_slots']}; free + cache-held blocks peak {blocks_max} "
+    print(f"L1 used slots peak {l1_max} of {samples[-1]['l1_slots']}; free + cache-held blocks peak "
+          f"{blocks_max} "
           f"of {samples[-1]['num_blocks']}: {'bounded' if bounded else 'OVER THE POOL'}")
     all_flat = all(r[4] for r in results) and bounded and "balance_failed" not in samples[-1]
     print(f"\nverdict: {'everything flat' if all_flat else 'something grows (see above)'}")

@@ -20,7 +20,15 @@ import time
 import numpy as np
 
 from bench.loadgen.distributions import TraceError, WorkloadParams, make_turn_source
-from bench.loadgen.report import Criteria, compare, format_table, load_json, save_json, step_stats, write_charts
+from bench.loadgen.report import (
+    Criteria,
+    compare,
+    format_table,
+    load_json,
+    save_json,
+    step_stats,
+    write_charts,
+)
 from bench.loadgen.runner import RunConfig, run_cold_start, run_step
 from bench.loadgen.textgen import TextSynth
 
@@ -44,13 +52,17 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _workload(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--context", type=int, default=128_000, help="context target, tokens (128000, 500000, 1000000)")
+    p.add_argument("--context", type=int, default=128_000,
+                   help="context target, tokens (128000, 500000, 1000000)")
     p.add_argument("--pacing", type=float, default=3.0, help="seconds between a response and the next turn")
     p.add_argument("--pacing-dist", choices=["constant", "lognormal"], default="constant")
-    p.add_argument("--size-scale", type=float, default=1.0, help="multiply per-turn sizes (CPU engine: 0.05-0.2)")
-    p.add_argument("--start-fraction", default="0.4,0.6", help="initial context as a share of the target: lo,hi")
+    p.add_argument("--size-scale", type=float, default=1.0,
+                   help="multiply per-turn sizes (CPU engine: 0.05-0.2)")
+    p.add_argument("--start-fraction", default="0.4,0.6",
+                   help="initial context as a share of the target: lo,hi")
     p.add_argument("--trace", default=None, help="JSONL trace replacing the per-step distributions")
-    p.add_argument("--no-system-message", action="store_true", help="omit the mid-conversation system message")
+    p.add_argument("--no-system-message", action="store_true",
+                   help="omit the mid-conversation system message")
 
 
 def _params(args: argparse.Namespace) -> WorkloadParams:
@@ -81,7 +93,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = make_turn_source(params, args.trace)
     synth = TextSynth()
     config = _config(args)
-    config.duration_s, config.warmup_s, config.ramp_s, config.drain_s = args.duration, args.warmup, args.ramp, args.drain
+    config.duration_s, config.warmup_s, config.ramp_s, config.drain_s = (
+        args.duration, args.warmup, args.ramp, args.drain)
     criteria = Criteria()
     steps = []
     for idx, num_agents in enumerate(args.agents):
@@ -113,7 +126,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         save_json(args.out, meta, steps)
         print(f"wrote {args.out}")
     if args.charts:
-        for path in write_charts(steps, args.charts, f"{args.context // 1000}K context, {args.pacing:g} s pacing", criteria):
+        for path in write_charts(steps, args.charts,
+                                 f"{args.context // 1000}K context, {args.pacing:g} s pacing", criteria):
             print(f"wrote {path}")
     return 0 if all(s.num_errors == 0 or s.error_rate < 1 for s in steps) else 1
 
@@ -122,15 +136,18 @@ def cmd_cold_start(args: argparse.Namespace) -> int:
     params = _params(args)
     synth = TextSynth()
     config = _config(args)
-    records, wall_s = asyncio.run(run_cold_start(params, synth, config, args.conversations, args.context, args.max_tokens))
+    records, wall_s = asyncio.run(run_cold_start(params, synth, config, args.conversations, args.context,
+                                                 args.max_tokens))
     ok = [r for r in records if r.error is None]
     total = sum(r.total_input_tokens for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    print(f"cold start: {len(records)} conversations of ~{args.context} tokens, {len(records) - len(ok)} errors")
+    print(f"cold start: {len(records)} conversations of ~{args.context} tokens, {len(records) - len(ok)} "
+          "errors")
     print(f"  wall {wall_s:.1f} s, {total:,} input tokens ({total / wall_s:,.0f} tok/s), "
           f"cached {sum(r.cached_tokens for r in ok):,}")
     if ttfts:
-        print(f"  TTFT p50 {np.quantile(ttfts, 0.5):.2f} s, p95 {np.quantile(ttfts, 0.95):.2f} s, max {max(ttfts):.2f} s")
+        print(f"  TTFT p50 {np.quantile(ttfts, 0.5):.2f} s, p95 {np.quantile(ttfts, 0.95):.2f} s, max "
+              f"{max(ttfts):.2f} s")
     for err in sorted({r.error for r in records if r.error})[:5]:
         print("  error:", err)
     return 0 if len(ok) == len(records) else 1

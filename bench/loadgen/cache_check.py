@@ -59,11 +59,13 @@ class CacheCheckResult:
         )
 
 
-def build_prompt(synth: TextSynth, num_tokens: int, depth: float, rng: np.random.Generator) -> tuple[str, str]:
+def build_prompt(synth: TextSynth, num_tokens: int, depth: float,
+                 rng: np.random.Generator) -> tuple[str, str]:
     """(prompt text, fact) of about ``num_tokens`` tokens with the fact at ``depth``."""
     code = f"{int(rng.integers(1000, 9999))}-{int(rng.integers(1000, 9999))}"
     fact = f"\nIMPORTANT: the deployment password of the staging cluster is {code}.\n"
-    question = "\n\nQuestion: what is the deployment password of the staging cluster? Answer with the password only."
+    question = ("\n\nQuestion: what is the deployment password of the staging cluster? Answer with the "
+                "password only.")
     body_tokens = max(16, num_tokens - 60)
     before = int(body_tokens * depth)
     text = (
@@ -113,5 +115,6 @@ async def run_cache_check(
     return results
 
 
-def run_cache_check_sync(synth: TextSynth, config: RunConfig, sizes: list[int], depth: float) -> list[CacheCheckResult]:
+def run_cache_check_sync(synth: TextSynth, config: RunConfig, sizes: list[int],
+                         depth: float) -> list[CacheCheckResult]:
     return asyncio.run(run_cache_check(synth, config, sizes, depth))

@@ -82,7 +82,7 @@ class LogNormal(BaseModel):
         return float(min(self.max_value, max(self.min_value, value)))
 
     def sample_int(self, rng: np.random.Generator) -> int:
-        return int(round(self.sample(rng)))
+        return round(self.sample(rng))
 
 
 class WorkloadParams(BaseModel):

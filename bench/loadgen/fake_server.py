@@ -50,9 +50,11 @@ def build_app(tokens_per_s: float = 200.0) -> Starlette:
         try:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError:
-            return JSONResponse({"type": "error", "error": {"type": "invalid_request_error", "message": "bad JSON"}}, 400)
+            return JSONResponse({"type": "error",
+                                 "error": {"type": "invalid_request_error", "message": "bad JSON"}}, 400)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return JSONResponse({"type": "error", "error": {"type": "invalid_request_error", "message": "messages"}}, 400)
+            return JSONResponse({"type": "error",
+                                 "error": {"type": "invalid_request_error", "message": "messages"}}, 400)
         prompt = orjson.dumps(_strip_markers([body.get("system"), body.get("tools"), body["messages"]]))
         sid = request.headers.get("x-claude-code-session-id", "")
         prev = state.last_prompt.get(sid, b"")
@@ -68,7 +70,8 @@ def build_app(tokens_per_s: float = 200.0) -> Starlette:
 
         async def stream() -> object:
             yield _sse("message_start", {"type": "message_start", "message": {
-                "id": f"msg_{n}", "type": "message", "role": "assistant", "content": [], "model": body.get("model"),
+                "id": f"msg_{n}", "type": "message", "role": "assistant", "content": [],
+                "model": body.get("model"),
                 "usage": {"input_tokens": total - cached, "cache_read_input_tokens": cached,
                           "cache_creation_input_tokens": 0, "output_tokens": 0}}})
             await asyncio.sleep(0.01)
@@ -77,13 +80,16 @@ def build_app(tokens_per_s: float = 200.0) -> Starlette:
             idx = 0
             if thinking:
                 yield _sse("content_block_start", {"type": "content_block_start", "index": idx,
-                                                   "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+                                                   "content_block": {"type": "thinking", "thinking": "",
+                                                                     "signature": ""}})
                 for _ in range(thinking):
                     yield _sse("content_block_delta", {"type": "content_block_delta", "index": idx,
-                                                       "delta": {"type": "thinking_delta", "thinking": "hm "}})
+                                                       "delta": {"type": "thinking_delta",
+                                                                 "thinking": "hm "}})
                     await asyncio.sleep(1 / state.tokens_per_s)
                 yield _sse("content_block_delta", {"type": "content_block_delta", "index": idx,
-                                                   "delta": {"type": "signature_delta", "signature": f"sig{n}"}})
+                                                   "delta": {"type": "signature_delta",
+                                                             "signature": f"sig{n}"}})
                 yield _sse("content_block_stop", {"type": "content_block_stop", "index": idx})
                 idx += 1
             yield _sse("content_block_start", {"type": "content_block_start", "index": idx,
@@ -95,11 +101,13 @@ def build_app(tokens_per_s: float = 200.0) -> Starlette:
             yield _sse("content_block_stop", {"type": "content_block_stop", "index": idx})
             idx += 1
             yield _sse("content_block_start", {"type": "content_block_start", "index": idx,
-                                               "content_block": {"type": "tool_use", "id": f"toolu_{n}", "name": "Bash", "input": {}}})
+                                               "content_block": {"type": "tool_use", "id": f"toolu_{n}",
+                                                                 "name": "Bash", "input": {}}})
             yield _sse("content_block_delta", {"type": "content_block_delta", "index": idx,
                                                "delta": {"type": "input_json_delta", "partial_json": ""}})
             yield _sse("content_block_delta", {"type": "content_block_delta", "index": idx,
-                                               "delta": {"type": "input_json_delta", "partial_json": '{"command": "ls"}'}})
+                                               "delta": {"type": "input_json_delta",
+                                                         "partial_json": '{"command": "ls"}'}})
             yield _sse("content_block_stop", {"type": "content_block_stop", "index": idx})
             yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
                                          "usage": {"output_tokens": max_tokens}})

@@ -165,7 +165,9 @@ def format_table(steps: list[StepStats]) -> str:
 def save_json(path: str | Path, meta: dict[str, Any], steps: list[StepStats]) -> None:
     doc = {"meta": meta, "steps": [s.model_dump() for s in steps]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS))
+    Path(path).write_bytes(orjson.dumps(doc,
+                                        option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+                                        | orjson.OPT_NON_STR_KEYS))
 
 
 def load_json(path: str | Path) -> tuple[dict[str, Any], list[StepStats]]:
@@ -221,7 +223,8 @@ def write_charts(steps: list[StepStats], out_dir: str | Path, title: str, criter
     ax = axes[0]
     ax.plot(agents, [s.ttft_p50_s for s in steps], "o-", label="p50")
     ax.plot(agents, [s.ttft_p95_s for s in steps], "s-", label="p95")
-    ax.axhline(criteria.ttft_p95_max_s, color="r", ls="--", lw=1, label=f"p95 limit {criteria.ttft_p95_max_s:g} s")
+    ax.axhline(criteria.ttft_p95_max_s, color="r", ls="--", lw=1,
+               label=f"p95 limit {criteria.ttft_p95_max_s:g} s")
     ax.set(xlabel="agents", ylabel="TTFT (s)", title="Time to first token")
     ax.legend()
     ax = axes[1]

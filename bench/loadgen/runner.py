@@ -157,7 +157,8 @@ class Agent:
             body = self.session.body_bytes(self.turn.output_tokens)
             counters.in_flight += 1
             try:
-                await stream_message(client, self.config.url, body, self.headers(), record, self.config.request_timeout_s)
+                await stream_message(client, self.config.url, body, self.headers(), record,
+                                     self.config.request_timeout_s)
             finally:
                 counters.in_flight -= 1
             records.append(record)
@@ -213,7 +214,8 @@ async def run_step(
     display = asyncio.create_task(progress.run(stop))
     async with make_client(num_agents) as client:
         tasks = [
-            asyncio.create_task(agent.run(client, records, counters, stop_at, config.ramp_s * i / max(1, num_agents)))
+            asyncio.create_task(agent.run(client, records, counters, stop_at,
+                                          config.ramp_s * i / max(1, num_agents)))
             for i, agent in enumerate(agents)
         ]
         remaining = max(1.0, stop_at - time.monotonic() + config.drain_s)
@@ -238,7 +240,8 @@ async def run_cold_start(
     tools = build_tools(params, synth)
     rng = np.random.default_rng(config.seed + 17)
     sessions = [
-        AgentSession(params, synth, tools, np.random.default_rng(int(rng.integers(2**62))), context_tokens, config.model)
+        AgentSession(params, synth, tools, np.random.default_rng(int(rng.integers(2**62))), context_tokens,
+                     config.model)
         for _ in range(num_conversations)
     ]
     records: list[RequestRecord] = []
@@ -254,7 +257,8 @@ async def run_cold_start(
             headers["x-api-key"] = config.api_key
         counters.in_flight += 1
         try:
-            await stream_message(client, config.url, session.body_bytes(max_tokens), headers, record, config.request_timeout_s)
+            await stream_message(client, config.url, session.body_bytes(max_tokens), headers, record,
+                                 config.request_timeout_s)
         finally:
             counters.in_flight -= 1
         records.append(record)

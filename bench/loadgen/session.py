@@ -25,11 +25,10 @@ import orjson
 from bench.loadgen.distributions import TurnSpec, WorkloadParams
 from bench.loadgen.textgen import TextSynth
 
-TOOL_NAMES = (
-    "Agent Bash CronCreate CronDelete CronList Edit EnterWorktree ExitWorktree NotebookEdit Read "
-    "ReportFindings ScheduleWakeup SendMessage Skill TaskCreate TaskGet TaskList TaskOutput TaskStop "
-    "TaskUpdate WebFetch WebSearch Workflow Write"
-).split()
+TOOL_NAMES = ["Agent", "Bash", "CronCreate", "CronDelete", "CronList", "Edit", "EnterWorktree",
+              "ExitWorktree", "NotebookEdit", "Read", "ReportFindings", "ScheduleWakeup", "SendMessage",
+              "Skill", "TaskCreate", "TaskGet", "TaskList", "TaskOutput", "TaskStop", "TaskUpdate",
+              "WebFetch", "WebSearch", "Workflow", "Write"]
 SCHEMA_URL = "https://json-schema.org/draft/2020-12/schema"
 AGENT_LINE = "You are a Claude agent, built on Anthropic's Claude Agent SDK."
 BLOCK_OVERHEAD_TOKENS = 12  # rendering overhead per content block (role tags, tool-result wrapper)
@@ -39,7 +38,8 @@ def build_tools(params: WorkloadParams, synth: TextSynth, seed: int = 7) -> list
     """``num_tools`` tool schemas whose JSON totals about the tools budget, identical every call."""
     rng = np.random.default_rng(seed)
     _system, tools_tokens = params.fixed_prefix_tokens()
-    names = [TOOL_NAMES[i % len(TOOL_NAMES)] + ("" if i < len(TOOL_NAMES) else str(i)) for i in range(params.num_tools)]
+    names = [TOOL_NAMES[i % len(TOOL_NAMES)] + ("" if i < len(TOOL_NAMES) else str(i))
+             for i in range(params.num_tools)]
     per_tool = max(8, tools_tokens // max(1, params.num_tools) - 60)
     tools = []
     for name in names:
@@ -92,19 +92,25 @@ class AgentSession:
         self.num_turns = 0
         self._tool_counter = 0
         system_tokens, tools_tokens = params.fixed_prefix_tokens()
-        prompt_tokens = max(8, min(initial_tokens // 4, params.first_user.scaled(params.size_scale).sample_int(rng)))
+        prompt_tokens = max(8,
+                            min(initial_tokens // 4,
+                                params.first_user.scaled(params.size_scale).sample_int(rng)))
         prompt = synth.text(prompt_tokens, rng)
         suffix = hashlib.sha256(prompt.encode()).hexdigest()[:3]
         self.system = [
-            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; cc_entrypoint=sdk-cli;"},
+            {"type": "text",
+             "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; cc_entrypoint=sdk-cli;"},
             {"type": "text", "text": AGENT_LINE, "cache_control": {"type": "ephemeral"}},
-            {"type": "text", "text": synth.text(system_tokens, np.random.default_rng(11)), "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": synth.text(system_tokens, np.random.default_rng(11)),
+             "cache_control": {"type": "ephemeral"}},
         ]
         reminder = (
             "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n"
             "# currentDate\nToday's date is 2026-11-29.\n</system-reminder>\n\n"
         )
-        self.messages.append({"role": "user", "content": [{"type": "text", "text": reminder}, {"type": "text", "text": prompt}]})
+        self.messages.append({"role": "user",
+                              "content": [{"type": "text", "text": reminder},
+                                          {"type": "text", "text": prompt}]})
         self.context_tokens = system_tokens + tools_tokens + prompt_tokens + 40
         if mid_conversation_system:
             agents_tokens = max(8, min(1_500, initial_tokens // 20))
@@ -121,20 +127,26 @@ class AgentSession:
     def _read_files_until(self, target_tokens: int) -> None:
         """Prior Read calls and their results, so the conversation starts at ``target_tokens``."""
         while self.context_tokens < target_tokens:
-            size = min(target_tokens - self.context_tokens, int(self.rng.integers(1_000, 6_000) * self.params.size_scale) + 1)
+            size = min(target_tokens - self.context_tokens,
+                       int(self.rng.integers(1_000, 6_000) * self.params.size_scale) + 1)
             tool_id = self._new_tool_id()
             path = f"/work/project/src/module_{self._tool_counter}.py"
             self.messages.append(
-                {"role": "assistant", "content": [{"type": "tool_use", "id": tool_id, "name": "Read", "input": {"file_path": path}}]}
+                {"role": "assistant",
+                 "content": [{"type": "tool_use", "id": tool_id, "name": "Read",
+                              "input": {"file_path": path}}]}
             )
             self.messages.append(
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": self.synth.text(size, self.rng)}]}
+                {"role": "user",
+                 "content": [{"type": "tool_result", "tool_use_id": tool_id,
+                              "content": self.synth.text(size, self.rng)}]}
             )
             self.context_tokens += size + 2 * BLOCK_OVERHEAD_TOKENS + 20
 
     def fits(self, turn: TurnSpec) -> bool:
         """Whether the next request, with this turn's additions and output, stays within the target."""
-        return self.context_tokens + turn.new_input_tokens + turn.output_tokens <= self.params.context_target_tokens
+        return (self.context_tokens + turn.new_input_tokens + turn.output_tokens
+                <= self.params.context_target_tokens)
 
     def append_response(self, blocks: list[dict[str, Any]], turn: TurnSpec) -> None:
         """Append the assistant content received, then the next user message for ``turn``."""
@@ -148,14 +160,17 @@ class AgentSession:
             results = []
             for tool_id in tool_ids:
                 results.append(
-                    {"type": "tool_result", "tool_use_id": tool_id, "content": self.synth.text(per_call, self.rng), "is_error": False}
+                    {"type": "tool_result", "tool_use_id": tool_id,
+                     "content": self.synth.text(per_call, self.rng), "is_error": False}
                 )
             self.messages.append({"role": "user", "content": results})
         elif turn.kind == "tool":
             # The model (random weights) made no tool call; the agent still adds a tool-sized input.
-            self.messages.append({"role": "user", "content": self.synth.text(turn.new_input_tokens, self.rng)})
+            self.messages.append({"role": "user",
+                                  "content": self.synth.text(turn.new_input_tokens, self.rng)})
         else:
-            self.messages.append({"role": "user", "content": self.synth.text(turn.new_input_tokens, self.rng)})
+            self.messages.append({"role": "user",
+                                  "content": self.synth.text(turn.new_input_tokens, self.rng)})
         self.context_tokens += turn.new_input_tokens + BLOCK_OVERHEAD_TOKENS
         self.num_turns += 1
 
@@ -172,7 +187,8 @@ class AgentSession:
             "User-Agent": "claude-cli/2.1.197 (external, sdk-cli)",
             "X-Claude-Code-Session-Id": self.session_id,
             "anthropic-version": "2023-06-01",
-            "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
+            "anthropic-beta": ("claude-code-20250219,interleaved-thinking-2025-05-14,"
+                               "context-management-2025-06-27"),
             "x-app": "cli",
         }
 

@@ -15,11 +15,10 @@ from functools import lru_cache
 import numpy as np
 from tokenizers import Tokenizer
 
-_WORDS = (
-    "self config request response buffer index value items result status error cache block "
-    "session token prompt stream rank batch offset length count handler client server message "
-    "parser worker queue event logger manager router record header payload chunk context state"
-).split()
+_WORDS = ["self", "config", "request", "response", "buffer", "index", "value", "items", "result", "status",
+          "error", "cache", "block", "session", "token", "prompt", "stream", "rank", "batch", "offset",
+          "length", "count", "handler", "client", "server", "message", "parser", "worker", "queue", "event",
+          "logger", "manager", "router", "record", "header", "payload", "chunk", "context", "state"]
 _KEYWORDS = ("def", "return", "if", "for", "while", "class", "import", "from", "with", "async", "await")
 _TYPES = ("int", "str", "list[int]", "dict[str, Any]", "bytes", "float", "bool", "np.ndarray")
 
@@ -70,7 +69,8 @@ def build_corpus(num_lines: int, seed: int) -> str:
         else:
             for _ in range(int(rng.integers(3, 12))):
                 lines.append(
-                    f"-rw-r--r-- 1 dev dev {int(rng.integers(100, 99999)):6d} Nov 29 10:{int(rng.integers(0, 60)):02d} "
+                    f"-rw-r--r-- 1 dev dev {int(rng.integers(100, 99999)):6d} Nov 29 "
+                    f"10:{int(rng.integers(0, 60)):02d} "
                     f"{_ident(rng)}.py"
                 )
     return "\n".join(lines) + "\n"

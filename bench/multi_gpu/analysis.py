@@ -110,7 +110,8 @@ def restore_table(restores: list[dict[str, Any]], limits: dict[int, CopyLimit],
         nbytes = r["num_blocks"] * bytes_per_block
         limit = limits.get(r["rank"])
         limit_s = limit.time_s(nbytes) if limit is not None else float("nan")
-        rows.append({**r, "bytes": nbytes, "limit_s": limit_s, "ratio": r["wall_s"] / limit_s if limit_s else float("nan")})
+        rows.append({**r, "bytes": nbytes, "limit_s": limit_s,
+                     "ratio": r["wall_s"] / limit_s if limit_s else float("nan")})
     walls = [r["wall_s"] for r in rows]
     ratios = [r["ratio"] for r in rows]
     total_bytes = sum(r["bytes"] for r in rows)
@@ -128,7 +129,8 @@ def restore_table(restores: list[dict[str, Any]], limits: dict[int, CopyLimit],
         "total_bytes": total_bytes,
         "effective_gb_s": total_bytes / total_wall / 1e9 if total_wall else float("nan"),
         "limit_gb_s": total_bytes / total_limit / 1e9 if total_limit else float("nan"),
-        "by_rank": {str(k): sum(1 for r in rows if r["rank"] == k) for k in sorted({r["rank"] for r in rows})},
+        "by_rank": {str(k): sum(1 for r in rows if r["rank"] == k)
+                    for k in sorted({r["rank"] for r in rows})},
     }
 
 

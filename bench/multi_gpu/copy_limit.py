@@ -20,6 +20,7 @@ same code path runs (a memcpy), which only checks the script.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -65,11 +66,9 @@ def measure(bytes_per_block: int, sizes_blocks: list[int], repeats: int, device_
             # Scattered destination rows, as in a busy pool.
             ids = (torch.randperm(pool_rows - 1, generator=gen)[:n] + 1).tolist()
 
-            def contiguous() -> None:
-                dst.copy_(src, non_blocking=device.type == "cuda")
-
-            def restore() -> None:
-                host.copy_to_device(pool, ids, 0)
+            # bound now, for this size (the timed callables must not see a later iteration's tensors)
+            contiguous = functools.partial(dst.copy_, src, non_blocking=device.type == "cuda")
+            restore = functools.partial(host.copy_to_device, pool, ids, 0)
 
             contiguous()
             restore()
@@ -82,7 +81,7 @@ def measure(bytes_per_block: int, sizes_blocks: list[int], repeats: int, device_
             rows.append({"blocks": n, "bytes": nbytes, "contiguous_s": c, "import_s": i,
                          "contiguous_gb_s": nbytes / c / 1e9, "import_gb_s": nbytes / i / 1e9,
                          "import_over_copy": i / c, "bytes_identical": ok})
-            del dst
+            del dst, contiguous
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         return {"device": name, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
                 "pinned": host._registered_ptr is not None, "bytes_per_block": bytes_per_block,

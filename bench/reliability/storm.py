@@ -126,16 +126,19 @@ class StormReport:
             f"disconnect storm: {self.num_streams} streams in {self.duration_s:.1f} s; cuts {self.cuts}",
             f"  client saw: {self.client_saw}",
             f"  engine: {self.engine}; server disconnects counted: {self.disconnects_metric:.0f}",
-            f"  after: free blocks {a.get('engine_free_blocks')} of {a.get('num_blocks')} (block 0 scratch), "
-            f"cache-held {a.get('engine_cached_blocks')} == L0 {a.get('l0_blocks')}, "
-            f"L1 entries {a.get('l1_entries')} used slots {a.get('l1_used_slots')}/{a.get('l1_slots')}, "
-            f"open admissions {a.get('open_admissions')}, running {a.get('running')} waiting {a.get('waiting')}",
-            f"  balance: {'OK' if self.balance_error is None else self.balance_error}; "
-            f"unsettled engine requests: {len(self.problems)}",
+            (f"  after: free blocks {a.get('engine_free_blocks')} of {a.get('num_blocks')} (block 0 "
+             "scratch), "
+             f"cache-held {a.get('engine_cached_blocks')} == L0 {a.get('l0_blocks')}, "
+             f"L1 entries {a.get('l1_entries')} used slots {a.get('l1_used_slots')}/{a.get('l1_slots')}, "
+             f"open admissions {a.get('open_admissions')}, running {a.get('running')} waiting "
+             f"{a.get('waiting')}"),
+            (f"  balance: {'OK' if self.balance_error is None else self.balance_error}; "
+             f"unsettled engine requests: {len(self.problems)}"),
         ]
 
 
-def _request_bytes(host: str, port: int, path: str, body: bytes, headers: dict[str, str]) -> tuple[bytes, bytes]:
+def _request_bytes(host: str, port: int, path: str, body: bytes,
+                   headers: dict[str, str]) -> tuple[bytes, bytes]:
     head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Accept: text/event-stream", "Connection: close"]
     head += [f"{k}: {v}" for k, v in headers.items()]
@@ -278,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    with RuntimeThread(storm_config(rank_mode=args.rank_mode, num_ranks=args.ranks), rank_mode=args.rank_mode) as rt:
-        report = asyncio.run(run_storm(rt, num_streams=args.streams, concurrency=args.concurrency, seed=args.seed))
+    with RuntimeThread(storm_config(rank_mode=args.rank_mode, num_ranks=args.ranks),
+                       rank_mode=args.rank_mode) as rt:
+        report = asyncio.run(run_storm(rt, num_streams=args.streams, concurrency=args.concurrency,
+                                       seed=args.seed))
     print("\n".join(report.lines()))
     for line in report.problems[:20]:
         print("  problem:", line)

@@ -30,7 +30,8 @@ def run_detail(config: SimConfig, context: int, agents: int) -> tuple[StepStats,
     """One step: its statistics and where the engine's time went in the measured window."""
     t0 = time.process_time()
     result = run_virtual(simulate_step(config, context, agents))
-    print(f"  simulated {config.policy} {context // 1000}K x {agents}: {time.process_time() - t0:.1f} s of CPU",
+    print(f"  simulated {config.policy} {context // 1000}K x {agents}: {time.process_time() - t0:.1f} s of "
+          "CPU",
           file=sys.stderr, flush=True)
     return result.stats, {**result.group.counters.summary(), **result.phases()}
 
@@ -39,7 +40,8 @@ def run_one(config: SimConfig, context: int, agents: int) -> StepStats:
     return run_detail(config, context, agents)[0]
 
 
-def run_many(jobs: list[tuple[SimConfig, int, int]], num_procs: int) -> list[tuple[StepStats, dict[str, float]]]:
+def run_many(jobs: list[tuple[SimConfig, int, int]],
+             num_procs: int) -> list[tuple[StepStats, dict[str, float]]]:
     """Independent steps in parallel processes (each step is single-threaded)."""
     if num_procs <= 1 or len(jobs) <= 1:
         return [run_detail(*job) for job in jobs]
@@ -52,10 +54,13 @@ def format_engine(context: int, agents: int, s: StepStats, engine: dict[str, flo
             f"{s.num_requests} requests; decode batch {engine['mean_running_per_rank']:.1f} seqs and "
             f"{engine['mean_kv_tokens_per_rank'] / 1e6:.2f}M KV tokens per rank; "
             f"{100 * engine['prefill_share']:.0f}% of engine time in prompt steps"
-            + (f"\n{'':>13}TTFT parts p50/p95: admission {engine['admit_p50_s']:.1f} / {engine['admit_p95_s']:.1f} s "
-               f"(queue {engine['queue_p50_s']:.1f} / {engine['queue_p95_s']:.1f}, restore {engine['restore_p50_s']:.2f} / "
+            + (f"\n{'':>13}TTFT parts p50/p95: admission {engine['admit_p50_s']:.1f} / "
+               f"{engine['admit_p95_s']:.1f} s "
+               f"(queue {engine['queue_p50_s']:.1f} / {engine['queue_p95_s']:.1f}, restore "
+               f"{engine['restore_p50_s']:.2f} / "
                f"{engine['restore_p95_s']:.2f}), "
-               f"gate {engine['gate_p50_s']:.1f} / {engine['gate_p95_s']:.1f} s, engine {engine['engine_p50_s']:.1f} / "
+               f"gate {engine['gate_p50_s']:.1f} / {engine['gate_p95_s']:.1f} s, engine "
+               f"{engine['engine_p50_s']:.1f} / "
                f"{engine['engine_p95_s']:.1f} s" if "admit_p50_s" in engine else ""))
 
 
@@ -64,7 +69,8 @@ def seed_table(config: SimConfig, num_procs: int = 2) -> dict[str, Any]:
     500K x 200 collapse, under both bracketing rules for what the seed's L0 did when it could not
     free idle blocks (``SeedPolicy.strip_queued``)."""
     cfg = config.model_copy(update={"policy": "seed"})
-    idle_rank = cfg.model_copy(update={"seed_policy": cfg.seed_policy.model_copy(update={"strip_queued": "idle_rank"})})
+    idle_rank = cfg.model_copy(
+        update={"seed_policy": cfg.seed_policy.model_copy(update={"strip_queued": "idle_rank"})})
     steps = list(calibration.PUBLISHED)
     ctx200, n200 = calibration.COLLAPSE_STEP
     jobs = [(cfg, ctx, n) for ctx, n in steps] + [(cfg, ctx200, n200), (idle_rank, ctx200, n200)]
@@ -72,7 +78,8 @@ def seed_table(config: SimConfig, num_procs: int = 2) -> dict[str, Any]:
     results = [s for s, _ in detailed]
     by_step = {step: s.model_dump(exclude={"timeline"}) for step, s in zip(steps, results)}
     engines = {step: e for step, (_, e) in zip(steps, detailed)}
-    rows = [(ctx, n, calibration.row_cells(by_step[(ctx, n)], calibration.PUBLISHED[(ctx, n)])) for ctx, n in steps]
+    rows = [(ctx, n, calibration.row_cells(by_step[(ctx, n)], calibration.PUBLISHED[(ctx, n)]))
+            for ctx, n in steps]
     print(f"\ncalibration: seed model vs the seed's published rows (arrivals {arrivals_name(cfg)}):")
     print(calibration.format_table(rows))
     print("where the time went (measured window):")
@@ -101,7 +108,8 @@ def arrivals_name(config: SimConfig) -> str:
     return next((name for name, a in ARRIVALS.items() if a == config.arrivals), "custom")
 
 
-def capacity(config: SimConfig, context: int, ttft_p95_s: float, lo: int, hi: int, step: int) -> tuple[int, list[StepStats]]:
+def capacity(config: SimConfig, context: int, ttft_p95_s: float, lo: int, hi: int,
+             step: int) -> tuple[int, list[StepStats]]:
     """Largest agent count (multiple of ``step``) whose TTFT p95 stays <= the target (bisection)."""
     tried: list[StepStats] = []
 
@@ -109,7 +117,8 @@ def capacity(config: SimConfig, context: int, ttft_p95_s: float, lo: int, hi: in
         s = run_one(config, context, n)
         tried.append(s)
         print(f"    {n} agents: TTFT p95 {s.ttft_p95_s:.1f} s, cache {100 * s.cache_hit:.1f}%, "
-              f"errors {100 * s.error_rate:.2f}% -> {'holds' if s.ttft_p95_s <= ttft_p95_s and s.error_rate < 0.01 else 'no'}",
+              f"errors {100 * s.error_rate:.2f}% -> "
+              f"{'holds' if s.ttft_p95_s <= ttft_p95_s and s.error_rate < 0.01 else 'no'}",
               flush=True)
         return s.ttft_p95_s <= ttft_p95_s and s.error_rate < 0.01
 
@@ -126,22 +135,29 @@ def capacity(config: SimConfig, context: int, ttft_p95_s: float, lo: int, hi: in
     return lo, tried
 
 
-def nodes_table(config: SimConfig, context: int, agents_per_node: int, node_counts: list[int]) -> list[dict[str, Any]]:
+def nodes_table(config: SimConfig, context: int, agents_per_node: int,
+                node_counts: list[int]) -> list[dict[str, Any]]:
     """Sticky (session-id hash) vs random routing over N workers, each a whole simulated node."""
     out = []
-    print(f"\n{config.policy} at {context // 1000}K, {agents_per_node} agents per node, arrivals {arrivals_name(config)}:")
-    print(f"  {'nodes':>5} {'routing':>7} {'agents':>6} {'reqs':>6} {'TTFT p50':>9} {'TTFT p95':>9} {'tok/s p50':>9} "
+    print(f"\n{config.policy} at {context // 1000}K, {agents_per_node} agents per node, arrivals "
+          f"{arrivals_name(config)}:")
+    print(f"  {'nodes':>5} {'routing':>7} {'agents':>6} {'reqs':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
+          f"{'tok/s p50':>9} "
           f"{'cache':>7} {'errors':>7} {'workers/session':>15}")
     for n in node_counts:
         for routing in ("sticky", "random"):
             t0 = time.process_time()
-            r = run_virtual(simulate_nodes(config, context, agents_per_node, n, routing))  # type: ignore[arg-type]
+            r = run_virtual(simulate_nodes(config, context, agents_per_node, n,
+                                           routing))  # type: ignore[arg-type]
             s = r.stats
-            print(f"  {n:>5} {routing:>7} {s.num_agents:>6} {s.num_requests:>6} {s.ttft_p50_s:8.1f}s {s.ttft_p95_s:8.1f}s "
-                  f"{s.tok_s_p50:9.1f} {100 * s.cache_hit:6.1f}% {100 * s.error_rate:6.2f}% {r.nodes_per_session:15.2f}"
+            print(f"  {n:>5} {routing:>7} {s.num_agents:>6} {s.num_requests:>6} {s.ttft_p50_s:8.1f}s "
+                  f"{s.ttft_p95_s:8.1f}s "
+                  f"{s.tok_s_p50:9.1f} {100 * s.cache_hit:6.1f}% {100 * s.error_rate:6.2f}% "
+                  f"{r.nodes_per_session:15.2f}"
                   f"   ({time.process_time() - t0:.0f} s CPU)", flush=True)
             out.append({"nodes": n, "routing": routing, "requests_per_node": r.requests_per_node,
-                        "workers_per_session": r.nodes_per_session, "stats": s.model_dump(exclude={"timeline"})})
+                        "workers_per_session": r.nodes_per_session,
+                        "stats": s.model_dump(exclude={"timeline"})})
     return out
 
 
@@ -154,9 +170,11 @@ LEVERS = {
 def add_lever_args(p: argparse.ArgumentParser) -> None:
     d = SchedulingConfig()
     p.add_argument("--levers", default="homeless",
-                   help="ours' levers on, comma-separated: " + "; ".join(f"{k} ({v})" for k, v in LEVERS.items())
+                   help="ours' levers on, comma-separated: "
+                   + "; ".join(f"{k} ({v})" for k, v in LEVERS.items())
                    + "; 'none' = the cache code alone")
-    p.add_argument("--budget", type=int, default=d.engine_budget_tokens, help="gate: engine budget (tokens per rank)")
+    p.add_argument("--budget", type=int, default=d.engine_budget_tokens,
+                   help="gate: engine budget (tokens per rank)")
     p.add_argument("--aging", type=float, default=d.aging_tokens_per_s, help="gate: aging (tokens per s)")
     p.add_argument("--max-hold", type=float, default=d.max_hold_s, help="gate: max hold (s)")
     p.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",
@@ -181,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="steps simulated in parallel processes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arrivals", choices=sorted(ARRIVALS), default="seed",
-                        help="how agents start and restart conversations (bench/simulator/model.py: ARRIVALS)")
+                        help="how agents start and restart conversations "
+                             "(bench/simulator/model.py: ARRIVALS)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("seed-table", help="calibration: seed model vs the seed's published rows")
     p.add_argument("--out", default=None)
@@ -203,14 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", default="2,4", help="comma-separated worker counts")
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
     p.add_argument("--out", default=None)
-    p = sub.add_parser("all", help="calibration table, the 500K x 200 verdicts (seed model and ours), capacity")
+    p = sub.add_parser("all",
+                       help="calibration table, the 500K x 200 verdicts (seed model and ours), capacity")
     p.add_argument("--out", default=None)
     p.add_argument("--hi", type=int, default=400)
     p.add_argument("--tuned-votes", default="35,20", help="ALL,ANY prefill vote intervals (steps) for "
                    "the tuned run of ours at 500K x 200 (workload keys prefill_attempt_interval, "
                    "prefill_any_attempt_interval; DeepInfer's defaults are 70,100)")
     args = parser.parse_args(argv)
-    config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed, arrivals=ARRIVALS[args.arrivals])
+    config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
+                       arrivals=ARRIVALS[args.arrivals])
     doc: dict[str, Any] = {"config": config.model_dump(), "command": " ".join(sys.argv)}
     if args.cmd in ("seed-table", "all"):
         doc["seed_table"] = seed_table(config, args.jobs)
@@ -249,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ncapacity ({policy}, {ctx // 1000}K, TTFT p95 <= {target:g} s):")
         n, tried = capacity(config.model_copy(update={"policy": policy}), ctx, target,
                             getattr(args, "lo", 50), args.hi, getattr(args, "step", 25))
-        print(f"capacity: {n} agents at {ctx // 1000}K hold TTFT p95 <= {target:g} s (seed's simulator claim: 400)")
+        print(f"capacity: {n} agents at {ctx // 1000}K hold TTFT p95 <= {target:g} s (seed's simulator "
+              "claim: 400)")
         doc["capacity"] = {"policy": policy, "context": ctx, "ttft_p95_s": target, "agents": n,
                            "tried": [t.model_dump(exclude={"timeline"}) for t in tried]}
     if getattr(args, "out", None):
         with open(args.out, "wb") as fh:
-            fh.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY))
+            fh.write(orjson.dumps(doc,
+                                  option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
+                                  | orjson.OPT_SERIALIZE_NUMPY))
         print(f"wrote {args.out}")
     return 0
 

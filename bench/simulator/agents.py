@@ -73,7 +73,8 @@ def make_gate(config: SimConfig, group: SimGroup, clock: Any) -> SubmitGate:
 Placement = Callable[[str, np.random.Generator], tuple[SimGroup, Any, SubmitGate]]
 
 
-def conversation_size(config: SimConfig, params: WorkloadParams, rng: np.random.Generator, first: bool) -> int:
+def conversation_size(config: SimConfig, params: WorkloadParams, rng: np.random.Generator,
+                      first: bool) -> int:
     """Tokens a new conversation starts with under ``config.arrivals`` (``first``: the agent's first)."""
     arrivals = config.arrivals
     size = initial_context_tokens(params, rng)
@@ -120,7 +121,8 @@ async def _agent(
     while loop.time() < stop_at:
         group, manager, gate = place(session, rng)
         record = RequestRecord(agent_id, session, loop.time(), cold=new_tokens == len(tokens))
-        retokenized = len(tokens) if config.seed_policy.full_retokenize and config.policy == "seed" else new_tokens
+        retokenized = (len(tokens)
+                       if config.seed_policy.full_retokenize and config.policy == "seed" else new_tokens)
         await asyncio.sleep(retokenized / config.deployment.tokenize_tokens_per_s)
         try:
             adm = await manager.admit(tokens, session, turn.output_tokens)
@@ -179,7 +181,8 @@ async def _agent(
             continue
         # What the service tells the cache (server/service.py: _stop_kind): a reply that ends in
         # tool calls comes back in seconds, one that ends the turn waits for a person.
-        manager.finish(adm, tokens, out_ids, last, StopKind.TOOL_USE if turn.kind == "tool" else StopKind.END_TURN)
+        manager.finish(adm, tokens, out_ids, last,
+                       StopKind.TOOL_USE if turn.kind == "tool" else StopKind.END_TURN)
         totals.num_finished += 1
         totals.output_tokens_received += len(out_ids)
         record.t_end = loop.time()
@@ -195,7 +198,8 @@ async def _agent(
         if t_first is not None:
             record.ttft_s = t_first - record.t_start
             totals.phases.append((record.t_start, t_admitted - record.t_start, t_submit - t_admitted,
-                                  t_first - t_submit, getattr(adm, "queue_time_s", 0.0), getattr(adm, "restore_s", 0.0)))
+                                  t_first - t_submit, getattr(adm, "queue_time_s", 0.0),
+                                  getattr(adm, "restore_s", 0.0)))
             record.decode_s = (t_last or t_first) - t_first
         records.append(record)
         # The next prompt: this one + the output the engine produced + the tool result.
@@ -259,7 +263,8 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
     t0 = loop.time()
     stop_at = t0 + config.duration_s
     loop.call_at(t0 + config.warmup_s, group.reset_counters)
-    await run_agents(config, params, num_agents, lambda _sid, _rng: (group, manager, gate), records, totals, stop_at)
+    await run_agents(config, params, num_agents, lambda _sid, _rng: (group, manager, gate), records, totals,
+                     stop_at)
     if hasattr(manager, "drain"):
         await manager.drain()
     if check:

@@ -71,7 +71,8 @@ def format_table(rows: Sequence[tuple[int, int, list[Cell]]]) -> str:
         parts = []
         for c in cells:
             mark = " " if c.within else "*"
-            parts.append(f"{_fmt(c.simulated, c.column):>7} / {_fmt(c.published, c.column):<6} {c.residual:+5.0%}{mark}"
+            parts.append(f"{_fmt(c.simulated, c.column):>7} / {_fmt(c.published, c.column):<6} "
+                         f"{c.residual:+5.0%}{mark}"
                          .rjust(24))
         lines.append(f"{f'{context // 1000}K x {agents}':>11} | " + " | ".join(parts))
     n_in = sum(c.within for _, _, cells in rows for c in cells)
@@ -88,7 +89,8 @@ def collapse_verdict(collapse: Mapping[str, float], reference: Mapping[str, floa
     """Is the simulated 500K x 200 step the published collapse? ``reference``: the simulated
     500K x 100 step of the same model."""
     p50, hit = float(collapse["ttft_p50_s"]), float(collapse["cache_hit"])
-    direction = p50 > float(reference["ttft_p50_s"]) and hit < float(reference["cache_hit"]) and hit < PASS_HIT
+    direction = (p50 > float(reference["ttft_p50_s"]) and hit < float(reference["cache_hit"])
+                 and hit < PASS_HIT)
     return {
         "ttft_p50_s": p50,
         "cache_hit": hit,
@@ -102,6 +104,7 @@ def collapse_verdict(collapse: Mapping[str, float], reference: Mapping[str, floa
 def format_collapse(label: str, verdict: Mapping[str, object]) -> str:
     yes = {True: "yes", False: "NO"}
     return (f"  {label:34} TTFT p50 {verdict['ttft_p50_s']:7.1f} s (published 151) | hit "
-            f"{100 * float(verdict['cache_hit']):5.1f}% (published 41%) | direction {yes[bool(verdict['direction'])]}, "
+            f"{100 * float(verdict['cache_hit']):5.1f}% (published 41%) | direction "
+            f"{yes[bool(verdict['direction'])]}, "
             f"order of magnitude: TTFT p50 {yes[bool(verdict['order_ttft_p50'])]}, "
             f"hit {yes[bool(verdict['order_cache_hit'])]}")

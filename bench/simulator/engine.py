@@ -32,7 +32,14 @@ import numpy as np
 
 from bench.simulator.model import Deployment, EngineModel
 from rank.client import GroupState, RequestStream
-from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, EngineStats, FinishReason, RequestOutput
+from rank.engine import (
+    CapacityExhausted,
+    EngineMisuse,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -165,17 +172,19 @@ class SimGroup:
         if not 0 <= rank < self.num_ranks:
             raise EngineMisuse(f"rank {rank} outside 0..{self.num_ranks - 1}")
         r = self.ranks[rank]
-        prompt_len = int(len(request.prompt_ids))
+        prompt_len = len(request.prompt_ids)
         prefix = list(request.prefix_blocks)
         if request.num_cached_tokens != len(prefix) * self.block_size or (
             prefix and request.num_cached_tokens > prompt_len - 1
         ):
-            raise EngineMisuse(f"bad prefix: {len(prefix)} blocks for {request.num_cached_tokens} cached tokens")
+            raise EngineMisuse(f"bad prefix: {len(prefix)} blocks for {request.num_cached_tokens} cached "
+                               "tokens")
         if len(set(prefix)) != len(prefix) or any(
             not 0 < b < self.num_blocks or r.seq_refs[b] + r.cache_refs[b] <= 0 for b in prefix
         ):
             raise EngineMisuse("prefix blocks must be distinct, in range and held")
-        stream = RequestStream(request.request_id, rank, self.epoch, lambda: self.abort(rank, request.request_id))
+        stream = RequestStream(request.request_id, rank, self.epoch,
+                               lambda: self.abort(rank, request.request_id))
         for b in prefix:
             r.seq_refs[b] += 1
         seq = _Seq(
@@ -286,7 +295,9 @@ class SimGroup:
             held = (r.seq_refs + r.cache_refs) > 0
             free = set(r.free)
             assert len(free) == len(r.free), f"rank {r.rank}: a block is on the free list twice"
-            assert free == {b for b in range(1, self.num_blocks) if not held[b]}, f"rank {r.rank}: free list wrong"
+            assert free == {b
+                            for b in range(1, self.num_blocks)
+                            if not held[b]}, f"rank {r.rank}: free list wrong"
 
     # ----------------------------------------------------------------- stepping
     def _usage(self, r: _Rank) -> float:
@@ -452,7 +463,8 @@ class SimGroup:
                     seq.generated = 1.0
                     seq.emitted = 1
                     seq.stream.push(RequestOutput(seq.request.request_id, [int(seq.output_ids[0])],
-                                                  num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached))
+                                                  num_prompt_tokens=seq.prompt_len,
+                                                  num_cached_tokens=seq.num_cached))
                 r.running.append(seq)
                 if seq.generated >= seq.max_tokens:
                     r.running.remove(seq)
@@ -489,7 +501,8 @@ class SimGroup:
                 n = int(seq.generated)
                 if n > seq.emitted and n < seq.max_tokens:
                     assert seq.output_ids is not None
-                    seq.stream.push(RequestOutput(seq.request.request_id, seq.output_ids[seq.emitted:n].tolist()))
+                    seq.stream.push(RequestOutput(seq.request.request_id,
+                                                  seq.output_ids[seq.emitted:n].tolist()))
                     seq.emitted = n
                 if seq.generated >= seq.max_tokens:
                     finished.append(seq)
@@ -558,7 +571,8 @@ class SimGroup:
             rest = seq.output_ids[seq.emitted : seq.max_tokens].tolist()
         seq.stream.push(
             RequestOutput(seq.request.request_id, rest, finished=True, finish_reason=reason,
-                          num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached, kept_blocks=kept,
+                          num_prompt_tokens=seq.prompt_len, num_cached_tokens=seq.num_cached,
+                          kept_blocks=kept,
                           error=error if reason == FinishReason.ERROR else None)
         )
         self._wake.set()

@@ -62,9 +62,11 @@ class EngineModel(BaseModel):
     decode_base_s: float = Field(0.0035, ge=0)
     decode_per_seq_s: float = Field(0.00146, ge=0)
     decode_per_kv_token_s: float = Field(1.17e-9, ge=0)
-    decode_tokens_per_step: float = Field(3.5, ge=1, description="mean tokens a sequence emits per decode step")
+    decode_tokens_per_step: float = Field(3.5, ge=1,
+                                          description="mean tokens a sequence emits per decode step")
     decode_accept_sigma: float = Field(
-        0.4, ge=0, description="per-request spread of the speculative acceptance: a request's tokens per step "
+        0.4, ge=0,
+        description="per-request spread of the speculative acceptance: a request's tokens per step "
         "is the mean x exp(sigma z - sigma^2 / 2), z ~ N(0, 1), clipped to 1..1 + nextn",
     )
     nextn: int = Field(5, ge=0, description="DEEPINFER_USE_NEXTN_DECODE: draft tokens per step (default 5)")
@@ -76,9 +78,11 @@ class EngineModel(BaseModel):
     )
     kv_watermark: float = Field(0.9, gt=0, le=1, description="a rank wants prefill only at KV usage <= this")
     stop_preempted_request: bool = Field(
-        True, description="DeepInfer default: a sequence preempted in decode fails (insufficient_system_resource)"
+        True,
+        description="DeepInfer default: a sequence preempted in decode fails (insufficient_system_resource)"
     )
-    placeholder_step_s: float = Field(0.010, ge=0, description="a step with nothing scheduled (1-token forward)")
+    placeholder_step_s: float = Field(0.010, ge=0,
+                                      description="a step with nothing scheduled (1-token forward)")
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(16_384, ge=1)
 
@@ -157,9 +161,11 @@ class Arrivals(BaseModel):
     )
     steady: bool = Field(
         False, description="the first conversation joins at a uniform point of its life, between its start "
-        "and the target (aiperf AgentX starts sessions at a uniform point of a trace, agent-workload.md [A1])",
+        "and the target (aiperf AgentX starts sessions at a uniform point of a trace, "
+        "agent-workload.md [A1])",
     )
-    prewarm: bool = Field(False, description="each agent's first turn is prefilled at no cost (a cold start before)")
+    prewarm: bool = Field(False,
+                          description="each agent's first turn is prefilled at no cost (a cold start before)")
     compact_at_target: bool = Field(
         True, description="a conversation that would pass the target starts over as a new session (one cold "
         "turn); otherwise only one that would pass max_model_len does",
@@ -189,7 +195,8 @@ class OursPolicy(BaseModel):
 
     scheduling: SchedulingConfig = SchedulingConfig()
     place_homeless: bool = True
-    cache: dict[str, float] = Field(default_factory=dict, description="other CacheConfig overrides (exploration)")
+    cache: dict[str, float] = Field(default_factory=dict,
+                                    description="other CacheConfig overrides (exploration)")
 
 
 OURS_OFF = OursPolicy(scheduling=SchedulingConfig(enabled=False), place_homeless=False)

@@ -71,8 +71,10 @@ async def simulate_nodes(config: SimConfig, context_tokens: int, agents_per_node
         if hasattr(manager, "drain"):
             await manager.drain()
         await group.close()
-    label = f"{config.policy} {num_nodes} nodes {routing} {context_tokens // 1000}K x {agents_per_node * num_nodes}"
-    stats = step_stats(label, context_tokens, agents_per_node * num_nodes, records, t0 + config.warmup_s, stop_at,
+    label = (f"{config.policy} {num_nodes} nodes {routing} {context_tokens // 1000}K x "
+             f"{agents_per_node * num_nodes}")
+    stats = step_stats(label, context_tokens, agents_per_node * num_nodes, records, t0 + config.warmup_s,
+                       stop_at,
                        Criteria(), max_timeline=0)
     spread = float(np.mean([len(v) for v in visited.values()])) if visited else 0.0
     return NodesResult(stats, totals, served, spread, records)

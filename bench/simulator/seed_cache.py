@@ -50,8 +50,10 @@ class SeedAdmission:
     is_closed: bool = False
     superseded: list[int] = field(default_factory=list)  # old entry blocks past the prefix
 
-    def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: SamplingParams) -> EngineRequest:
-        return EngineRequest(request_id, prompt_ids, sampling, list(self.prefix_blocks), self.num_cached_tokens)
+    def engine_request(self, request_id: str, prompt_ids: np.ndarray,
+                       sampling: SamplingParams) -> EngineRequest:
+        return EngineRequest(request_id, prompt_ids, sampling, list(self.prefix_blocks),
+                             self.num_cached_tokens)
 
 
 class SeedCacheManager:
@@ -64,7 +66,8 @@ class SeedCacheManager:
         self.clock = clock
         self.bs = group.block_size
         self.l0: list[OrderedDict[str, _Entry]] = [OrderedDict() for _ in range(group.num_ranks)]
-        self.l1: list[OrderedDict[str, int]] = [OrderedDict() for _ in range(group.num_ranks)]  # session -> blocks
+        self.l1: list[OrderedDict[str, int]] = [OrderedDict()
+                                                for _ in range(group.num_ranks)]  # session -> blocks
         self.l1_blocks = [0] * group.num_ranks
         self.l1_capacity_blocks = group.deployment.l1_tokens_per_rank // self.bs
         self.home: dict[str, int] = {}
@@ -74,7 +77,8 @@ class SeedCacheManager:
         group.pressure_hook = self.evict
 
     # ------------------------------------------------------------------ facade
-    async def admit(self, prompt_ids: np.ndarray, session_hint: str | None, num_output_tokens_hint: int) -> SeedAdmission:
+    async def admit(self, prompt_ids: np.ndarray, session_hint: str | None,
+                    num_output_tokens_hint: int) -> SeedAdmission:
         sid = session_hint or f"anon-{id(prompt_ids)}"
         rank = self.home.get(sid)
         if rank is None:
@@ -95,7 +99,8 @@ class SeedCacheManager:
             entry.num_in_use += 1
         return adm
 
-    def finish(self, adm: SeedAdmission, prompt_ids: Sequence[int], output_ids: Sequence[int], output: RequestOutput,
+    def finish(self, adm: SeedAdmission, prompt_ids: Sequence[int], output_ids: Sequence[int],
+               output: RequestOutput,
                stop_kind: object = None) -> None:
         if adm.is_closed:
             return

@@ -135,6 +135,26 @@ def capacity(config: SimConfig, context: int, ttft_p95_s: float, lo: int, hi: in
     return lo, tried
 
 
+def ladder(config: SimConfig, context: int, counts: list[int], num_procs: int) -> dict[str, Any]:
+    """Steps at each agent count; the capacity at TTFT p95 <= 15 s and <= 30 s is the largest
+    count of the ladder that holds it (errors < 1%), a lower bound within the ladder's spacing."""
+    detailed = run_many([(config, context, n) for n in counts], num_procs)
+    name = f"{config.policy}, {context // 1000}K, arrivals {arrivals_name(config)}, pacing {config.pacing}"
+    print(f"\nladder ({name}):")
+    print(format_table([s for s, _ in detailed]))
+    for n, (s, engine) in zip(counts, detailed, strict=True):
+        print(format_engine(context, n, s, engine))
+    held = {}
+    for target in (15.0, 30.0):
+        ok = [n for n, (s, _) in zip(counts, detailed, strict=True)
+              if s.ttft_p95_s <= target and s.error_rate < 0.01]
+        held[str(int(target))] = max(ok) if ok else 0
+        print(f"capacity ({name}): {held[str(int(target))]} agents hold TTFT p95 <= {target:g} s "
+              f"(ladder {','.join(map(str, counts))})")
+    return {"context": context, "arrivals": arrivals_name(config), "pacing": config.pacing, "held": held,
+            "steps": [{**s.model_dump(exclude={"timeline"}), "engine": e} for s, e in detailed]}
+
+
 def nodes_table(config: SimConfig, context: int, agents_per_node: int,
                 node_counts: list[int]) -> list[dict[str, Any]]:
     """Sticky (session-id hash) vs random routing over N workers, each a whole simulated node."""
@@ -198,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=300.0, help="simulated seconds left out of the stats")
     parser.add_argument("--jobs", type=int, default=2, help="steps simulated in parallel processes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pacing", choices=["constant", "lognormal"], default="constant",
+                        help="between turns: 3 s, or the human think time (lognormal p50 9 s, p90 74 s)")
     parser.add_argument("--arrivals", choices=sorted(ARRIVALS), default="seed",
                         help="how agents start and restart conversations "
                              "(bench/simulator/model.py: ARRIVALS)")
@@ -216,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lo", type=int, default=50)
     p.add_argument("--hi", type=int, default=400)
     p.add_argument("--step", type=int, default=25)
+    p = sub.add_parser("ladder", help="a ladder of agent counts: agents held at TTFT p95 <= 15 s and 30 s")
+    p.add_argument("--context", type=int, default=500_000)
+    p.add_argument("--agents", default="100,150,200,250,300", help="comma-separated agent counts")
+    p.add_argument("--policy", choices=["seed", "ours"], default="ours")
+    p.add_argument("--out", default=None)
     p = sub.add_parser("nodes", help="N workers: sticky (session-id) vs random routing")
     p.add_argument("--context", type=int, default=500_000)
     p.add_argument("--agents-per-node", type=int, default=100)
@@ -231,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                    "prefill_any_attempt_interval; DeepInfer's defaults are 70,100)")
     args = parser.parse_args(argv)
     config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
-                       arrivals=ARRIVALS[args.arrivals])
+                       arrivals=ARRIVALS[args.arrivals], pacing=args.pacing)
     doc: dict[str, Any] = {"config": config.model_dump(), "command": " ".join(sys.argv)}
     if args.cmd in ("seed-table", "all"):
         doc["seed_table"] = seed_table(config, args.jobs)
@@ -242,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table([s]))
         print(format_engine(args.context, args.agents, s, engine))
         doc["step"] = {**s.model_dump(exclude={"timeline"}), "engine": engine}
+    if args.cmd == "ladder":
+        doc["ladder"] = ladder(config.model_copy(update={"policy": args.policy}), args.context,
+                               [int(n) for n in args.agents.split(",")], args.jobs)
     if args.cmd == "nodes":
         doc["nodes"] = nodes_table(config.model_copy(update={"policy": args.policy}), args.context,
                                    args.agents_per_node, [int(n) for n in args.nodes.split(",")])

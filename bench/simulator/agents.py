@@ -252,7 +252,7 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
                         params: WorkloadParams | None = None, check: bool = False) -> SimResult:
     """One step (``num_agents`` at ``context_tokens``) under ``config.policy``; virtual time."""
     loop = asyncio.get_running_loop()
-    params = params or WorkloadParams(context_target_tokens=context_tokens)
+    params = params or WorkloadParams(context_target_tokens=context_tokens, pacing=config.pacing)
     config = config.model_copy(update={"deployment": config.deployment.for_context(context_tokens)})
     group = SimGroup(config.deployment, config.engine, seed=config.seed)
     group.start()

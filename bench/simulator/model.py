@@ -211,6 +211,10 @@ class SimConfig(BaseModel):
     arrivals: Arrivals = ARRIVALS["seed"]
     policy: Literal["seed", "ours"] = "seed"
     ours: OursPolicy = OursPolicy()
+    pacing: Literal["constant", "lognormal"] = Field(
+        "constant", description="between turns: 3 s (the seed's test) or the human think time "
+        "(lognormal p50 9 s, p90 74 s, bench/loadgen/distributions.py [W3])",
+    )
     duration_s: float = Field(600.0, gt=0)
     warmup_s: float = Field(300.0, ge=0)
     ramp_s: float = Field(60.0, ge=0)

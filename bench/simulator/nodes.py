@@ -46,7 +46,7 @@ async def simulate_nodes(config: SimConfig, context_tokens: int, agents_per_node
                          routing: Routing, params: WorkloadParams | None = None) -> NodesResult:
     """``num_nodes`` x ``agents_per_node`` agents at ``context_tokens`` behind ``routing``."""
     loop = asyncio.get_running_loop()
-    params = params or WorkloadParams(context_target_tokens=context_tokens)
+    params = params or WorkloadParams(context_target_tokens=context_tokens, pacing=config.pacing)
     config = config.model_copy(update={"deployment": config.deployment.for_context(context_tokens)})
     nodes: list[tuple[SimGroup, Any, SubmitGate]] = []
     for i in range(num_nodes):

@@ -6,6 +6,9 @@ the agent load test over the real HTTP server, a cross-GPU session move and a ra
     python -m bench.multi_gpu_run --device cuda --ranks 2 --model medium --out $OUT
     # CPU check of the whole script (2 gloo ranks, tiny model, short phases)
     python -m bench.multi_gpu_run --quick --out /tmp/mgpu
+    # the backend's levers off, then on, in one invocation (no SIGKILL), with the simulator's
+    # prediction for the same setup (bench/multi_gpu/onoff.py); --gpus 1 puts both ranks on GPU 0
+    python -m bench.multi_gpu_run --policy both --gpus 1 --ranks 2 --out $OUT
 
 Phases (each writes into ``<out>/multi_gpu_run.json`` as it ends, so a late failure keeps the
 earlier figures; ``<out>/multi_gpu_run.md`` is the report):
@@ -166,14 +169,32 @@ def _rank_gpus(args: argparse.Namespace) -> list[str]:
 
 
 def workload_config(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.multi_gpu.onoff import POLICIES
+
     return {
         "engine": "reference", "reference_model": args.model, "reference_device": args.device,
         "ep": args.ranks, "reference_num_blocks": args.num_blocks, "block_size": 128,
         "max_num_seqs": 128, "max_num_batched_tokens": args.batched_tokens,
         "prefix_cache": True, "l1_cache": True, "l1_host_gb": args.l1_gb,
         "deepinfer_env": dict(NVLS_OFF), "port": 0, "load_timeout_seconds": 600,
-        "request_timeout_secs": 900,
+        "request_timeout_secs": 900, **POLICIES.get(args.policy or "", {}),
     }
+
+
+def run_both(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--policy both``: this script once with the levers off and once on (child processes, one
+    after the other, no SIGKILL unless ``--kill-at`` is given), then the comparison."""
+    from bench.multi_gpu.onoff import report
+
+    rest = _without(argv, "--policy", "--out", "--kill-at")
+    rc = 0
+    for policy in ("off", "on"):
+        cmd = [sys.executable, "-m", "bench.multi_gpu_run", *rest, "--policy", policy,
+               "--out", str(args.out / policy), "--kill-at", str(args.kill_at)]
+        print(f"=== policy {policy}: {' '.join(cmd[1:])}", flush=True)
+        rc |= subprocess.call(cmd)
+    print(report(args.out, args.sim_prefill_tok_s), flush=True)
+    return rc
 
 
 def rank_processes(runtime: Any, device: str) -> list[dict[str, Any]]:
@@ -607,6 +628,20 @@ def _q2(values: list[float]) -> list[float]:
     return quantiles(values)
 
 
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` less each of ``flags`` with its value (``--flag value`` or ``--flag=value``)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.multi_gpu_run", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CPU check: tiny model, gloo, short phases")
@@ -635,11 +670,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--l1-gb", type=float, dest="l1_gb", help="L1 GiB per rank (config l1_host_gb)")
     p.add_argument("--batched-tokens", type=int, dest="batched_tokens")
     p.add_argument("--copy-sizes", dest="copy_sizes", help="restore sizes (blocks) for the copy limit sweep")
-    args = p.parse_args(argv)
+    p.add_argument("--gpus", type=int, help="GPUs 0..N-1 for the ranks, round robin (--gpus 1: every rank on GPU 0; "
+                   "ranks sharing a GPU vote over gloo instead of NCCL)")
+    p.add_argument("--policy", choices=["on", "off", "both"],
+                   help="the backend's levers (bench/multi_gpu/onoff.py): on, off, or both in one invocation "
+                   "(then no SIGKILL unless --kill-at is given); unset: the backend's defaults")
+    p.add_argument("--sim-prefill-tok-s", type=float, default=200_000.0, dest="sim_prefill_tok_s",
+                   help="--policy both: the prefill rate the simulator's prediction assumes (tokens/s per rank)")
+    raw = list(argv) if argv is not None else sys.argv[1:]
+    args = p.parse_args(raw)
     defaults = QUICK_DEFAULTS if args.quick else GPU_DEFAULTS
+    if args.policy == "both" and args.kill_at is None:
+        args.kill_at = 0.0
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.argv = raw
     if args.ranks < 1 or not 0 <= args.kill_rank < args.ranks:
         p.error("need --ranks >= 1 and 0 <= --kill-rank < --ranks")
     return args
@@ -649,7 +695,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "deepinfer.service", "deepinfer_backend.symptoms"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    return run(parse_args(argv))
+    args = parse_args(argv)
+    if args.gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(args.gpus))
+    if args.policy == "both":
+        return run_both(args, args.argv)
+    return run(args)
 
 
 if __name__ == "__main__":

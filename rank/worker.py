@@ -166,7 +166,10 @@ class RankLoop:
                                    f"started {args.world_size}")
             self.control_group = dist.new_group(backend="gloo")  # collective: every rank, same point
         else:
-            use_nccl = config.engine == "reference" and config.uses_gpu
+            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): ranks that share GPUs
+            # (fewer visible than ranks, e.g. bench.multi_gpu_run --gpus 1) vote over gloo.
+            use_nccl = (config.engine == "reference" and config.uses_gpu
+                        and torch.cuda.device_count() >= args.world_size)
             dist.init_process_group(
                 "nccl" if use_nccl else "gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}",
                 rank=self.rank, world_size=args.world_size,

@@ -670,13 +670,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--l1-gb", type=float, dest="l1_gb", help="L1 GiB per rank (config l1_host_gb)")
     p.add_argument("--batched-tokens", type=int, dest="batched_tokens")
     p.add_argument("--copy-sizes", dest="copy_sizes", help="restore sizes (blocks) for the copy limit sweep")
-    p.add_argument("--gpus", type=int, help="GPUs 0..N-1 for the ranks, round robin (--gpus 1: every rank on GPU 0; "
-                   "ranks sharing a GPU vote over gloo instead of NCCL)")
+    p.add_argument("--gpus", type=int, help="GPUs 0..N-1 for the ranks, round robin (--gpus 1: every "
+                   "rank on GPU 0; ranks sharing a GPU vote over gloo instead of NCCL)")
     p.add_argument("--policy", choices=["on", "off", "both"],
-                   help="the backend's levers (bench/multi_gpu/onoff.py): on, off, or both in one invocation "
-                   "(then no SIGKILL unless --kill-at is given); unset: the backend's defaults")
+                   help="the backend's levers (bench/multi_gpu/onoff.py): on, off, or both in one "
+                   "invocation (then no SIGKILL unless --kill-at is given); unset: the backend's defaults")
     p.add_argument("--sim-prefill-tok-s", type=float, default=200_000.0, dest="sim_prefill_tok_s",
-                   help="--policy both: the prefill rate the simulator's prediction assumes (tokens/s per rank)")
+                   help="--policy both: the prefill rate the simulator's prediction assumes "
+                   "(tokens/s per rank)")
     raw = list(argv) if argv is not None else sys.argv[1:]
     args = p.parse_args(raw)
     defaults = QUICK_DEFAULTS if args.quick else GPU_DEFAULTS

@@ -33,7 +33,8 @@ def _doc(ttft: float, ratio50: float, ratio95: float) -> dict:
         "bytes_per_block": 65536,
         "phases": {
             "load": {"steady": {"num_requests": 20, "error_rate": 0.0, "ttft_p50_s": ttft,
-                                "ttft_p95_s": 2 * ttft, "tok_s_p50": 10.0, "tok_s_p10": 5.0, "cache_hit": 0.8}},
+                                "ttft_p95_s": 2 * ttft, "tok_s_p50": 10.0, "tok_s_p10": 5.0,
+                                "cache_hit": 0.8}},
             "cache": {"admission_queue_s_p50_p95": [0.0, 0.5],
                       "restores_before_kill": {"num": 3, "wall_p50_s": 0.01, "wall_p95_s": 0.02,
                                                "ratio_p50": ratio50, "ratio_p95": ratio95}},

@@ -186,7 +186,7 @@ def job_to_openai_body(job: Job) -> dict[str, Any]:
     return body
 
 
-def _request_to_body(request: Any) -> dict[str, Any]:
+def _request_to_body(request: object) -> dict[str, Any]:
     """Accept what a streaming SDK may hand ``chat()``: a dict, a Job, or a pydantic/dataclass."""
     if isinstance(request, Job):
         return job_to_openai_body(request)
@@ -276,7 +276,7 @@ class DeepInferBackend(CustomBackend):
             output["reasoning"] = message["reasoning_content"]
         return Result(output=output)
 
-    def chat(self, request: Any, *_args: Any, **_kwargs: Any) -> Iterator[dict[str, Any]]:
+    def chat(self, request: object, *_args: object, **_kwargs: object) -> Iterator[dict[str, Any]]:
         """Stream a chat request as OpenAI ``chat.completion.chunk`` dicts (``stream`` forced on).
 
         Extra arguments a future streaming SDK may pass (a context, options) are accepted and

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from cache.hashing import BlockHash
 from cache.host_slots import HostSlots
@@ -49,10 +50,14 @@ from cache.l2_io import (
 )
 from cache.l2_scan import TMP_SUFFIX, ScanReport, extent_from_header, scan_into
 
+if TYPE_CHECKING:
+    import numpy as np
+
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 @dataclass(slots=True)
@@ -71,7 +76,7 @@ class L2Counters:
 class InlineExecutor(Executor):
     """Runs each call when it is submitted, on the caller's thread (see the module docstring)."""
 
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         future: Future[T] = Future()
         try:
             future.set_result(fn(*args, **kwargs))
@@ -324,10 +329,10 @@ class L2Store:
 
     # ----------------------------------------------------------------- threads
 
-    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    def _submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def _run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
         (result,) = await _wait_all([loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))])
         return cast(T, result)
@@ -355,13 +360,14 @@ async def _wait_all(futures: Sequence[Awaitable[Any]], return_exceptions: bool =
     return results
 
 
-def _read_verified(opened: tuple[int, bool], extent: L2Extent, index: int, count: int, dst: Any) -> int:
-    """Read blocks ``index .. index+count-1`` of an extent into ``dst``; how many leading ones
-    match their checksums."""
+def _read_verified(opened: tuple[int, bool], extent: L2Extent, index: int, count: int,
+                   dst: np.ndarray) -> int:
+    """Read blocks ``index .. index+count-1`` of an extent into ``dst`` (uint8, 1-D, contiguous:
+    host slots); how many leading ones match their checksums."""
     fd, is_direct = opened
     bpb = dst.nbytes // count
     read_at(fd, is_direct, extent.payload_offset + index * bpb, dst)
-    view = memoryview(dst).cast("B")
+    view = dst.data.cast("B")
     for i in range(count):
         if block_checksum(view[i * bpb : (i + 1) * bpb]) != extent.checksums[index + i]:
             return i

@@ -30,7 +30,7 @@ concurrency (Claude Code asks for 32,000 and most replies are short), so admissi
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from protocol.errors import ContextLimitExceeded
 
@@ -63,6 +63,7 @@ class OutputRoom:
         self._transfers = transfers
         self.lead_tokens = state.config.output_lead_tokens
         self.grow_tokens = state.config.output_grow_tokens
+        # counts the tests read (/metrics has cache.metrics' counters of the same events)
         self.num_grows = 0
         self.num_grown_blocks = 0
         self.num_evicted_blocks = 0
@@ -129,7 +130,3 @@ class OutputRoom:
         if got:
             self._transfers.retire_later(rank, got, self._transfers.evicted(rank, got))
         return len(got)
-
-    def stats(self) -> dict[str, Any]:
-        return {"grows": self.num_grows, "grown_blocks": self.num_grown_blocks,
-                "evicted_blocks": self.num_evicted_blocks, "short_blocks": self.num_short_blocks}

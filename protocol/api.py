@@ -273,7 +273,7 @@ class Protocol:
 
     @staticmethod
     def _session_key(headers: Mapping[str, str] | None, conv: Conversation, metadata: dict[str, Any] | None,
-                     prompt_cache_key: Any = None) -> str:
+                     prompt_cache_key: object = None) -> str:
         sid = session_hint(lower_headers(headers))
         if sid:
             return sid

@@ -89,7 +89,7 @@ class Conversation:
     tools: list[dict[str, Any]] = field(default_factory=list)  # ``function`` objects of the tools block
     thinking: bool = False
     effort: int = DEFAULT_EFFORT
-    response_format: Any = None
+    response_format: dict[str, Any] | None = None  # the JSON schema object the prompt prints
     # every declared tool by name, deferred ones included: what a tool_reference can load
     tool_catalog: dict[str, dict[str, Any]] = field(default_factory=dict)
     loaded_tools: list[str] = field(default_factory=list)  # referenced tools, first reference first
@@ -287,7 +287,7 @@ def openai_thinking(req: O.ChatCompletionRequest) -> tuple[bool, int]:
             thinking = False
     if isinstance(req.thinking, dict) and req.thinking.get("type") == "disabled":
         thinking = False
-    effort: Any = req.reasoning_effort
+    effort: str | int | None = req.reasoning_effort
     if effort is None:
         effort = kwargs.get("reasoning_effort")
     if effort == "none":

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -133,7 +133,7 @@ class _Builder:
         self._turn: Message | None = None  # the open assistant turn
         self._signature_of = signature_of
 
-    def add(self, item: Any, where: str) -> None:
+    def add(self, item: R.InputItem, where: str) -> None:
         if isinstance(item, R.MessageItem):
             if item.role == "assistant":
                 text = _parts_text(item.content, where)
@@ -179,7 +179,7 @@ class _Builder:
         return self._signature_of(bytes.fromhex(m.group(1))) if m else None
 
 
-def _parse_item(raw: Any, where: str) -> Any:
+def _parse_item(raw: object, where: str) -> R.InputItem:
     if not isinstance(raw, dict):
         raise InvalidRequest(f"{where}: an input item must be an object", param=where)
     kind = raw.get("type", "message" if "role" in raw else None)
@@ -187,7 +187,7 @@ def _parse_item(raw: Any, where: str) -> Any:
     if model is None:
         raise InvalidRequest(f"{where}: unsupported input item type {kind!r}", param=f"{where}.type")
     try:
-        return model.model_validate(raw if "type" in raw else {**raw, "type": kind})
+        return cast(R.InputItem, model.model_validate(raw if "type" in raw else {**raw, "type": kind}))
     except ValidationError as exc:
         raise _validation_error(exc, where) from None
 

@@ -48,6 +48,12 @@ class RankClient(Protocol):
     prefix_cache_supported: bool
     prefix_cache_reason: str | None
 
+    @property
+    def host_pool_path(self) -> str | None:
+        """The shared L1 host pool's file (``/dev/shm``), which the L2 store maps too; None when
+        the group has no host pool."""
+        ...
+
     async def start(self) -> None:
         """Bring the group up; returns once READY (raises RankFailed if it gives up)."""
         ...

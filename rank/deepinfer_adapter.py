@@ -272,7 +272,7 @@ class DeepInferEngine(Engine):
             self._check_ids(prefix, f"request {rid!r} prefix", need_cache_ref=True)
         return np.ascontiguousarray(prompt, dtype=np.int32)
 
-    def _check_ids(self, block_ids: Sequence[Any], what: str, need_cache_ref: bool) -> None:
+    def _check_ids(self, block_ids: Sequence[object], what: str, need_cache_ref: bool) -> None:
         seen: set[int] = set()
         live: set[int] | None = None
         for b in block_ids:

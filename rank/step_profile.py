@@ -28,7 +28,11 @@ from __future__ import annotations
 import os
 import time
 from array import array
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rank.engine import Engine, RequestOutput
 
 PROFILE_ENV = "DIB_RANK_PROFILE"
 PHASES = ("drain", "vote", "engine", "adapter", "stats", "encode", "send", "other")
@@ -45,10 +49,10 @@ class NoProfile:
     def lap(self, phase: int) -> None:
         pass
 
-    def end(self, busy: bool, outputs: Any = ()) -> None:
+    def end(self, busy: bool, outputs: Sequence[RequestOutput] = ()) -> None:
         pass
 
-    def wrap_engine_step(self, engine: Any) -> None:
+    def wrap_engine_step(self, engine: Engine) -> None:
         pass
 
     def write(self) -> None:
@@ -78,7 +82,7 @@ class StepProfile(NoProfile):
         cur[2 * phase + 1] += cpu - self._cpu
         self._wall, self._cpu = wall, cpu
 
-    def end(self, busy: bool, outputs: Any = ()) -> None:
+    def end(self, busy: bool, outputs: Sequence[RequestOutput] = ()) -> None:
         """Close the iteration (the remainder goes to ``other``); keep it if the group stepped."""
         self.lap(OTHER)
         if busy:
@@ -86,7 +90,7 @@ class StepProfile(NoProfile):
             self._cur[-1] = sum(len(out.token_ids) for out in outputs)
             self.rows.extend(self._cur)
 
-    def wrap_engine_step(self, engine: Any) -> None:
+    def wrap_engine_step(self, engine: Engine) -> None:
         """Time DeepInfer's own step inside ``engine.step()`` (the ``engine`` phase)."""
         llm = getattr(engine, "llm", None)
         if llm is None:

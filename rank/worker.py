@@ -43,13 +43,17 @@ import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rank import step_profile
 from rank.config import RankConfig
+from rank.ids import BlockId
 
 if TYPE_CHECKING:
+    import zmq
     from torch.distributed import ProcessGroup
+
+    Context = zmq.Context[zmq.Socket[bytes]]
 
 MIN_PYTHON = (3, 10)
 TEST_DEEPINFER_MODULE_ENV = "DIB_DEEPINFER_MODULE"  # tests only: a stand-in for DeepInfer's Python API
@@ -83,7 +87,7 @@ def _exit_with_parent(parent_pid: int) -> None:
         time.sleep(HEARTBEAT_S)
 
 
-def _heartbeat_loop(ctx: Any, out_addr: str, rank: int, status: _Status, stop: threading.Event) -> None:
+def _heartbeat_loop(ctx: Context, out_addr: str, rank: int, status: _Status, stop: threading.Event) -> None:
     import orjson
     import zmq
 
@@ -117,7 +121,7 @@ def _load_config(path: str) -> RankConfig:
 class RankLoop:
     """One rank: engine + sockets + the lockstep loop. Not thread-safe (main thread only)."""
 
-    def __init__(self, args: argparse.Namespace, ctx: Any, status: _Status) -> None:
+    def __init__(self, args: argparse.Namespace, ctx: Context, status: _Status) -> None:
         import torch
         import torch.distributed as dist
         import zmq
@@ -318,7 +322,7 @@ class RankLoop:
         try:
             if op == "release":
                 self.engine.release(header["ids"])
-                result: Any = None
+                result: list[BlockId] | None = None
             elif op == "export":
                 self.engine.export_blocks(header["ids"], header["slot"])
                 result = None
@@ -406,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.destroy(linger=1000)
 
 
-def _send_fatal(ctx: Any, out_addr: str, msg: str) -> None:
+def _send_fatal(ctx: Context, out_addr: str, msg: str) -> None:
     import orjson
     import zmq
 

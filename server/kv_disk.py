@@ -14,12 +14,15 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cache.host_slots import HostSlots
 from cache.l2_format import L2Stamp
 from cache.l2_store import L2Store
 from server.config import WorkloadConfig
+
+if TYPE_CHECKING:
+    from rank.client import RankClient
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +40,17 @@ def kv_layout(config: WorkloadConfig) -> str:
     return f"{config.engine}:{model_dir if model_dir is not None else '-'}"
 
 
-def l2_off_reason(config: WorkloadConfig, group: Any) -> str | None:
+def l2_off_reason(config: WorkloadConfig, group: RankClient) -> str | None:
     if not config.l2_dir or config.l2_gb <= 0:
         return "l2_dir unset or l2_gb 0"
     if not (config.prefix_cache and config.l1_cache):
         return "it needs prefix_cache and l1_cache"
-    if not getattr(group, "host_pool_path", None) or group.num_host_slots <= 0 or group.bytes_per_block <= 0:
+    if not group.host_pool_path or group.num_host_slots <= 0 or group.bytes_per_block <= 0:
         return "the rank group has no L1 host pool to move blocks through"
     return None
 
 
-async def open_l2(config: WorkloadConfig, group: Any, hash_salt: str) -> L2Store | None:
+async def open_l2(config: WorkloadConfig, group: RankClient, hash_salt: str) -> L2Store | None:
     """The L2 store over ``group``'s host pool, its index rebuilt from ``<l2_dir>/kv`` (in a
     thread: one header read per file). None, with a log line, when L2 is off."""
     reason = l2_off_reason(config, group)
@@ -55,7 +58,7 @@ async def open_l2(config: WorkloadConfig, group: Any, hash_salt: str) -> L2Store
         if config.l2_dir and config.l2_gb > 0:
             log.warning("L2 (KV on disk) off: %s", reason)
         return None
-    assert config.l2_dir is not None
+    assert config.l2_dir is not None and group.host_pool_path is not None
     host = HostSlots.map_file(group.host_pool_path, group.bytes_per_block, group.num_host_slots)
     stamp = L2Stamp(hash_salt, group.block_size, group.bytes_per_block, kv_layout(config))
     store = L2Store(os.path.join(config.l2_dir, "kv"), int(config.l2_gb * GIB), stamp, host)

@@ -29,13 +29,15 @@ dropped.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 from protocol.errors import Overloaded
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 DEFAULT_THREADS = 2
 DEFAULT_LARGE_BODY_BYTES = 1 << 20
@@ -57,16 +59,17 @@ class RequestPreparer:
         self.num_large_waiting = 0  # accepted large bodies not finished yet (queued or running)
         self.num_large_refused = 0
 
-    async def run(self, fn: Callable[..., T], body: bytes, *args: Any) -> T:
+    async def run(self, fn: Callable[Concatenate[bytes, P], T], body: bytes, *args: P.args,
+                  **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
         if len(body) < self.large_body_bytes:
-            return await loop.run_in_executor(self._small, fn, body, *args)
+            return await loop.run_in_executor(self._small, functools.partial(fn, body, *args, **kwargs))
         if self.num_large_waiting >= self.max_large_waiting:
             self.num_large_refused += 1
             raise Overloaded(f"{self.num_large_waiting} large requests are being prepared; retry shortly",
                              retry_after_s=LARGE_RETRY_AFTER_S)
         self.num_large_waiting += 1
-        work = self._large.submit(fn, body, *args)
+        work = self._large.submit(fn, body, *args, **kwargs)
         # counted until the thread is done with it, even when the awaiting request went away
         work.add_done_callback(lambda _: loop.call_soon_threadsafe(self._large_done))
         return await asyncio.wrap_future(work)

@@ -131,7 +131,9 @@ class Backend:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
     def health(self) -> dict[str, Any]:
-        r = httpx.get(f"{self.base_url}/healthz", timeout=10)
+        """``/healthz`` with the API key: without it the backend answers ``{"status"}`` alone, and the
+        rank details the tests read (``epoch``, ``ranks`` with each rank's pid) are missing."""
+        r = httpx.get(f"{self.base_url}/healthz", headers={"x-api-key": API_KEY}, timeout=10)
         return r.json()
 
     def wait_ready(self, timeout_s: float = 120) -> dict[str, Any]:

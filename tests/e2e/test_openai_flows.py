@@ -165,3 +165,14 @@ def test_no_max_tokens_with_a_cached_prefix_is_admitted(client, tmp_path: Path):
     assert first.choices[0].finish_reason == "tool_calls"
     again = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)  # same prefix, cached
     assert again.choices[0].finish_reason == "tool_calls"
+
+
+def test_the_harness_reads_the_rank_details_from_healthz(backend):
+    """The CLI suite's rank-kill scenario (test_rank_killed_mid_turn, not in the default run) reads
+    the epoch and the busy rank's pid from /healthz through the harness; the backend keeps those
+    behind the API key. Regression: the harness sent no key, got ``{"status"}`` alone, and the
+    scenario failed with KeyError 'epoch' in the CLI suite only, after the details went behind the key."""
+    health = backend.health()
+    assert health["status"] == "ready" and isinstance(health["epoch"], int), health
+    pids = [info["pid"] for info in health["ranks"]["ranks"]]
+    assert pids and set(pids) <= set(backend.rank_pids()), (health, backend.rank_pids())

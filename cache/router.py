@@ -14,12 +14,13 @@ Rules, in order:
    on that rank`` (a rank that already holds part of the prompt, e.g. a resumed conversation,
    saves that prefill); ties go to the rank with more free blocks, then the lowest rank index
    (deterministic).
-4. A known session with nothing left on its home rank (all of it evicted; its next turn restores
-   from L1 or recomputes wherever it runs) and no turn in flight is placed like a new session
-   (``place_homeless``): with more sessions than the pools hold, sessions rotate through L1 and
-   this joins each returning turn to the least-loaded rank's queue instead of its old home's.
-   Not within ``move_cooldown_s`` of a move (``rebalance``, ``move_session``): the move chose its
-   home, and its next turn restores there.
+4. Off by default (``place_homeless``): a known session with nothing left on its home rank (all
+   of it evicted; its next turn restores from L1 or recomputes wherever it runs) and no turn in
+   flight is placed like a new session. With more sessions than the pools hold, sessions rotate
+   through L1, and this joins each returning turn to the least-loaded rank's queue instead of its
+   old home's; in the capacity simulator the effect was within the run-to-run noise
+   (``docs/loadtest.md``). Not within ``move_cooldown_s`` of a move (``rebalance``,
+   ``move_session``): the move chose its home, and its next turn restores there.
 
 Load measure (``RankLoad.load_tokens``): running tokens (context of admitted, unfinished turns)
 + waiting tokens (prompt tokens of turns queued for admission) + idle tokens (last context of
@@ -72,7 +73,7 @@ class RouterConfig:
     overload_ratio: float = 1.5
     move_min_tokens: int = 65_536
     move_cooldown_s: float = 60.0
-    place_homeless: bool = True
+    place_homeless: bool = False
 
 
 class Router:

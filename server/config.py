@@ -168,8 +168,9 @@ class WorkloadConfig(BaseModel):
         "Off by default: in the capacity simulator it lengthened the TTFT tail (docs/loadtest.md).",
     )
     place_homeless: bool = Field(
-        True, description="A session with nothing left on its home rank's GPU (evicted to L1) goes to "
-        "the least-loaded rank instead of its old home (cache/router.py rule 4).",
+        False, description="A session with nothing left on its home rank's GPU (evicted to L1) goes to "
+        "the least-loaded rank instead of its old home (cache/router.py rule 4). Off by default: no "
+        "measurable effect in the capacity simulator (docs/loadtest.md).",
     )
     submit_gate_max_hold_secs: float = Field(
         10, ge=0, description="The submit gate holds a turn at most this long (then it goes regardless).",

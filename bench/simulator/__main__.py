@@ -189,7 +189,7 @@ LEVERS = {
 
 def add_lever_args(p: argparse.ArgumentParser) -> None:
     d = SchedulingConfig()
-    p.add_argument("--levers", default="homeless",
+    p.add_argument("--levers", default="none",
                    help="ours' levers on, comma-separated: "
                    + "; ".join(f"{k} ({v})" for k, v in LEVERS.items())
                    + "; 'none' = the cache code alone")

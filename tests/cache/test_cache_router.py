@@ -64,7 +64,7 @@ def test_router_places_a_homeless_session_by_load_rule_4() -> None:
     """Nothing left on its home rank, no turn in flight, L1 on, no move within the cooldown:
     placed like a new session (nothing moves); with a resident prefix, a turn in flight, without
     L1, just after a move or with the rule off it stays home."""
-    router = Router(RouterConfig(), BS)
+    router = Router(RouterConfig(place_homeless=True), BS)
     s = SessionTable().create("x", 0.0)
     s.home_rank = 2
     s.context_tokens = 250_000  # home's 410K over the lightest is < 2 x this: no move from home
@@ -86,6 +86,6 @@ def test_router_places_a_homeless_session_by_load_rule_4() -> None:
     s.moved_at_s = 99.0  # moved here 1 s ago (rebalance, move_session): its next turn restores here
     assert router.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0).reason == "home"
     s.moved_at_s = 40.0
-    off = Router(RouterConfig(place_homeless=False), BS)
+    off = Router(RouterConfig(), BS)  # the default: off
     d = off.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0)
     assert (d.rank, d.reason) == (2, "home")

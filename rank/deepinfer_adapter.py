@@ -4,32 +4,25 @@ Facts this relies on are in ``../shared/reference/deepinfer-engine.md`` (DeepInf
 is cited there by file and line); the prefix-cache hooks come from
 ``patches/deepinfer-prefix-cache.patch`` (see ``docs/deepinfer.md``).
 
-Lockstep (how the rank worker drives this engine)
--------------------------------------------------
+Lockstep
+--------
 DeepInfer creates its own torch.distributed default group (gloo, ``init_process_group`` at
 ``tcp://$MASTER_ADDR:$MASTER_PORT-50+engine_group_rank``) while ``LLMEngine`` is built, so a worker
 must not initialise its own default group for this engine (nor pick a ``MASTER_PORT`` below 50).
-DeepInfer's own loop is ``step() if has_unfinished_requests() else flush_inflight_reqs()``, run
-on every rank every iteration: ``has_unfinished_requests()`` is itself the collective (all_reduce
-MAX over the DP group, gloo under zero-overhead scheduling), ``step()`` on a rank with nothing to
-run does DeepInfer's own placeholder forward (block table ``[0]``, state slot 0) so the expert
-dispatch/combine collectives stay matched, and ``flush_inflight_reqs()`` is rank-local (it
-post-processes the step still in flight under ZOS). This class therefore sets
-``owns_lockstep = True`` and the worker should, each iteration, after draining its commands::
+DeepInfer's own loop is ``step() if has_unfinished_requests() else flush_inflight_reqs()`` on
+every rank: ``has_unfinished_requests()`` is itself the collective (all_reduce MAX over the DP
+group), ``step()`` on a rank with nothing to run is DeepInfer's placeholder forward (block table
+``[0]``, state slot 0; it keeps the expert collectives matched), and ``flush_inflight_reqs()`` is
+rank-local (the step still in flight under zero-overhead scheduling). Hence ``owns_lockstep``:
+``rank/worker.py`` calls ``lockstep_has_work()`` then ``step()`` every iteration, and
+``group_had_work`` (the vote, equal on every rank) marks the iterations idle group-wide.
+(``placeholder_step()`` works too: it runs ``llm.step()`` and keeps its outputs for the next
+``step()``.)
 
-    group_has_work = engine.lockstep_has_work()   # every rank, every iteration: the collective
-    outputs = engine.step()                       # llm.step() if the group had work, else the flush
-    # ... send outputs (already copied out of DeepInfer's recycled pool) ...
-
-instead of its generic ``all_reduce(has_work)`` + ``step()``/``placeholder_step()``. (The generic
-loop also works: ``placeholder_step()`` runs ``llm.step()`` too and keeps its outputs for the
-next ``step()``; only DeepInfer's own vote is then skipped, consistently on all ranks.)
-``rank/worker.py`` does exactly this; ``group_had_work`` (the vote's result, equal on every
-rank) tells it which iterations are idle group-wide, where it runs its own shutdown vote.
-
-Tests (only) run this adapter in real rank processes over the stand-in: ``make_deepinfer_engine``
-takes ``api_module``, a module whose ``deepinfer_api()`` returns what ``import_deepinfer`` would
-(``standins.fake_deepinfer_lockstep``); the worker passes it from ``DIB_DEEPINFER_MODULE``.
+Tests (only) run this adapter in real rank processes over the stand-in: the worker's factory
+(``rank.engines.make_deepinfer_engine``) takes ``api_module``, a module whose ``deepinfer_api()``
+returns what ``import_deepinfer`` would (``standins.fake_deepinfer_lockstep``); the worker passes
+it from ``DIB_DEEPINFER_MODULE``.
 
 Semantics the adapter papers over
 ---------------------------------
@@ -75,7 +68,6 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from protocol.sampling import sampling_error
-from rank.config import RankConfig
 from rank.deepinfer_settings import (
     DEEPINFER_BLOCK_SIZE,
     DeepInferSettings,
@@ -102,25 +94,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TOKEN_REASONS = {"": None, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-
-
-def make_deepinfer_engine(config: RankConfig, rank: int, host_pool: HostPool | None = None,
-                          api_module: str | None = None) -> DeepInferEngine:
-    """The rank worker's entry (``rank/engines.py``): sets the environment, imports DeepInfer, builds.
-
-    ``api_module`` (TESTS ONLY): import ``<api_module>.deepinfer_api()`` instead of ``deepinfer``,
-    after the environment is set, as DeepInfer would be.
-    """
-    settings = DeepInferSettings.from_rank_config(config, rank)
-    apply_environment(settings.environment())
-    if api_module is None:
-        api = import_deepinfer()
-    else:
-        import importlib
-
-        api = importlib.import_module(api_module).deepinfer_api()
-        log.warning("deepinfer rank %d: TEST STAND-IN %s instead of DeepInfer", rank, api_module)
-    return DeepInferEngine(settings, host_pool, api=api)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ unavailable instead of failing on an import.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,10 @@ from rank.config import RankConfig
 from rank.engine import Engine
 
 if TYPE_CHECKING:
+    from rank.deepinfer_adapter import DeepInferEngine
     from rank.host_pool import HostPool
+
+log = logging.getLogger(__name__)
 
 # The stand-ins' package sits next to rank/ in a checkout (the ranks run with that directory on
 # PYTHONPATH); ``publish.py`` never packages it.
@@ -43,7 +47,7 @@ def require_scripted_engine() -> None:
 def make_engine(config: RankConfig, rank: int, host_pool: HostPool | None, *,
                 deepinfer_module: str | None = None) -> Engine:
     """``deepinfer_module`` (tests only): a stand-in for DeepInfer's Python API, see
-    ``rank.deepinfer_adapter.make_deepinfer_engine``."""
+    ``make_deepinfer_engine``."""
     if config.engine == "reference":
         from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
@@ -55,7 +59,28 @@ def make_engine(config: RankConfig, rank: int, host_pool: HostPool | None, *,
 
         return ScriptedEngine.from_config(config, rank, host_pool)
     if config.engine == "deepinfer":
-        from rank.deepinfer_adapter import make_deepinfer_engine  # issue 3 item 5
-
         return make_deepinfer_engine(config, rank, host_pool, api_module=deepinfer_module)
     raise ValueError(f"unknown engine {config.engine!r}; use reference, scripted or deepinfer")
+
+
+def make_deepinfer_engine(config: RankConfig, rank: int, host_pool: HostPool | None = None,
+                          api_module: str | None = None) -> DeepInferEngine:
+    """Engine 'deepinfer' (issue 3 item 5): sets DeepInfer's environment, imports it, builds the
+    adapter (``rank/deepinfer_adapter.py``).
+
+    ``api_module`` (TESTS ONLY): import ``<api_module>.deepinfer_api()`` instead of ``deepinfer``,
+    after the environment is set, as DeepInfer would be.
+    """
+    from rank import deepinfer_settings
+    from rank.deepinfer_adapter import DeepInferEngine
+
+    settings = deepinfer_settings.DeepInferSettings.from_rank_config(config, rank)
+    deepinfer_settings.apply_environment(settings.environment())
+    if api_module is None:
+        api = deepinfer_settings.import_deepinfer()
+    else:
+        import importlib
+
+        api = importlib.import_module(api_module).deepinfer_api()
+        log.warning("deepinfer rank %d: TEST STAND-IN %s instead of DeepInfer", rank, api_module)
+    return DeepInferEngine(settings, host_pool, api=api)

@@ -140,7 +140,7 @@ def test_fake_engine_zos_outputs_arrive_one_step_late() -> None:
 def test_make_deepinfer_engine_sets_the_environment_before_importing(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from rank import deepinfer_adapter
+    from rank import deepinfer_settings, engines
     from server.config import load_config
 
     env: dict[str, str] = {}
@@ -151,11 +151,11 @@ def test_make_deepinfer_engine_sets_the_environment_before_importing(monkeypatch
         seen_at_import.update(env)
         return fake.make_api()
 
-    monkeypatch.setattr(deepinfer_adapter, "import_deepinfer", fake_import)
+    monkeypatch.setattr(deepinfer_settings, "import_deepinfer", fake_import)
     cfg = load_config({"engine": "deepinfer", "deepinfer_venv": "/venv", "model_dir": "/m", "ep": 2,
                        "max_model_len": 4096, "max_num_seqs": 8, "max_num_batched_tokens": 512,
                        "prefill_attempt_interval": 3})
-    engine = deepinfer_adapter.make_deepinfer_engine(cfg.rank_config(), 1)
+    engine = engines.make_deepinfer_engine(cfg.rank_config(), 1)
     assert seen_at_import["CUDA_VISIBLE_DEVICES"] == "1,0"
     assert seen_at_import["DEEPINFER_PREFILL_ATTEMPT_INTERVAL"] == "3"
     assert engine.owns_lockstep and engine.prefix_cache_supported

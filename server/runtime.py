@@ -155,6 +155,9 @@ class Runtime:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+        if self.cache is not None:  # a graceful stop flushes idle sessions to L2 (bounded inside)
+            with contextlib.suppress(Exception):
+                await self.cache.close()
         if self.group is not None:
             await self.group.close()
             self.group = None

@@ -32,8 +32,9 @@ class RankClient(Protocol):
     """A group of ``num_ranks`` engines that step in lockstep.
 
     Block ids are per rank and valid only within one ``epoch``; when the group restarts, every
-    block id, host-slot content and in-flight request of the old epoch is gone, and restart
-    listeners are told the new epoch before any new request can be submitted.
+    block id and in-flight request of the old epoch is gone (the host pool's file outlives the
+    ranks: its slots keep their bytes), and restart listeners are told the new epoch before any
+    new request can be submitted.
     """
 
     num_ranks: int

@@ -12,7 +12,8 @@ layer, the cache and the server can all spell the same names. It imports nothing
   within one rank and one group epoch.
 * ``Rank``: a rank's index in the group, ``0 .. num_ranks-1``.
 * ``HostSlot``: a slot of the shared L1 host pool (one block row each).
-* ``Epoch``: a rank group's incarnation; every block id and host-slot content dies with it.
+* ``Epoch``: a rank group's incarnation; every block id and in-flight request dies with it (the
+  host pool's slots outlive it: ``cache/state.py`` ``reset``).
 * ``BlockHash``: the chain hash naming a full block's content (``cache.hashing``).
 * ``SessionId``: the cache's key for a conversation (``cache.sessions``; see
   ``session_id_for_hint`` there for how a client's hint becomes one).

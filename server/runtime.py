@@ -5,8 +5,8 @@ Start order (``start``): metrics and the app first, then the HTTP server binds (
 answers ``loading`` while the model loads), then the tokenizer (in a thread), the rank group
 (bounded by ``load_timeout_seconds``), the cache manager and the service; the routes start
 serving chat only once ``AppState.protocol`` and ``AppState.service`` are set. Stop order is the
-reverse: HTTP (stop accepting, let streams finish for a grace period), then the rank group (the
-cache holds nothing outside this process).
+reverse: HTTP (stop accepting, let streams finish for a grace period), the cache (with L2 on,
+``CacheManager.close`` flushes idle sessions to disk), the rank group, the L2 store.
 
 Rank modes: ``process`` (``RankGroup``, one process per rank, the production path) or ``local``
 (``LocalRankGroup``, engines in this process: tests and the simulator).

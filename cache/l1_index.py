@@ -33,7 +33,7 @@ Invariants (``check``):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cache.extents import ExtentAllocator
 from cache.hashing import BlockHash, filed_prefix_length
@@ -81,7 +81,6 @@ class L1Stats:
     num_free_extents: int
     largest_free_extent: int
     num_readable_blocks: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class L1Index:

@@ -17,7 +17,7 @@ from cache.config import CacheConfig
 from cache.hashing import BlockHash
 from cache.l1_transfers import ChainExport, L1Transfers
 from cache.planner import AdmitPlan, AdmitPlanner, known_prefix_blocks
-from cache.sessions import SessionId, StopKind
+from cache.sessions import StopKind, session_id_for_hint
 from cache.state import CacheState
 from tests.cache.cache_harness import SizesOnlyClient
 
@@ -66,7 +66,7 @@ def test_ask_reads_the_resident_prefix_and_changes_nothing() -> None:
 def test_commit_without_eviction_pins_the_prefix_and_reserves() -> None:
     state, planner, _ = _setup()
     plan = planner.ask(0, A, 18, 5)
-    res = planner.commit(plan, A, SessionId("hint:a"), AdmitLevel.NORMAL)
+    res = planner.commit(plan, A, session_id_for_hint("a"), AdmitLevel.NORMAL)
     assert res is not None and res.plan is plan and res.victims == () and res.exports == ()
     assert _uses(state) == {3: 1}  # one use on the deepest prefix block (a2) pins a0..a2
     assert state.ledgers[0].reserved_blocks == 2
@@ -78,7 +78,7 @@ def test_normal_level_evicts_the_answer_session_tail_first_and_spares_the_tool_s
     state, planner, _ = _setup()
     plan = planner.ask(0, C, num_prompt_tokens=28, total_blocks=8)
     assert plan == AdmitPlan(rank=0, num_l0=0, num_restore=0, need=8, num_free=5)
-    res = planner.commit(plan, C, SessionId("hint:c"), AdmitLevel.NORMAL)
+    res = planner.commit(plan, C, session_id_for_hint("c"), AdmitLevel.NORMAL)
     assert res is not None
     assert _ids(res.victims) == [4, 3, 2]  # a3, a2, a1: a's tail towards its root; b untouched
     assert res.exports == ()  # L1 off: nothing to copy first
@@ -91,11 +91,11 @@ def test_normal_level_evicts_the_answer_session_tail_first_and_spares_the_tool_s
 def test_with_l1_the_victims_chain_is_pinned_for_its_export() -> None:
     state, planner, _ = _setup(l1=True)
     plan = planner.ask(0, C, 28, 8)
-    res = planner.commit(plan, C, SessionId("hint:c"), AdmitLevel.NORMAL)
+    res = planner.commit(plan, C, session_id_for_hint("c"), AdmitLevel.NORMAL)
     assert res is not None and _ids(res.victims) == [4, 3, 2]
     (export,) = res.exports
     assert isinstance(export, ChainExport)
-    assert export.owner == SessionId("hint:a")
+    assert export.owner == session_id_for_hint("a")
     assert _ids(export.chain_nodes) == [1, 2, 3, 4]  # the whole chain, root first
     assert export.pinned == (A[0],)  # the part still filed: held until the export is done
     assert _uses(state) == {1: 1}
@@ -103,20 +103,20 @@ def test_with_l1_the_victims_chain_is_pinned_for_its_export() -> None:
 
 def test_no_export_when_l1_already_holds_the_chain() -> None:
     state, planner, _ = _setup(l1=True)
-    write = state.l1.plan_write(SessionId("hint:a"), A, NOW)
+    write = state.l1.plan_write(session_id_for_hint("a"), A, NOW)
     assert write is not None
     state.l1.commit(write, NOW)
-    res = planner.commit(planner.ask(0, C, 28, 8), C, SessionId("hint:c"), AdmitLevel.NORMAL)
+    res = planner.commit(planner.ask(0, C, 28, 8), C, session_id_for_hint("c"), AdmitLevel.NORMAL)
     assert res is not None and _ids(res.victims) == [4, 3, 2] and res.exports == ()
     assert not _uses(state)
 
 
 def test_l1_longer_than_l0_plans_a_restore() -> None:
     state, planner, _ = _setup(l1=True)
-    write = state.l1.plan_write(SessionId("hint:a"), A, NOW)
+    write = state.l1.plan_write(session_id_for_hint("a"), A, NOW)
     assert write is not None
     state.l1.commit(write, NOW)
-    evicted = state.l0[0].evict(2, lambda owner: 1.0 if owner == SessionId("hint:a") else 0.0,
+    evicted = state.l0[0].evict(2, lambda owner: 1.0 if owner == session_id_for_hint("a") else 0.0,
                                 lambda owner: True)
     assert _ids(tuple(evicted)) == [4, 3]
     plan = planner.ask(0, A, 18, 5)  # L0 holds a0..a1, L1 a0..a3: 3 usable, 2 resident
@@ -125,10 +125,10 @@ def test_l1_longer_than_l0_plans_a_restore() -> None:
 
 def test_free_only_never_evicts_and_holds_nothing_when_it_does_not_fit() -> None:
     state, planner, _ = _setup()
-    assert planner.commit(planner.ask(0, C, 28, 8), C, SessionId("hint:c"), AdmitLevel.FREE_ONLY) is None
+    assert planner.commit(planner.ask(0, C, 28, 8), C, session_id_for_hint("c"), AdmitLevel.FREE_ONLY) is None
     assert len(state.l0[0]) == 7 and not _uses(state)
     assert state.ledgers[0].reserved_blocks == 0 and state.releases.pending(0) == 0
-    res = planner.commit(planner.ask(0, C, 16, 5), C, SessionId("hint:c"), AdmitLevel.FREE_ONLY)
+    res = planner.commit(planner.ask(0, C, 16, 5), C, session_id_for_hint("c"), AdmitLevel.FREE_ONLY)
     assert res is not None and res.victims == () and state.ledgers[0].reserved_blocks == 5
 
 
@@ -136,7 +136,7 @@ def test_force_takes_the_protected_session_after_the_others() -> None:
     state, planner, _ = _setup()
     plan = planner.ask(0, C, 36, 10)
     assert plan.num_evict == 5
-    res = planner.commit(plan, C, SessionId("hint:c"), AdmitLevel.FORCE)
+    res = planner.commit(plan, C, session_id_for_hint("c"), AdmitLevel.FORCE)
     assert res is not None and _ids(res.victims) == [4, 3, 2, 1, 7]  # all of a, then b's tail
     assert sorted(n.block_id for n in state.l0[0].nodes.values()) == [5, 6]
 
@@ -146,7 +146,7 @@ def test_a_turn_never_evicts_its_own_prefix() -> None:
     # a's next turn wants 12 blocks: 3 resident, 9 to reserve, 5 free -> 4 to evict.
     plan = planner.ask(0, A, 18, 12)
     assert plan == AdmitPlan(rank=0, num_l0=3, num_restore=0, need=9, num_free=5)
-    res = planner.commit(plan, A, SessionId("hint:a"), AdmitLevel.FORCE)
+    res = planner.commit(plan, A, session_id_for_hint("a"), AdmitLevel.FORCE)
     assert res is not None and _ids(res.victims) == [4, 7, 6, 5]  # a3 (past the prefix), then b
     assert _uses(state) == {3: 1}
 
@@ -155,7 +155,8 @@ def test_a_short_eviction_releases_what_it_took_and_admits_nothing() -> None:
     async def main() -> None:
         state, planner, client = _setup()
         # 10 blocks: NORMAL may take only a's 4 of the 5 it needs.
-        assert planner.commit(planner.ask(0, C, 36, 10), C, SessionId("hint:c"), AdmitLevel.NORMAL) is None
+        plan = planner.ask(0, C, 36, 10)
+        assert planner.commit(plan, C, session_id_for_hint("c"), AdmitLevel.NORMAL) is None
         assert state.releases.pending(0) == 4 and state.ledgers[0].reserved_blocks == 0 and not _uses(state)
         await state.tasks.drain()
         assert client.released == [[4, 3, 2, 1]] and state.releases.pending(0) == 0

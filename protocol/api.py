@@ -126,12 +126,15 @@ class Protocol:
         ledger: OutputLedger,
         served_model_names: Iterable[str],
         max_model_len: int,
+        table: TokenTable | None = None,
     ) -> None:
+        """``table``: the tokenizer's ``TokenTable`` when the caller already has one (building it
+        walks the whole vocabulary, ~0.3 s; the protocol tests share one per session)."""
         self.tokenizer = tokenizer
         self.ledger = ledger
         self.served_model_names = frozenset(served_model_names)
         self.max_model_len = max_model_len
-        self.table = TokenTable(tokenizer.full)
+        self.table = table if table is not None else TokenTable(tokenizer.full)
         self.responses_store = ResponseStore()  # previous_response_id / item_reference (bounded)
         self._tools_text = ToolsTextCache()  # tool schema text by tools hash (bounded LRU)
 

@@ -11,11 +11,6 @@ from protocol.tokenize import PromptTokenizer
 
 
 @pytest.fixture(scope="module")
-def table(tok: PromptTokenizer) -> TokenTable:
-    return TokenTable(tok.full)
-
-
-@pytest.fixture(scope="module")
 def ids_strategy(tok: PromptTokenizer, table: TokenTable) -> st.SearchStrategy[list[int]]:
     """Any id (negative, out of range), control tokens, and text with multi-byte characters."""
     text = [int(x) for x in tok.encode_plain("héllo wörld 你好世界 🙂🚀 def f(x): return x")]

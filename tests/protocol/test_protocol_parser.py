@@ -15,11 +15,6 @@ from protocol.tokenize import PromptTokenizer
 from tests.protocol.protocol_corpus import CASES, TOOLS
 
 
-@pytest.fixture(scope="module")
-def table(tok: PromptTokenizer) -> TokenTable:
-    return TokenTable(tok.full)
-
-
 def encode_out(tok: PromptTokenizer, parts: list[Any]) -> list[int]:
     ids: list[int] = []
     for p in parts:

@@ -410,7 +410,7 @@ class DeepInferEngine(Engine):
                 del self._cache_refs[int(b)]
 
     def _gpu_blocks(self) -> torch.Tensor:
-        return self.llm.driver_worker.cache_engine.gpu_blocks  # [num_blocks, bytes_per_block] uint8
+        return cast("torch.Tensor", self.llm.driver_worker.cache_engine.gpu_blocks)  # [blocks, bpb] uint8
 
     def _pool_for(self, host_slot: int, num_blocks: int) -> HostPool:
         if self.host_pool is None:

@@ -119,7 +119,7 @@ class RankGroup:
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
         self._tmpdir: str | None = None
-        self._sync_ctx: zmq.Context | None = None
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self.host_pool_path = host_pool_path(self.name)
         if config.l1_cache and config.l1_host_gb > 0:
             self.host_pool_bytes, reason = plan_host_pool_bytes(config.l1_host_gb, self.num_ranks)

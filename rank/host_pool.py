@@ -88,7 +88,7 @@ class HostPool:
     def _register(self) -> None:
         assert self.tensor is not None
         ptr, size = self.tensor.data_ptr(), self.tensor.numel()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)  # type: ignore[no-untyped-call]
         if int(err) != 0:
             raise RuntimeError(
                 f"cudaHostRegister of the L1 host pool ({size} bytes) failed: error {int(err)}")
@@ -132,6 +132,6 @@ class HostPool:
 
     def close(self) -> None:
         if self._registered_ptr is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)  # type: ignore[no-untyped-call]
             self._registered_ptr = None
         self.tensor = None  # the storage unmaps when the last reference goes

@@ -51,8 +51,8 @@ class RankLink:
     """One rank process of the current epoch and its sockets (all closed at teardown)."""
 
     rank: int
-    cmd: zmq.Socket
-    out: zmq.Socket  # PULL, read without blocking by ``receive`` (readiness via loop.add_reader)
+    cmd: zmq.Socket[bytes]
+    out: zmq.Socket[bytes]  # PULL, read without blocking by ``receive`` (readiness via loop.add_reader)
     proc: asyncio.subprocess.Process | None = None
     last_seen: float = 0.0
     phase: str = "starting"
@@ -67,7 +67,8 @@ class RankLink:
     fatal: str | None = None  # the rank's own fatal report, if it sent one
 
     @classmethod
-    def bind(cls, ctx: zmq.Context, rank: int, cmd_addr: str, out_addr: str, now: float) -> RankLink:
+    def bind(cls, ctx: zmq.Context[zmq.Socket[bytes]], rank: int, cmd_addr: str, out_addr: str,
+             now: float) -> RankLink:
         """The backend's ends of a new rank's sockets: PUSH commands, PULL outputs (no HWM: the
         backend never blocks on a rank, and the rank's outputs are bounded by its requests)."""
         cmd = ctx.socket(zmq.PUSH)

@@ -352,4 +352,5 @@ def null_forward(
     x ^= x >> np.uint64(15)
     x = (x * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
     x ^= x >> np.uint64(12)
-    return (x % np.uint64(vocab_size - 3) + np.uint64(3)).tolist()
+    ids: list[int] = (x % np.uint64(vocab_size - 3) + np.uint64(3)).tolist()
+    return ids

@@ -38,7 +38,8 @@ def pack(header: dict[str, Any], *frames: bytes) -> list[bytes]:
 
 
 def unpack_header(frame: bytes) -> dict[str, Any]:
-    return orjson.loads(frame)
+    header: dict[str, Any] = orjson.loads(frame)
+    return header
 
 
 def encode_add(request: EngineRequest, handle: int) -> list[bytes]:

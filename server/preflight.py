@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -132,7 +133,7 @@ def run_preflight(
     run("model_read_speed", read_speed)
     facts = ModelFacts(facts.weights_bytes, speed)
 
-    venv_facts: dict | None = None
+    venv_facts: dict[str, Any] | None = None
     if config.deepinfer_venv and not {"deepinfer_venv", "prefix_cache_api"} <= opts.skip:
         try:
             venv_facts = probe_venv(Path(config.deepinfer_venv), probe, env, opts.import_timeout_s)

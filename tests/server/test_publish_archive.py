@@ -91,6 +91,9 @@ def archive(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
 def test_archive_lists_no_standin_and_every_module_the_worker_imports(
         archive: tuple[Path, list[str]]) -> None:
     _, names = archive
+    # the archive's file list (shown with -s or -rP): product packages, the entry module, metadata
+    print(f"\narchive: {len(names)} files; top level: {sorted({n.split('/')[0] for n in names})}")
+    print("\n".join(sorted(names)))
     assert (REPO / STANDIN_PACKAGE / "scripted_engine.py").is_file()  # the checkout has them ...
     assert not [n for n in names if n.split("/")[0] in publish.NON_PRODUCT_PACKAGES]  # ... the archive not
     assert not [n for n in names if "fake_deepinfer" in n or "scripted_" in n]

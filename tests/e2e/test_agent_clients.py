@@ -4,7 +4,8 @@ Codex CLI (Responses only), OpenCode (both providers: ``@ai-sdk/openai-compatibl
 completions, ``@ai-sdk/openai`` -> Responses), openai-agents (its default Responses model and its
 chat-completions model) and aider (chat completions, edits in text). Pinned versions are
 installed by ``scripts/agent_clients_install.sh``; ``scripts/agent_clients_e2e.sh`` runs this
-file and prints the client matrix (docs/responses.md). Marked ``agent_clients`` (not in the
+file (the Codex checks once per pin in ``scripts/codex-versions.txt``, ``CODEX_VERSION`` picks the
+one a run uses) and prints the client matrix (docs/responses.md). Marked ``agent_clients`` (not in the
 default run: it needs npm and PyPI once, for the installs). Replies: scenarios/agent_clients.json.
 Each client runs with its own HOME and project dir and only the variables it needs.
 """
@@ -27,7 +28,16 @@ pytestmark = [pytest.mark.agent_clients, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = Path(os.environ.get("AGENT_CLIENTS_DIR", ROOT / ".cache" / "agent-clients"))
 MATRIX = os.environ.get("AGENT_MATRIX_OUT")  # one JSON line per check, for the matrix table
-VERSIONS = {"codex": os.environ.get("CODEX_VERSION", "0.169.0"),
+CODEX_PINS = ROOT / "scripts" / "codex-versions.txt"  # oldest / newest supported Codex CLI
+
+
+def codex_pins() -> dict[str, str]:
+    """``scripts/codex-versions.txt`` as {role: version} (oldest, newest)."""
+    words = (line.split() for line in CODEX_PINS.read_text().splitlines())
+    return {w[0]: w[1] for w in words if len(w) >= 2 and not w[0].startswith("#")}
+
+
+VERSIONS = {"codex": os.environ.get("CODEX_VERSION") or codex_pins()["oldest"],
             "opencode": os.environ.get("OPENCODE_VERSION", "1.18.33"),
             "openai-agents": os.environ.get("OPENAI_AGENTS_VERSION", "0.24.0"),
             "aider": os.environ.get("AIDER_VERSION", "0.86.2")}
@@ -68,7 +78,7 @@ def backend():
 
 # --- Codex CLI -----------------------------------------------------------------------------------
 def codex(backend, tmp_path: Path, prompt: str) -> tuple[subprocess.CompletedProcess, Path]:
-    binary = need(CLIENTS / "npm" / "node_modules" / ".bin" / "codex")
+    binary = need(CLIENTS / "codex" / VERSIONS["codex"] / "node_modules" / ".bin" / "codex")
     home, project = tmp_path / "codex-home", tmp_path / "project"
     home.mkdir(exist_ok=True)
     project.mkdir(exist_ok=True)
@@ -125,7 +135,7 @@ def test_codex_multi_turn_hits_the_cache(backend, tmp_path: Path):
 @pytest.mark.parametrize("provider, wire",
                          [("@ai-sdk/openai-compatible", "chat"), ("@ai-sdk/openai", "responses")])
 def test_opencode_bash_round_trip(backend, tmp_path: Path, provider: str, wire: str):
-    binary = need(CLIENTS / "npm" / "node_modules" / ".bin" / "opencode")
+    binary = need(CLIENTS / "opencode" / VERSIONS["opencode"] / "node_modules" / ".bin" / "opencode")
     home, project = tmp_path / "home", tmp_path / "project"
     (home / ".config" / "opencode").mkdir(parents=True)
     project.mkdir()

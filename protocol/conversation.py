@@ -67,7 +67,7 @@ class Block:
 class ToolCall:
     id: str
     name: str
-    arguments: Any  # dict (Anthropic input / parsed) or the raw OpenAI string
+    arguments: dict[str, Any] | str  # Anthropic input (parsed) or the raw OpenAI arguments string
 
 
 @dataclass(slots=True)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("protocol", "rank", "cache", "server")
 OURS = {*PRODUCT, "deepinfer_backend", "standins", "bench", "tests", "deploy", "publish"}
@@ -117,3 +119,15 @@ def test_no_product_module_over_the_size_limit() -> None:
     over = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
     assert set(over) <= KNOWN_OVER, f"modules over {MAX_MODULE_LINES} lines: {over}"
     assert set(over) == KNOWN_OVER, f"back under the limit, drop from KNOWN_OVER: {KNOWN_OVER - set(over)}"
+
+
+def test_an_install_holds_only_the_product() -> None:
+    """``pip install .`` (editable or not) installs the product packages and
+    ``deepinfer_backend.py``; tests/, standins/ and bench/ run from a checkout only."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from setuptools import find_packages
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = find_packages(str(REPO), include=config["packages"]["find"]["include"])
+    assert {name.split(".")[0] for name in found} == set(PRODUCT), found
+    assert config["py-modules"] == ["deepinfer_backend"]

@@ -230,7 +230,7 @@ class L2Store:
         self.index.touch(self.index.path(hashes, first + count), self._clock())
         extents = list({id(r.extent): r.extent for r in runs}.values())
         fds: dict[int, tuple[int, bool]] = {}
-        chunks: list[tuple[L2Extent, int, int, asyncio.Future[Any] | None]] = []  # chain order
+        chunks: list[tuple[L2Extent, int, int, asyncio.Future[int] | None]] = []  # chain order
         try:
             for extent in extents:
                 try:

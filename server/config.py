@@ -274,7 +274,7 @@ class WorkloadConfig(BaseModel):
                                                 "engine_budget_tokens": self.max_num_batched_tokens,
                                                 "max_hold_s": self.submit_gate_max_hold_secs})
 
-    def cache_config(self, **overrides: Any) -> CacheConfig:
+    def cache_config(self, **overrides: object) -> CacheConfig:
         """The cache tiers' settings (``cache/config.py``): the seed guide's keys, a hash salt
         naming the engine and model, and the share of the pool the engine lets the cache fill."""
         from cache.config import DEEPINFER_KV_WATERMARK, CacheConfig

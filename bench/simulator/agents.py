@@ -86,6 +86,11 @@ def conversation_size(config: SimConfig, params: WorkloadParams, rng: np.random.
     return min(size, int(0.97 * config.max_model_len))
 
 
+def shared_prefix(config: SimConfig) -> np.ndarray:
+    """The ids every conversation starts with (``SimConfig.shared_prefix_tokens``; one fixed draw)."""
+    return np.random.default_rng(7).integers(1000, 120_000, config.shared_prefix_tokens, dtype=np.int32)
+
+
 def restart_limit(config: SimConfig, params: WorkloadParams) -> int:
     """A conversation whose next request would pass this starts over (a new session, one cold turn)."""
     if config.arrivals.compact_at_target:
@@ -110,9 +115,14 @@ async def _agent(
     limit = restart_limit(config, params)
     await asyncio.sleep(start_delay_s)
 
+    shared = shared_prefix(config)
+
     def new_conversation(first: bool = False) -> tuple[np.ndarray, str]:
         size = conversation_size(config, params, rng, first)
-        return rng.integers(1000, 120_000, size, dtype=np.int32), f"a{agent_id}-c{next(request_ids)}"
+        ids = rng.integers(1000, 120_000, size, dtype=np.int32)
+        n = min(size, len(shared))
+        ids[:n] = shared[:n]  # drawn first, then overwritten: the agent's rng stream is the same
+        return ids, f"a{agent_id}-c{next(request_ids)}"
 
     tokens, session = new_conversation(first=True)
     totals_first_turn = True
@@ -180,9 +190,13 @@ async def _agent(
             await asyncio.sleep(1.0)  # the load generator's retry: the same conversation again
             continue
         # What the service tells the cache (server/service.py: _stop_kind): a reply that ends in
-        # tool calls comes back in seconds, one that ends the turn waits for a person.
-        manager.finish(adm, tokens, out_ids, last,
-                       StopKind.TOOL_USE if turn.kind == "tool" else StopKind.END_TURN)
+        # tool calls comes back in seconds, one that ends the turn waits for a person, one cut at
+        # max_tokens is unknown (SimConfig.reply_end).
+        if config.reply_end == "length":
+            stop = StopKind.UNKNOWN
+        else:
+            stop = StopKind.TOOL_USE if turn.kind == "tool" else StopKind.END_TURN
+        manager.finish(adm, tokens, out_ids, last, stop)
         totals.num_finished += 1
         totals.output_tokens_received += len(out_ids)
         record.t_end = loop.time()

@@ -220,4 +220,16 @@ class SimConfig(BaseModel):
     warmup_s: float = Field(300.0, ge=0)
     ramp_s: float = Field(60.0, ge=0)
     max_model_len: int = Field(1_064_960, ge=1, description="the seed's max_model_len: no prompt may pass it")
+    reply_end: Literal["client", "length"] = Field(
+        "client", description="how a reply ends, as the service tells the cache (server/service.py "
+        "_stop_kind): 'client' = as the agent's turn says (tool_use, or end_turn for a new user "
+        "prompt), what a real model's replies to an agent do; 'length' = every reply is cut at "
+        "max_tokens (stop kind unknown: never protected from eviction), what the reference engine's "
+        "replies to the load generator do (its max_tokens is the sampled reply size)",
+    )
+    shared_prefix_tokens: int = Field(
+        0, ge=0, description="the first N tokens of every conversation are the same ids for every agent "
+        "(the load generator's system prompt and tools, identical in every request: the cache holds "
+        "them once per rank); 0 = every conversation's ids are its own",
+    )
     seed: int = 0

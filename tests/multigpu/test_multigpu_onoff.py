@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import orjson
 
-from bench.multi_gpu.onoff import POLICIES, measured, predict, render, report
+from bench.multi_gpu.onoff import POLICIES, measured, predict, render, report, shared_prefix_tokens
 from bench.multi_gpu_run import _without, parse_args, workload_config
 
 
@@ -64,3 +65,37 @@ def test_prediction_runs_the_simulator_with_the_levers_off_and_on() -> None:
     assert set(sim) == {"off", "on"}
     for row in sim.values():
         assert row["requests"] > 0 and row["errors"] == 0.0 and not math.isnan(row["ttft_p50_s"])
+
+
+def test_shared_prefix_is_the_cold_turns_common_hit_plus_the_replayed_block() -> None:
+    def rec(cold: bool, cached: int, status: int = 200) -> dict:
+        return {"cold": cold, "cached_tokens": cached, "status": status}
+
+    # the one-H200 run: cold turns hit 9,856 tokens (77 blocks) unless they came first
+    records = [rec(True, 0), rec(True, 9856), rec(True, 9856), rec(False, 18944), rec(True, 9856),
+               rec(True, 12800), rec(True, 9856, status=503)]
+    assert shared_prefix_tokens(records, 128) == 9856 + 128
+    assert shared_prefix_tokens([rec(True, 0), rec(False, 5000)], 128) is None
+
+
+def test_measured_queue_is_the_steady_windows_admissions() -> None:
+    doc = _doc(0.5, 1.0, 1.0)
+    doc["phases"]["load"].update({"t_measure_from": 10.0, "t_measure_to": 20.0})
+    waits = [(5.0, 0.0), (11.0, 0.0), (12.0, 4.0), (13.0, 0.0), (19.0, 8.0), (21.0, 50.0)]
+    doc["raw_admissions"] = [{"t": t, "queue_s": q} for t, q in waits]
+    row = measured(doc)
+    assert row["queued_share"] == 0.5 and row["queue_p50_s"] == 2.0
+    assert row["queue_p95_s"] == np.percentile([0.0, 4.0, 0.0, 8.0], 95)
+    assert math.isnan(measured(_doc(0.5, 1.0, 1.0))["queued_share"])  # no raw admissions: as reported
+
+
+def test_prediction_over_seeds_is_the_median_with_the_range() -> None:
+    doc = _doc(0.5, 1.0, 1.0)
+    one = predict(doc["settings"], doc["bytes_per_block"], 10.0, 2.0, 20_000.0, 1000, seeds=1)
+    three = predict(doc["settings"], doc["bytes_per_block"], 10.0, 2.0, 20_000.0, 1000, seeds=3)
+    assert "ttft_p50_s_min" not in one["off"]
+    row = three["off"]
+    assert row["ttft_p50_s_min"] <= row["ttft_p50_s"] <= row["ttft_p50_s_max"]
+    assert row["requests_min"] <= one["off"]["requests"] <= row["requests_max"]  # seed 0 is one of them
+    text = render({}, three, "")
+    assert f"| TTFT p50 s | - | - | {row['ttft_p50_s']:.2f} ({row['ttft_p50_s_min']:.2f}-" in text

@@ -127,7 +127,8 @@ def usable_prefix_blocks(num_matched_blocks: int, prompt_len: int, block_size: i
 
 
 class Engine(abc.ABC):
-    """One rank's engine. Not thread-safe: the rank loop calls it from one thread.
+    """One rank's engine. Not thread-safe: the rank loop calls it from one thread (except the
+    transfers of an engine that declares ``concurrent_transfers``).
 
     The attributes below are what the rank loop (rank/worker.py) and the in-process group
     (rank/local_group.py) read; the class-level values are the defaults an engine overrides.
@@ -150,6 +151,11 @@ class Engine(abc.ABC):
     # Engines that own the lockstep: whether any rank had work at the last ``lockstep_has_work``
     # vote (the worker runs its idle-time shutdown vote only when no rank had).
     group_had_work: bool = False
+    # True when ``import_blocks``/``export_blocks`` (and ``transfer_stats``) may run on a second
+    # thread while ``step`` runs, so the worker's transfer thread (rank/transfers.py) overlaps L1
+    # restores and writes with the step in progress. False (DeepInfer): every call comes from the
+    # loop thread, between steps.
+    concurrent_transfers: bool = False
 
     @abc.abstractmethod
     def add(self, request: EngineRequest) -> None:
@@ -190,6 +196,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def check_accounting(self) -> None:
         """Raise AssertionError if block bookkeeping is inconsistent (tests call it)."""
+
+    def transfer_stats(self, last: EngineStats) -> EngineStats:
+        """``concurrent_transfers`` engines: ``last`` (the loop thread's latest ``stats()``) with
+        the block counts as they are now; safe to call from the transfer thread."""
+        return last
 
     def lockstep_has_work(self) -> bool:
         """Engines that own the lockstep: the per-iteration collective vote, on every rank,

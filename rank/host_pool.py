@@ -9,9 +9,9 @@ real DMA (pageable memory runs at a third of the link; see shared/reference/meas
 Copies are shaped for the link, not per block: an export gathers the block rows on the device
 into one contiguous staging tensor and moves it with one copy into consecutive slots; an import
 moves consecutive slots with one copy into a device staging buffer and scatters it into the block
-rows with ``index_copy_``. Both synchronize before returning, so an exported slot is readable by
-every process, an imported block is in place before any later step reads it, and the slots may
-be reused as soon as the call returns.
+rows with ``index_copy_``. Both synchronize the stream they ran on before returning, so an
+exported slot is readable by every process, an imported block is in place before any later step
+reads it, and the slots may be reused as soon as the call returns.
 
 Lifecycle: the supervisor picks the path (``host_pool_path``) and the byte budget
 (``plan_host_pool_bytes``; both in ``rank/host_budget.py``, which imports no torch), passes both
@@ -106,29 +106,47 @@ class HostPool:
                 f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.num_slots}")
         return self.tensor[host_slot : host_slot + num_blocks]
 
-    def copy_from_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:
-        """Export: gather rows on the device, one copy into consecutive slots, then wait."""
+    def copy_from_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int, *,
+                         stream: torch.cuda.Stream | None = None) -> None:
+        """Export: gather rows on the device, one copy into consecutive slots, then wait.
+
+        ``stream``: run (and wait for) the copy there instead of the current stream, so it
+        overlaps the compute stream's kernels; the caller vouches that no queued kernel writes
+        these rows (``ReferenceEngine`` docstring)."""
         dst = self._slots(host_slot, len(block_ids))
-        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=device_pool.device)
         if device_pool.device.type == "cpu":
+            idx = torch.tensor(list(block_ids), dtype=torch.int64)
             torch.index_select(device_pool, 0, idx, out=dst)
             return
-        staging = device_pool.index_select(0, idx)
-        dst.copy_(staging, non_blocking=self._registered_ptr is not None)
-        torch.cuda.current_stream(device_pool.device).synchronize()
+        stream = stream if stream is not None else torch.cuda.current_stream(device_pool.device)
+        with torch.cuda.stream(stream):
+            idx = torch.tensor(list(block_ids), dtype=torch.int64, device=device_pool.device)
+            staging = device_pool.index_select(0, idx)
+            dst.copy_(staging, non_blocking=self._registered_ptr is not None)
+        stream.synchronize()
 
-    def copy_to_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:
-        """Import: one copy of consecutive slots to a device staging buffer, a scatter, then wait."""
+    def copy_to_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int, *,
+                       stream: torch.cuda.Stream | None = None,
+                       after: torch.cuda.Event | None = None) -> None:
+        """Import: one copy of consecutive slots to a device staging buffer, a scatter, then wait.
+
+        ``stream``: as in ``copy_from_device``; ``after``: an event the copy waits for on the
+        device first (the engine's fence for kernels that may still touch freed rows)."""
         src = self._slots(host_slot, len(block_ids))
-        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=device_pool.device)
         if device_pool.device.type == "cpu":
+            idx = torch.tensor(list(block_ids), dtype=torch.int64)
             device_pool.index_copy_(0, idx, src)
             return
-        staging = src.to(device_pool.device, non_blocking=self._registered_ptr is not None)
-        device_pool.index_copy_(0, idx, staging)
-        # Same-stream order already puts the data before the next step's kernels; waiting here
-        # also lets the caller reuse the host slots as soon as the call returns.
-        torch.cuda.current_stream(device_pool.device).synchronize()
+        stream = stream if stream is not None else torch.cuda.current_stream(device_pool.device)
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            idx = torch.tensor(list(block_ids), dtype=torch.int64, device=device_pool.device)
+            staging = src.to(device_pool.device, non_blocking=self._registered_ptr is not None)
+            device_pool.index_copy_(0, idx, staging)
+        # Waiting here puts the data in place before the caller replies (so before any step
+        # that reads these blocks is even queued), and frees the host slots for reuse.
+        stream.synchronize()
 
     def close(self) -> None:
         if self._registered_ptr is not None:

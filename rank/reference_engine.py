@@ -31,7 +31,6 @@ from protocol.sampling import SEED_MODULUS, sampling_error
 from rank.block_manager import BlockManager
 from rank.config import RankConfig
 from rank.engine import (
-    CapacityExhausted,
     Engine,
     EngineMisuse,
     EngineRequest,
@@ -40,6 +39,7 @@ from rank.engine import (
     RequestOutput,
 )
 from rank.ids import BlockId
+from rank.pool_transfers import PoolTransfers
 from rank.reference_model import (
     MODEL_SPECS,
     ReferenceModel,
@@ -114,7 +114,10 @@ class _Seq:
 
 
 class ReferenceEngine(Engine):
-    """See the module docstring; the interface invariants are in ``rank/engine.py``."""
+    """See the module docstring; the interface invariants are in ``rank/engine.py``. Imports
+    and exports may run beside ``step`` (``rank/pool_transfers.py`` says why that is safe)."""
+
+    concurrent_transfers = True
 
     def __init__(self, config: ReferenceEngineConfig, host_pool: HostPool | None = None) -> None:
         if config.model not in MODEL_SPECS:
@@ -144,6 +147,7 @@ class ReferenceEngine(Engine):
         self.host_pool = host_pool
         if host_pool is not None:
             host_pool.open(self.bytes_per_block)
+        self.transfers = PoolTransfers(self.blocks, host_pool, self.device)
         self._waiting: deque[_Seq] = deque()
         self._running: dict[str, _Seq] = {}
         self._aborts: set[str] = set()
@@ -254,6 +258,8 @@ class ReferenceEngine(Engine):
             else:
                 kept_waiting.append(seq)
         self._waiting = kept_waiting
+        if any(rid in self._running for rid in aborted):
+            self.transfers.fence()  # their last prefill chunk may still be writing (pool_transfers.py)
         for rid in aborted:
             running = self._running.get(rid)
             if running is not None:
@@ -277,10 +283,11 @@ class ReferenceEngine(Engine):
                 outputs.append(self._finish_unadmitted(seq, error))
                 continue
             need = -(-seq.num_prompt // bs) - len(seq.block_table)
-            if not self.blocks.can_allocate(need):
+            fresh = self.blocks.try_allocate(need)
+            if fresh is None:
                 break  # head-of-line: wait for blocks to be freed or released
             self._waiting.popleft()
-            seq.block_table = seq.block_table + self.blocks.allocate(need)
+            seq.block_table = seq.block_table + fresh
             self._running[seq.request_id] = seq
             self._num_prompt_tokens_total += seq.num_prompt
             self._num_cached_tokens_total += seq.num_computed
@@ -327,10 +334,11 @@ class ReferenceEngine(Engine):
         for seq in decodable:
             pos = seq.num_tokens - 1
             if pos // bs >= len(seq.block_table):
-                if not self.blocks.can_allocate(1):
+                fresh = self.blocks.try_allocate(1)
+                if fresh is None:
                     outputs.append(self._finish(seq, FinishReason.ERROR, "KV pool exhausted during decode"))
                     continue
-                seq.block_table.append(self.blocks.allocate(1)[0])
+                seq.block_table.append(fresh[0])
             batch.append(seq)
         if not batch:
             return
@@ -364,8 +372,10 @@ class ReferenceEngine(Engine):
         """The sampled rows' tokens, and why a row got none (sampling is per request)."""
         if self.model is None:
             seeds = np.fromiter((s.null_seed for s in sampled), dtype=np.uint64, count=len(sampled))
-            return null_forward(self.pool, self.block_size, self.spec.vocab_size, token_ids, positions, items,
-                                sample_rows, seeds), {}
+            tokens = null_forward(self.pool, self.block_size, self.spec.vocab_size, token_ids, positions,
+                                  items, sample_rows, seeds)
+            self.transfers.fence()  # its writes are not waited for before _emit frees blocks
+            return tokens, {}
         dev = self.device
         logits = self.model.forward(
             torch.from_numpy(token_ids).to(dev),
@@ -434,34 +444,16 @@ class ReferenceEngine(Engine):
     # ------------------------------------------------------------------ cache side
 
     def release(self, block_ids: Sequence[int]) -> None:
-        ids = list(block_ids)
-        self.blocks.validate_held(ids, what="release", need_cache_ref=True)
-        self.blocks.decref(ids, cache_ref=True)
-
-    def _check_slots(self, host_slot: int, num_blocks: int) -> HostPool:
-        if self.host_pool is None:
-            raise EngineMisuse("this engine has no L1 host pool")
-        if num_blocks < 1:
-            raise EngineMisuse(f"need at least one block, got {num_blocks}")
-        if not 0 <= host_slot <= self.host_pool.num_slots - num_blocks:
-            raise EngineMisuse(
-                f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.host_pool.num_slots}"
-            )
-        return self.host_pool
+        self.transfers.release(block_ids)
 
     def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
-        ids = list(block_ids)
-        pool = self._check_slots(host_slot, len(ids))
-        self.blocks.validate_held(ids, what="export", need_cache_ref=False)
-        pool.copy_from_device(self.pool, ids, host_slot)
+        self.transfers.export(self.pool, block_ids, host_slot)
 
     def import_blocks(self, host_slot: int, num_blocks: int) -> list[BlockId]:
-        pool = self._check_slots(host_slot, num_blocks)
-        if not self.blocks.can_allocate(num_blocks):
-            raise CapacityExhausted(f"import of {num_blocks} blocks: {self.blocks.num_free_blocks} free")
-        ids = self.blocks.allocate(num_blocks, cache_ref=True)
-        pool.copy_to_device(self.pool, ids, host_slot)
-        return cast("list[BlockId]", ids)
+        return cast("list[BlockId]", self.transfers.import_(self.pool, host_slot, num_blocks))
+
+    def transfer_stats(self, last: EngineStats) -> EngineStats:
+        return self.transfers.stats(last)
 
     # ------------------------------------------------------------------ stats
 

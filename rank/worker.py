@@ -10,6 +10,10 @@ runs one tiny all_reduce in both, standing in for EP dispatch). A dead or stoppe
 blocks the others in a collective, exactly like production; the supervisor sees the death (exit)
 or the stall (no heartbeats) and replaces the whole group.
 
+Engines that can (``concurrent_transfers``: the reference engine) get a transfer thread
+(``rank/transfers.py``): it takes the command socket, runs L1 imports and exports while the loop
+steps, and forwards every other command to the loop, which drains them at step boundaries.
+
 When the whole group is idle, each rank waits up to ``IDLE_POLL_S`` for a command before voting,
 so an idle group costs a few collectives per second, not a spinning core. Heartbeats come from a
 thread with its own socket every ``HEARTBEAT_S``, also while the engine loads.
@@ -43,15 +47,16 @@ import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from rank import step_profile
+from rank import step_profile, transfers
 from rank.config import RankConfig
-from rank.ids import BlockId
 
 if TYPE_CHECKING:
     import zmq
     from torch.distributed import ProcessGroup
+
+    from rank.engine import EngineStats
 
     Context = zmq.Context[zmq.Socket[bytes]]
 
@@ -119,7 +124,8 @@ def _load_config(path: str) -> RankConfig:
 
 
 class RankLoop:
-    """One rank: engine + sockets + the lockstep loop. Not thread-safe (main thread only)."""
+    """One rank: engine + sockets + the lockstep loop. Not thread-safe (main thread only; the
+    transfer thread, if any, shares only the engine and the counters it documents)."""
 
     def __init__(self, args: argparse.Namespace, ctx: Context, status: _Status) -> None:
         import torch
@@ -194,6 +200,20 @@ class RankLoop:
         self.wire = wire
         self.profile = step_profile.from_environment(self.rank)  # benchmarks only (DIB_RANK_PROFILE)
         self.profile.wrap_engine_step(self.engine)
+        if os.environ.get(transfers.GATE_ENV):  # tests only
+            self.engine.step = transfers.gated(self.engine.step)  # type: ignore[method-assign]
+        # Restores and writes beside the step in progress (rank/transfers.py): the thread takes
+        # the backend's command socket and forwards the rest to ``self.cmd``, now its inproc end.
+        self.transfers: transfers.TransferThread | None = None
+        if self.engine.concurrent_transfers and not self.owns_lockstep:
+            forwarded = ctx.socket(zmq.PULL)
+            forwarded.setsockopt(zmq.RCVHWM, 0)
+            forwarded.bind(transfers.FORWARD_ADDR)
+            self.transfers = transfers.TransferThread(ctx, self.cmd, args.out_addr, self.engine,
+                                                      self.engine.stats())
+            self.poller.unregister(self.cmd)
+            self.cmd = forwarded
+            self.poller.register(self.cmd, zmq.POLLIN)
 
     def send(self, frames: list[bytes]) -> None:
         self.out.send_multipart(frames)
@@ -216,7 +236,11 @@ class RankLoop:
             self._run_engine_lockstep()
             return
         group_busy = False
+        if self.transfers is not None:
+            self.transfers.start()
         while True:
+            if self.transfers is not None:
+                self.transfers.check()
             self._drain(0.0 if group_busy or self.engine.has_work() else IDLE_POLL_S)
             has_work = self.engine.has_work()
             self.status.step_started = time.monotonic()
@@ -232,18 +256,26 @@ class RankLoop:
                     outputs = self.engine.step()
                     self.status.num_steps += 1
                     if outputs:
-                        self.send(self.wire.encode_step(outputs, self.handles, self.engine.stats()))
+                        self.send(self.wire.encode_step(outputs, self.handles, self._stats()))
                         self.stats_sent_at = time.monotonic()
                 else:
                     self.engine.placeholder_step()
             self.status.step_started = 0.0
             self._maybe_send_stats()
 
+    def _stats(self) -> EngineStats:
+        """``engine.stats()``, also left for the transfer thread's replies."""
+        stats = self.engine.stats()
+        if self.transfers is not None:
+            self.transfers.last_stats = stats
+        return stats
+
     def _maybe_send_stats(self) -> None:
         if time.monotonic() - self.stats_sent_at > STATS_EVERY_S:
-            stats = self.wire.stats_list(self.engine.stats())
+            current = self._stats()
+            stats = self.wire.stats_list(current)
             if stats != self.stats_last:  # an idle rank stays quiet (heartbeats show it lives)
-                self.send(self.wire.encode_step([], self.handles, self.engine.stats()))
+                self.send(self.wire.encode_step([], self.handles, current))
                 self.stats_last = stats
             self.stats_sent_at = time.monotonic()
 
@@ -291,10 +323,15 @@ class RankLoop:
         # Ask zmq whether a message is queued (cheap) rather than let a recv raise zmq.Again: a
         # busy rank drains every step, nearly always finding nothing.
         while cmd.get(zmq.EVENTS) & zmq.POLLIN:
-            self._handle(cmd.recv_multipart(zmq.NOBLOCK))
+            reply = self._handle(cmd.recv_multipart(zmq.NOBLOCK))
+            if self.transfers is not None:  # before the reply: the backend may act on it at once
+                self.transfers.applied += 1
+            if reply is not None:
+                self.send(self.wire.pack(reply))
 
-    def _handle(self, frames: list[bytes]) -> None:
-        from rank.engine import CapacityExhausted, EngineMisuse
+    def _handle(self, frames: list[bytes]) -> dict[str, Any] | None:
+        """Apply one command; the reply to send, if it has one."""
+        from rank.engine import EngineMisuse
 
         header = self.wire.unpack_header(frames[0])
         op = header["op"]
@@ -307,37 +344,24 @@ class RankLoop:
                 etype = "EngineMisuse" if isinstance(exc, EngineMisuse) else "InvalidCommand"
                 if etype != "EngineMisuse":
                     log.warning("rank %d: add refused: %s", self.rank, traceback.format_exc())
-                self.send(self.wire.pack({"t": "reject", "h": header.get("h"), "etype": etype,
-                                          "msg": str(exc)}))
-            return
+                return {"t": "reject", "h": header.get("h"), "etype": etype, "msg": str(exc)}
+            return None
         if op == "abort":
             self.engine.abort(header["rids"])
-            return
+            return None
         if op == "shutdown":
             self.shutdown = True
             if self.owns_lockstep:  # let the group drain to idle, where the ranks agree to stop
                 self.engine.abort(list(self.handles))
-            return
-        cid = header.get("cid")
-        try:
-            if op == "release":
-                self.engine.release(header["ids"])
-                result: list[BlockId] | None = None
-            elif op == "export":
-                self.engine.export_blocks(header["ids"], header["slot"])
-                result = None
-            elif op == "import":
-                result = self.engine.import_blocks(header["slot"], header["n"])
-            else:
-                raise EngineMisuse(f"unknown command {op!r}")
-            reply = {"t": "reply", "cid": cid, "ok": True, "result": result}
-        except (EngineMisuse, CapacityExhausted, ValueError) as exc:
-            reply = {"t": "reply", "cid": cid, "ok": False, "etype": type(exc).__name__, "msg": str(exc)}
-        reply["stats"] = self.wire.stats_list(self.engine.stats())
-        self.send(self.wire.pack(reply))
+            return None
+        reply = transfers.run_command(self.engine, header)  # release, export, import
+        reply["stats"] = self.wire.stats_list(self._stats())
+        return reply
 
     def close(self) -> None:
         self.profile.write()
+        if self.transfers is not None:
+            self.transfers.stop()  # after the transfer in progress: the engine's pool goes next
         self.engine.close()
         if self.host_pool is not None:
             self.host_pool.close()

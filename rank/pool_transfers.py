@@ -1,0 +1,110 @@
+"""The reference engine's L1 <-> KV pool copies, safe beside a step in progress (issue 18 item 2).
+
+The rank worker's transfer thread (``rank/transfers.py``) calls ``export``/``import_`` while the
+loop thread runs ``ReferenceEngine.step``. Block bookkeeping is shared through the
+``BlockManager``'s lock. The bytes need no lock, because neither side touches rows the other
+may be using:
+
+* An import writes only blocks it takes from the free list. No step is using such a block: the
+  engine holds no reference to it. On CPU that is the whole argument (a copy runs to completion
+  on the calling thread). On CUDA a freed block may still have a *queued* kernel writing it,
+  since the compute stream runs behind the host. Only a running sequence's blocks freed before
+  the host synchronized with that sequence's last forward are exposed: a sequence aborted after
+  a prefill chunk that sampled nothing (the host does not wait for such a chunk), and any
+  sequence of the null model (whose steps never wait). The engine calls ``fence()`` before those
+  frees. It records an event on the compute stream after every kernel queued so far, and an
+  import's copy waits for that event on the device (an event not re-recorded since is long
+  past, so in the common case that wait costs nothing; it never covers the step in progress).
+  Every other free follows a host sync with the block's last write. A finished or failed
+  sequence's blocks are freed after its step sampled (``sample`` returns host ints, which waits
+  for the forward). ``release`` and the prefix refs of a request that was never admitted drop
+  cache-held blocks, which are never written (next point).
+* An export reads only blocks the cache holds (the backend learns a block id from a finished
+  request's ``kept_blocks`` or from an import's reply). Such a block is full and immutable:
+  shared blocks are never written (``rank/engine.py``). Its last write was queued before the host
+  sync that produced the finishing step's sampled tokens (``sample`` returns host ints), or
+  before an import's own synchronize, and the backend saw the id only after that. While it
+  copies, the export pins the blocks (``BlockManager.pin_held``), so a release that lands
+  mid-copy cannot free a block that a step could then reallocate and write.
+
+Copies run on a side stream, ``torch.cuda.Stream``, which the calling thread waits on
+(``synchronize`` releases the GIL). The compute stream is never synchronized, so a transfer
+never waits for the step's kernels. An import also waits on its stream before it returns, so
+the blocks are in place before the backend can send the request that reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from rank.engine import CapacityExhausted, EngineMisuse, EngineStats
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from rank.block_manager import BlockManager
+    from rank.host_pool import HostPool
+
+
+class PoolTransfers:
+    """Host tier operations of one engine's pool (see the module docstring). Thread-safe for
+    one transfer thread beside the loop thread; ``fence`` runs on the loop thread only."""
+
+    def __init__(self, blocks: BlockManager, host_pool: HostPool | None, device: torch.device) -> None:
+        self.blocks = blocks
+        self.host_pool = host_pool
+        self.device = device
+        cuda = device.type == "cuda"
+        self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if cuda else None
+        self._fence: torch.cuda.Event | None = torch.cuda.Event() if cuda else None
+
+    def fence(self) -> None:
+        """Record "every kernel queued so far" on the compute stream. The loop thread calls it
+        before it frees blocks that a queued kernel may still write (module docstring)."""
+        if self._fence is not None:
+            self._fence.record(torch.cuda.current_stream(self.device))
+
+    def check_slots(self, host_slot: int, num_blocks: int) -> HostPool:
+        if self.host_pool is None:
+            raise EngineMisuse("this engine has no L1 host pool")
+        if num_blocks < 1:
+            raise EngineMisuse(f"need at least one block, got {num_blocks}")
+        if not 0 <= host_slot <= self.host_pool.num_slots - num_blocks:
+            raise EngineMisuse(
+                f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.host_pool.num_slots}"
+            )
+        return self.host_pool
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one cache ref on each block (the loop thread: ordered with the steps)."""
+        ids = list(block_ids)
+        self.blocks.validate_held(ids, what="release", need_cache_ref=True)
+        self.blocks.decref(ids, cache_ref=True)
+
+    def export(self, pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:
+        ids = list(block_ids)
+        host_pool = self.check_slots(host_slot, len(ids))
+        self.blocks.pin_held(ids, what="export")
+        try:
+            host_pool.copy_from_device(pool, ids, host_slot, stream=self.stream)
+        finally:
+            self.blocks.unpin(ids)
+
+    def import_(self, pool: torch.Tensor, host_slot: int, num_blocks: int) -> list[int]:
+        host_pool = self.check_slots(host_slot, num_blocks)
+        ids = self.blocks.try_allocate(num_blocks, cache_ref=True)
+        if ids is None:
+            raise CapacityExhausted(f"import of {num_blocks} blocks: {self.blocks.num_free_blocks} free")
+        try:
+            host_pool.copy_to_device(pool, ids, host_slot, stream=self.stream, after=self._fence)
+        except BaseException:
+            self.blocks.decref(ids, cache_ref=True)  # nobody learns these ids: give them back
+            raise
+        return ids
+
+    def stats(self, last: EngineStats) -> EngineStats:
+        return dataclasses.replace(last, num_free_blocks=self.blocks.num_free_blocks,
+                                   num_cached_blocks=self.blocks.num_cached_blocks)

@@ -1,0 +1,145 @@
+"""The rank worker's transfer thread (rank/transfers.py) in a real rank process, CPU.
+
+The test gate (``DIB_TEST_TRANSFER_GATE``) holds a step or a transfer for as long as a file
+exists, so the order of events is asserted without a clock: imports and exports reply while a
+step is held; a release sent meanwhile is not applied until the step ends; an import that needs
+a release still queued for the loop thread runs after it; a rank SIGKILLed mid-transfer fails
+the transfer with RankFailed and the group serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, SamplingParams
+from rank.errors import RankFailed
+from rank.group import RankGroup
+from rank.transfers import GATE_ENV
+from server.config import WorkloadConfig
+from tests.rank.rank_stream_helpers import collect
+
+BLOCK = 16
+WAIT_S = 60  # bounds on a hang, not timing asserts
+
+
+def _group(gate: Path, **overrides: Any) -> RankGroup:
+    base: dict[str, Any] = dict(reference_model="tiny", ep=1, block_size=BLOCK, reference_num_blocks=64,
+                                max_num_batched_tokens=256, l1_host_gb=0.005)
+    base.update(overrides)
+    return RankGroup(WorkloadConfig(**base).rank_config(), base_env={**os.environ, GATE_ENV: str(gate)})
+
+
+def _request(rid: str, length: int, max_tokens: int, seed: int = 0) -> EngineRequest:
+    ids = np.random.default_rng(seed).integers(3, 129_280, length).astype(np.int32)
+    return EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def _until(path: Path) -> None:
+    for _ in range(WAIT_S * 100):
+        if path.exists():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{path} never appeared")
+
+
+async def _idle(group: RankGroup, cached: int = 0) -> None:
+    for _ in range(WAIT_S * 20):
+        if group.stats(0).num_free_blocks == group.num_blocks - 1 - cached:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(group.stats(0))
+
+
+def _slots(group: RankGroup, first: int, n: int) -> bytes:
+    with open(group.host_pool_path, "rb") as f:
+        f.seek(first * group.bytes_per_block)
+        return f.read(n * group.bytes_per_block)
+
+
+@pytest.mark.timeout(180)
+def test_transfers_reply_while_a_step_is_held_and_commands_keep_their_order(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        group = _group(tmp_path)
+        await group.start()
+        try:
+            _, first = await collect(group.submit(0, _request("a", 60, 3)))
+            kept = first.kept_blocks
+            assert len(kept) == 3  # (60 + 3 - 1) // 16
+            await _idle(group, cached=3)
+
+            (tmp_path / "hold-step").touch()
+            held = group.submit(0, _request("b", 20, 2, seed=1))  # 2 blocks, no more
+            await _until(tmp_path / "held-step")
+            # The loop thread is inside a step: transfers still reply.
+            await asyncio.wait_for(group.export_blocks(0, kept, 0), WAIT_S)
+            restored = await asyncio.wait_for(group.import_blocks(0, 0, len(kept)), WAIT_S)
+            await asyncio.wait_for(group.export_blocks(0, restored, 10), WAIT_S)
+            assert _slots(group, 0, 3) == _slots(group, 10, 3)  # byte-exact through a restore
+            assert (tmp_path / "held-step").exists()
+            # A release stays on the loop thread: not applied while the step is held.
+            release = asyncio.ensure_future(group.release(0, restored))
+            # An import that needs the queued release's blocks runs after it (the old order):
+            # the export after it replies first (the thread takes commands in order).
+            free = group.stats(0).num_free_blocks
+            assert free == group.num_blocks - 1 - 6
+            needs_release = asyncio.ensure_future(group.import_blocks(0, 0, free + 1))
+            await asyncio.wait_for(group.export_blocks(0, kept, 20), WAIT_S)
+            assert not release.done() and not needs_release.done()
+            (tmp_path / "hold-step").unlink()
+            await asyncio.wait_for(release, WAIT_S)
+            big = await asyncio.wait_for(needs_release, WAIT_S)  # b's 2 blocks taken by then
+            assert len(big) == free + 1
+            tokens, last = await asyncio.wait_for(collect(held), WAIT_S)
+            assert len(tokens) == 2
+            await group.release(0, big)
+            await group.release(0, last.kept_blocks)
+            # Refused transfers leave nothing behind.
+            with pytest.raises(CapacityExhausted):
+                await group.import_blocks(0, 0, group.num_blocks)
+            with pytest.raises(EngineMisuse):
+                await group.import_blocks(0, group.num_host_slots, 1)
+            await group.release(0, kept)
+            with pytest.raises(EngineMisuse):
+                await group.export_blocks(0, kept, 0)  # free blocks now
+            await _idle(group)
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_rank_sigkill_during_a_transfer_fails_it_and_the_group_serves_again(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        group = _group(tmp_path)
+        await group.start()
+        try:
+            _, first = await collect(group.submit(0, _request("a", 40, 2)))
+            await group.export_blocks(0, first.kept_blocks, 0)
+            (tmp_path / "hold-transfer").touch()
+            restore = asyncio.ensure_future(group.import_blocks(0, 0, 2))
+            await _until(tmp_path / "held-transfer")
+            os.kill(group.pids()[0], signal.SIGKILL)
+            with pytest.raises(RankFailed):
+                await asyncio.wait_for(restore, WAIT_S)
+            (tmp_path / "hold-transfer").unlink()
+            await group.wait_ready(120)
+            assert group.epoch == 2 and not group._pending
+            # The L1 slots outlive the rank: the new epoch restores them.
+            restored = await asyncio.wait_for(group.import_blocks(0, 0, 2), WAIT_S)
+            await group.release(0, restored)
+            tokens, last = await collect(group.submit(0, _request("c", 30, 3)))
+            assert len(tokens) == 3
+            await group.release(0, last.kept_blocks)
+            await _idle(group)
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())

@@ -156,8 +156,10 @@ class Runtime:
             self._socket.close()
             self._socket = None
         if self.cache is not None:  # a graceful stop flushes idle sessions to L2 (bounded inside)
-            with contextlib.suppress(Exception):
+            try:
                 await self.cache.close()
+            except Exception:  # the stop goes on; the sessions recompute next time
+                log.exception("stop: flushing idle sessions to L2 failed")
         if self.group is not None:
             await self.group.close()
             self.group = None

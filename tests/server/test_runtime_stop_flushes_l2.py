@@ -45,3 +45,23 @@ def test_stop_flushes_idle_sessions_to_l2(tmp_path: Path) -> None:
     assert spilled_while_serving == 0, "the turn already spilled while serving: the test proves nothing"
     assert store.counters.saved_blocks > 0, "the stop flushed nothing to L2"
     assert any((tmp_path / "l2" / "kv").glob("*.kv"))
+
+
+def test_a_failed_flush_is_logged_and_the_stop_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_config({
+        "engine": "reference", "reference_model": "null", "ep": 1, "block_size": 16,
+        "reference_num_blocks": 256, "max_model_len": 3800, "max_num_batched_tokens": 4096,
+        "l1_host_gb": 0.02, "l2_dir": str(tmp_path / "l2"), "l2_gb": 0.5, "port": 0,
+    })
+    runtime = Runtime(config, rank_mode="local")
+
+    async def broken_close() -> None:
+        raise OSError("disk gone")
+
+    with run_runtime(runtime):
+        assert runtime.cache is not None
+        monkeypatch.setattr(runtime.cache, "close", broken_close)
+    assert "flushing idle sessions to L2 failed" in caplog.text
+    assert "disk gone" in caplog.text
+    assert runtime.group is None, "the stop did not go on to close the ranks"

@@ -4,19 +4,14 @@ in an order that depends on the test alone, not on the machine's load (issue 15 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
 
-from bench.simulator.vclock import VirtualTimePolicy
+from tests.support.virtual_time import virtual_time
 
 
 @pytest.fixture(autouse=True)
 def _virtual_time() -> Iterator[None]:
-    previous = asyncio.get_event_loop_policy()
-    asyncio.set_event_loop_policy(VirtualTimePolicy())
-    try:
+    with virtual_time():
         yield
-    finally:
-        asyncio.set_event_loop_policy(previous)

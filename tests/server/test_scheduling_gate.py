@@ -7,20 +7,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.simulator.vclock import VirtualTimePolicy
 from server.scheduling import SchedulingConfig, SubmitGate
+from tests.support.virtual_time import virtual_time
 
 CFG = SchedulingConfig(enabled=True, engine_budget_tokens=10_000, aging_tokens_per_s=0.0, max_hold_s=10.0)
 
 
 @pytest.fixture(autouse=True)
 def _virtual_time() -> Iterator[None]:
-    previous = asyncio.get_event_loop_policy()
-    asyncio.set_event_loop_policy(VirtualTimePolicy())
-    try:
+    with virtual_time():
         yield
-    finally:
-        asyncio.set_event_loop_policy(previous)
 
 
 class Recorder:

@@ -197,6 +197,9 @@ def add_lever_args(p: argparse.ArgumentParser) -> None:
                    help="gate: engine budget (tokens per rank)")
     p.add_argument("--aging", type=float, default=d.aging_tokens_per_s, help="gate: aging (tokens per s)")
     p.add_argument("--max-hold", type=float, default=d.max_hold_s, help="gate: max hold (s)")
+    p.add_argument("--votes", default="", metavar="ALL,ANY",
+                   help="prefill vote intervals in decode steps (workload keys prefill_attempt_interval, "
+                   "prefill_any_attempt_interval); unset: DeepInfer's defaults, 70,100")
     p.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",
                    help="a CacheConfig override for ours (cache/config.py), e.g. queue_force_after_s=1")
 
@@ -264,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         doc["seed_table"] = seed_table(config, args.jobs)
     if args.cmd == "step":
         stepped = config.model_copy(update={"policy": args.policy, "ours": ours_policy(args)})
+        if args.votes:
+            all_steps, any_steps = (int(v) for v in args.votes.split(","))
+            stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
+                "prefill_all_interval_steps": all_steps, "prefill_any_interval_steps": any_steps})})
         print(f"ours: {stepped.ours.model_dump()}" if args.policy == "ours" else "", file=sys.stderr)
         s, engine = run_detail(stepped, args.context, args.agents)
         print(format_table([s]))

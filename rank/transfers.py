@@ -28,6 +28,9 @@ CUDA error) stops the thread, and the loop thread raises it at its next iteratio
 reports a fatal error and exits as if the loop had failed. Nothing is half-done: an import that
 fails gives its blocks back, and an export unpins its blocks (``rank/pool_transfers.py``).
 
+``DIB_TRANSFER_THREAD=0`` (``ENABLE_ENV``, set in the backend's environment: the group passes
+``DIB_*`` on) keeps every command on the loop thread, for A/B measurements (``bench/transfer_overlap.py``).
+
 TESTS ONLY: ``DIB_TEST_TRANSFER_GATE=<dir>`` (``GATE_ENV``) holds a step (the file ``hold-step``)
 or a transfer (``hold-transfer``) for as long as that file exists in ``<dir>``. Meanwhile the
 marker ``held-step``/``held-transfer`` is there. This lets a test order events without a clock.
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
 
     from rank.engine import Engine, EngineStats
 
+ENABLE_ENV = "DIB_TRANSFER_THREAD"
 GATE_ENV = "DIB_TEST_TRANSFER_GATE"
 POLL_MS = 50  # how often the thread looks at its stop flag while no command comes
 FORWARD_ADDR = "inproc://rank-commands"  # the loop thread's end binds it
@@ -58,6 +62,12 @@ TRANSFER_OPS = frozenset({"import", "export"})
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def enabled(engine: Engine) -> bool:
+    """Whether the worker runs this thread for ``engine`` (module docstring)."""
+    return (engine.concurrent_transfers and not engine.owns_lockstep
+            and os.environ.get(ENABLE_ENV, "1") != "0")
 
 
 def hold_at_gate(name: str) -> None:

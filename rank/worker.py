@@ -205,7 +205,7 @@ class RankLoop:
         # Restores and writes beside the step in progress (rank/transfers.py): the thread takes
         # the backend's command socket and forwards the rest to ``self.cmd``, now its inproc end.
         self.transfers: transfers.TransferThread | None = None
-        if self.engine.concurrent_transfers and not self.owns_lockstep:
+        if transfers.enabled(self.engine):
             forwarded = ctx.socket(zmq.PULL)
             forwarded.setsockopt(zmq.RCVHWM, 0)
             forwarded.bind(transfers.FORWARD_ADDR)

@@ -1,0 +1,143 @@
+"""An L1 restore's round trip against the copy of its bytes, while a rank steps (issue 18 item 2).
+
+    python -m bench.transfer_overlap                        # CPU, reference 'small', both modes
+    python -m bench.transfer_overlap --device cuda --model medium --blocks 54
+
+One rank process (``RankGroup``) keeps decoding ``--load`` long requests, so a step is always in
+progress; meanwhile the benchmark restores one session of ``--blocks`` blocks from L1
+(``import_blocks``, timed as the backend sees it: send to reply) ``--restores`` times, and
+releases it after each one (not timed). The same restore's copy alone (``HostPool.copy_to_device``
+on this process's own pool of the engine's row size) is the reference. Two modes, one group each:
+
+* ``thread``: the worker's transfer thread runs the import beside the step (``rank/transfers.py``);
+* ``loop``: ``DIB_TRANSFER_THREAD=0``, the import waits for the step boundary (the old path).
+
+Printed, not asserted: the step time (p50 of the intervals between one request's tokens), the
+copy time (median), and the round trip's p50/p95 with its ratio to the copy. On CPU the rank and
+this process share the cores, so only the ratio between the modes means much there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from rank.client import RequestStream
+from rank.engine import EngineRequest, SamplingParams
+from rank.group import RankGroup
+from rank.host_pool import HostPool
+from rank.ids import HostSlot, Rank
+from rank.transfers import ENABLE_ENV
+from server.config import WorkloadConfig
+
+BLOCK = 16
+RANK, SLOT = Rank(0), HostSlot(0)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def copy_seconds(bytes_per_block: int, num_blocks: int, device: str, repeats: int = 20) -> float:
+    """Median time of the restore's copy alone (the same ``HostPool`` path, no rank)."""
+    path = os.path.join(tempfile.gettempdir(), f"dib-overlap-{os.getpid()}")
+    pool = HostPool(path, bytes_per_block * num_blocks)
+    try:
+        pool.open(bytes_per_block)
+        dev = torch.device(device)
+        rows = torch.zeros(2 * num_blocks + 1, bytes_per_block, dtype=torch.uint8, device=dev)
+        ids = list(range(1, 2 * num_blocks + 1, 2))  # scattered rows, as in a used pool
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            pool.copy_to_device(rows, ids, 0)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    finally:
+        pool.close()
+        os.unlink(path)
+
+
+async def run_mode(args: argparse.Namespace, thread: bool) -> dict[str, float]:
+    config = WorkloadConfig(reference_model=args.model, reference_device=args.device, ep=1, block_size=BLOCK,
+                            reference_num_blocks=args.blocks * 4 + 64 * args.load + 64,
+                            max_num_batched_tokens=4096, l1_host_gb=0.25)
+    env = {**os.environ, ENABLE_ENV: "1" if thread else "0"}
+    group = RankGroup(config.rank_config(), base_env=env)
+    await group.start()
+    try:
+        prompt = np.arange(3, 3 + args.blocks * BLOCK + 1, dtype=np.int32) % 1000 + 3
+        stream = group.submit(RANK, EngineRequest("session", prompt, SamplingParams(max_tokens=1)))
+        kept = [out async for out in stream][-1].kept_blocks
+        await group.export_blocks(RANK, kept, SLOT)
+        await group.release(RANK, kept)
+        n = len(kept)
+        load = [group.submit(RANK, EngineRequest(f"load{i}", np.arange(3, 3 + 200 + i, dtype=np.int32),
+                                              SamplingParams(max_tokens=1_000_000, ignore_eos=True)))
+                for i in range(args.load)]
+        arrivals: list[float] = []
+
+        async def watch() -> None:
+            async for _ in load[0]:
+                arrivals.append(time.perf_counter())
+
+        watcher = asyncio.ensure_future(watch())
+        walls = []
+        for _ in range(args.warmup + args.restores):
+            await asyncio.sleep(random.uniform(0.0, 2 * args.gap_ms / 1e3))  # land anywhere in a step
+            start = time.perf_counter()
+            ids = await group.import_blocks(RANK, SLOT, n)
+            walls.append(time.perf_counter() - start)
+            await group.release(RANK, ids)
+        walls = walls[args.warmup:]
+        for i in range(args.load):
+            group.abort(RANK, f"load{i}")
+        await asyncio.wait_for(watcher, 60)
+
+        async def drain(s: RequestStream) -> None:
+            async for _ in s:
+                pass
+
+        await asyncio.wait_for(asyncio.gather(*(drain(s) for s in load[1:])), 60)
+        steps = [b - a for a, b in itertools.pairwise(arrivals)]
+        return {"blocks": n, "bytes_per_block": group.bytes_per_block, "step_p50": _pct(steps, 0.5),
+                "wall_p50": _pct(walls, 0.5), "wall_p95": _pct(walls, 0.95)}
+    finally:
+        await group.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--blocks", type=int, default=64, help="blocks per restore")
+    parser.add_argument("--load", type=int, default=4, help="long requests decoding meanwhile")
+    parser.add_argument("--restores", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--gap-ms", type=float, default=25.0, help="mean pause between restores")
+    parser.add_argument("--mode", choices=["both", "thread", "loop"], default="both")
+    args = parser.parse_args(argv)
+    modes = [True, False] if args.mode == "both" else [args.mode == "thread"]
+    print(f"reference '{args.model}' on {args.device}, {args.load} decoding requests, restores of "
+          f"{args.blocks} blocks x {BLOCK} tokens")
+    for thread in modes:
+        r = asyncio.run(run_mode(args, thread))
+        copy = copy_seconds(int(r["bytes_per_block"]), int(r["blocks"]), args.device)
+        print(f"{'thread' if thread else 'loop':>6}: step p50 {r['step_p50'] * 1e3:7.2f} ms | copy "
+              f"{copy * 1e3:6.2f} ms ({r['blocks'] * r['bytes_per_block'] / 2**20:.1f} MiB) | round trip "
+              f"p50 {r['wall_p50'] * 1e3:7.2f} ms ({r['wall_p50'] / copy:5.1f}x copy), p95 "
+              f"{r['wall_p95'] * 1e3:7.2f} ms ({r['wall_p95'] / copy:5.1f}x copy)")
+
+
+if __name__ == "__main__":
+    main()

@@ -58,8 +58,11 @@ class PoolTransfers:
         self.host_pool = host_pool
         self.device = device
         cuda = device.type == "cuda"
-        self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if cuda else None
-        self._fence: torch.cuda.Event | None = torch.cuda.Event() if cuda else None
+        # (torch's stubs leave both constructors untyped)
+        self.stream: torch.cuda.Stream | None = (
+            torch.cuda.Stream(device) if cuda else None)  # type: ignore[no-untyped-call]
+        self._fence: torch.cuda.Event | None = (
+            torch.cuda.Event() if cuda else None)  # type: ignore[no-untyped-call]
 
     def fence(self) -> None:
         """Record "every kernel queued so far" on the compute stream. The loop thread calls it

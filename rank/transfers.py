@@ -118,8 +118,9 @@ class TransferThread:
     """Owns the backend's command socket; runs transfers, forwards the rest (module docstring).
 
     ``forwarded`` (written here) and ``applied`` (written by the loop thread once it has run a
-    forwarded command, before its reply) count the forwarded commands; ``last_stats`` is the loop
-    thread's latest ``engine.stats()``. Each is written by one thread only.
+    forwarded command, before its reply) count the forwarded commands; ``num_transfers`` counts
+    the replies sent (the loop resends its stats after any: a reply may overtake its messages);
+    ``last_stats`` is the loop thread's latest ``engine.stats()``. Each is written by one thread.
     """
 
     def __init__(self, ctx: zmq.Context[Any], cmd: zmq.Socket[bytes], out_addr: str, engine: Engine,
@@ -174,6 +175,7 @@ class TransferThread:
                         continue
                     reply["stats"] = wire.stats_list(self.engine.transfer_stats(self.last_stats))
                     out.send_multipart(wire.pack(reply))
+                    self.num_transfers += 1  # after the send: the loop's next stats go out after it
         except Exception as exc:  # noqa: BLE001 - handed to the loop thread, which fails the rank
             log.error("transfer thread failed: %s", traceback.format_exc())
             self.error = f"{type(exc).__name__}: {exc}"
@@ -191,7 +193,6 @@ class TransferThread:
         unapplied = self.applied < self.forwarded
         hold_at_gate("transfer")
         reply = run_command(self.engine, header)
-        self.num_transfers += 1
         if not reply["ok"] and reply["etype"] == "CapacityExhausted" and unapplied:
             return None
         return reply

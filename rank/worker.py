@@ -195,6 +195,7 @@ class RankLoop:
         self.shutdown = False
         self.stats_sent_at = 0.0
         self.stats_last: list[int] = []
+        self.transfers_seen = 0  # the transfer thread's replies counted at the last periodic stats
         from rank import wire
 
         self.wire = wire
@@ -274,9 +275,13 @@ class RankLoop:
         if time.monotonic() - self.stats_sent_at > STATS_EVERY_S:
             current = self._stats()
             stats = self.wire.stats_list(current)
-            if stats != self.stats_last:  # an idle rank stays quiet (heartbeats show it lives)
-                self.send(self.wire.encode_step([], self.handles, current))
+            # A transfer reply may overtake a step message sent before it (two sockets), leaving
+            # the backend with older counts: resend after any, so they settle within an interval.
+            num_transfers = self.transfers.num_transfers if self.transfers is not None else 0
+            if stats != self.stats_last or num_transfers != self.transfers_seen:
+                self.send(self.wire.encode_step([], self.handles, current))  # idle: else quiet
                 self.stats_last = stats
+                self.transfers_seen = num_transfers
             self.stats_sent_at = time.monotonic()
 
     def _run_engine_lockstep(self) -> None:

@@ -117,7 +117,7 @@ class HostPool:
 
         ``stream``: run (and wait for) the copy there instead of the current stream, so it
         overlaps the compute stream's kernels; the caller vouches that no queued kernel writes
-        these rows (``ReferenceEngine`` docstring)."""
+        these rows (``rank/pool_transfers.py``)."""
         dst = self._slots(host_slot, len(block_ids))
         if device_pool.device.type == "cpu":  # numpy: see _CPU_COPY
             np.take(device_pool.numpy(), np.asarray(block_ids, dtype=np.int64), axis=0, out=dst.numpy())

@@ -63,6 +63,10 @@ class PoolTransfers:
             torch.cuda.Stream(device) if cuda else None)  # type: ignore[no-untyped-call]
         self._fence: torch.cuda.Event | None = (
             torch.cuda.Event() if cuda else None)  # type: ignore[no-untyped-call]
+        # torch creates an event at its first record: do that here, before a transfer thread
+        # can wait on it, so the two threads never race on the creation (only on records,
+        # which CUDA orders itself).
+        self.fence()
 
     def fence(self) -> None:
         """Record "every kernel queued so far" on the compute stream. The loop thread calls it

@@ -21,7 +21,8 @@ But the cache may send a release and then, without waiting for the release's rep
 that needs the released blocks (``L1Transfers.retire``). Applied in order, the import finds those
 blocks free. Here the release may still be waiting for the loop thread's step boundary. So an
 import that finds too few free blocks while forwarded commands are still unapplied is forwarded
-too, and the loop thread runs it after them at the boundary: the old order and outcome.
+too, and the loop thread runs it after them at the boundary: the old order and outcome. Later
+imports follow it there until the loop has run it, so imports keep their order among themselves.
 
 Failure: a refused command gets an error reply, as on the loop thread. Any other exception (a
 CUDA error) stops the thread, and the loop thread raises it at its next iteration, so the rank
@@ -129,6 +130,7 @@ class TransferThread:
         self.last_stats = last_stats
         self.forwarded = 0
         self.applied = 0
+        self._import_queued_at = 0  # ``forwarded`` just after the last import handed to the loop
         self.error: str | None = None
         self.num_transfers = 0
         self._stop = threading.Event()
@@ -172,6 +174,7 @@ class TransferThread:
                     reply = self._transfer(header)
                     if reply is None:  # an import the loop thread runs after what is queued before it
                         self._forward(forward, frames)
+                        self._import_queued_at = self.forwarded
                         continue
                     reply["stats"] = wire.stats_list(self.engine.transfer_stats(self.last_stats))
                     out.send_multipart(wire.pack(reply))
@@ -190,6 +193,8 @@ class TransferThread:
 
     def _transfer(self, header: dict[str, Any]) -> dict[str, Any] | None:
         """The reply, or None when the import must wait for forwarded commands (module docstring)."""
+        if header["op"] == "import" and self.applied < self._import_queued_at:
+            return None  # an import forwarded before this one is not applied yet: keep their order
         unapplied = self.applied < self.forwarded
         hold_at_gate("transfer")
         reply = run_command(self.engine, header)

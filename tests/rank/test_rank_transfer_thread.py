@@ -3,8 +3,8 @@
 The test gate (``DIB_TEST_TRANSFER_GATE``) holds a step or a transfer for as long as a file
 exists, so the order of events is asserted without a clock: imports and exports reply while a
 step is held; a release sent meanwhile is not applied until the step ends; an import that needs
-a release still queued for the loop thread runs after it; a rank SIGKILLed mid-transfer fails
-the transfer with RankFailed and the group serves again.
+a release still queued for the loop thread runs after it, and imports keep their order; a rank
+SIGKILLed mid-transfer fails the transfer with RankFailed and the group serves again.
 """
 
 from __future__ import annotations
@@ -90,12 +90,16 @@ def test_transfers_reply_while_a_step_is_held_and_commands_keep_their_order(tmp_
             free = group.stats(0).num_free_blocks
             assert free == group.num_blocks - 1 - 6
             needs_release = asyncio.ensure_future(group.import_blocks(0, 0, free + 1))
+            # A small import after it would fit now, but it stays behind the big one.
+            small = asyncio.ensure_future(group.import_blocks(0, 0, 1))
             await asyncio.wait_for(group.export_blocks(0, kept, 20), WAIT_S)
-            assert not release.done() and not needs_release.done()
+            assert not release.done() and not needs_release.done() and not small.done()
             (tmp_path / "hold-step").unlink()
             await asyncio.wait_for(release, WAIT_S)
             big = await asyncio.wait_for(needs_release, WAIT_S)  # b's 2 blocks taken by then
             assert len(big) == free + 1
+            with pytest.raises(CapacityExhausted):  # in order: the big one left nothing
+                await asyncio.wait_for(small, WAIT_S)
             tokens, last = await asyncio.wait_for(collect(held), WAIT_S)
             assert len(tokens) == 2
             await group.release(0, big)

@@ -1,7 +1,8 @@
 """An L1 restore's round trip against the copy of its bytes, while a rank steps (issue 18 item 2).
 
     python -m bench.transfer_overlap                        # CPU, reference 'small', both modes
-    python -m bench.transfer_overlap --device cuda --model medium --blocks 54
+    python -m bench.transfer_overlap --device cuda --model medium --block-size 128 --blocks 54 \
+        --load 16 --load-tokens 32768 --l1-gb 4
 
 One rank process (``RankGroup``) keeps decoding ``--load`` long requests, so a step is always in
 progress; meanwhile the benchmark restores one session of ``--blocks`` blocks from L1
@@ -39,7 +40,6 @@ from rank.ids import HostSlot, Rank
 from rank.transfers import ENABLE_ENV
 from server.config import WorkloadConfig
 
-BLOCK = 16
 RANK, SLOT = Rank(0), HostSlot(0)
 
 
@@ -69,21 +69,24 @@ def copy_seconds(bytes_per_block: int, num_blocks: int, device: str, repeats: in
 
 
 async def run_mode(args: argparse.Namespace, thread: bool) -> dict[str, float]:
-    config = WorkloadConfig(reference_model=args.model, reference_device=args.device, ep=1, block_size=BLOCK,
-                            reference_num_blocks=args.blocks * 4 + 64 * args.load + 64,
-                            max_num_batched_tokens=4096, l1_host_gb=0.25)
+    bs = args.block_size
+    load_blocks = args.load * (-(-(args.load_tokens + 4096) // bs))  # prompt + room to decode
+    config = WorkloadConfig(reference_model=args.model, reference_device=args.device, ep=1, block_size=bs,
+                            reference_num_blocks=args.blocks * 4 + load_blocks + 64,
+                            max_num_batched_tokens=16384, l1_host_gb=args.l1_gb)
     env = {**os.environ, ENABLE_ENV: "1" if thread else "0"}
     group = RankGroup(config.rank_config(), base_env=env)
     await group.start()
     try:
-        prompt = np.arange(3, 3 + args.blocks * BLOCK + 1, dtype=np.int32) % 1000 + 3
+        prompt = np.arange(3, 3 + args.blocks * bs + 1, dtype=np.int32) % 1000 + 3
         stream = group.submit(RANK, EngineRequest("session", prompt, SamplingParams(max_tokens=1)))
         kept = [out async for out in stream][-1].kept_blocks
         await group.export_blocks(RANK, kept, SLOT)
         await group.release(RANK, kept)
         n = len(kept)
-        load = [group.submit(RANK, EngineRequest(f"load{i}", np.arange(3, 3 + 200 + i, dtype=np.int32),
-                                              SamplingParams(max_tokens=1_000_000, ignore_eos=True)))
+        load = [group.submit(RANK, EngineRequest(f"load{i}", np.arange(3, 3 + args.load_tokens + i,
+                                                                        dtype=np.int32) % 1000 + 3,
+                                                 SamplingParams(max_tokens=4096, ignore_eos=True)))
                 for i in range(args.load)]
         arrivals: list[float] = []
 
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--blocks", type=int, default=64, help="blocks per restore")
     parser.add_argument("--load", type=int, default=4, help="long requests decoding meanwhile")
+    parser.add_argument("--load-tokens", type=int, default=200, help="prompt tokens of each of them")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--l1-gb", type=float, default=0.25)
     parser.add_argument("--restores", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--gap-ms", type=float, default=25.0, help="mean pause between restores")
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     modes = [True, False] if args.mode == "both" else [args.mode == "thread"]
     print(f"reference '{args.model}' on {args.device}, {args.load} decoding requests, restores of "
-          f"{args.blocks} blocks x {BLOCK} tokens")
+          f"{args.blocks} blocks x {args.block_size} tokens")
     for thread in modes:
         r = asyncio.run(run_mode(args, thread))
         copy = copy_seconds(int(r["bytes_per_block"]), int(r["blocks"]), args.device)

@@ -23,14 +23,17 @@ from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
 BLOCK = 16
 WAIT_S = 60  # a bound on a hang, not a timing assert
+# DIB_TEST_DEVICE=cuda runs the same tests on a GPU (side stream, fence, pinned L1): the CPU run
+# cannot show the CUDA ordering these rest on.
+DEVICE = os.environ.get("DIB_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(params=["tiny", "null"])
 def engine(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[ReferenceEngine]:
-    pool = HostPool(os.path.join(str(tmp_path), "l1"), 1 << 21, pin=False)
+    pool = HostPool(os.path.join(str(tmp_path), "l1"), 1 << 21, pin=DEVICE == "cuda")
     eng = ReferenceEngine(
         ReferenceEngineConfig(model=request.param, block_size=BLOCK, num_blocks=96, max_num_seqs=8,
-                              max_num_batched_tokens=64, max_model_len=400),
+                              max_num_batched_tokens=64, max_model_len=400, device=DEVICE),
         pool,
     )
     yield eng

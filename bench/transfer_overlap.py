@@ -35,6 +35,7 @@ import torch
 from rank.client import RequestStream
 from rank.engine import EngineRequest, SamplingParams
 from rank.group import RankGroup
+from rank.host_budget import SHM_DIR
 from rank.host_pool import HostPool
 from rank.ids import HostSlot, Rank
 from rank.transfers import ENABLE_ENV
@@ -50,7 +51,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def copy_seconds(bytes_per_block: int, num_blocks: int, device: str, repeats: int = 20) -> float:
     """Median time of the restore's copy alone (the same ``HostPool`` path, no rank)."""
-    path = os.path.join(tempfile.gettempdir(), f"dib-overlap-{os.getpid()}")
+    # /dev/shm, as the product's pool (rank/host_budget.py): CUDA cannot pin a disk file's mapping.
+    path = os.path.join(SHM_DIR if device == "cuda" else tempfile.gettempdir(), f"dib-overlap-{os.getpid()}")
     pool = HostPool(path, bytes_per_block * num_blocks)
     try:
         pool.open(bytes_per_block)

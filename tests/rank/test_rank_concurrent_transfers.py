@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 
@@ -18,6 +20,7 @@ import torch
 
 from rank.block_manager import BlockManager
 from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, SamplingParams
+from rank.host_budget import SHM_DIR
 from rank.host_pool import HostPool
 from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
@@ -30,7 +33,10 @@ DEVICE = os.environ.get("DIB_TEST_DEVICE", "cpu")
 
 @pytest.fixture(params=["tiny", "null"])
 def engine(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[ReferenceEngine]:
-    pool = HostPool(os.path.join(str(tmp_path), "l1"), 1 << 21, pin=DEVICE == "cuda")
+    # Pinning needs the tmpfs the product uses (rank/host_budget.py: /dev/shm); cudaHostRegister
+    # of a file mapping on a disk filesystem fails (seen on the H200 host: error 1).
+    base = str(tmp_path) if DEVICE == "cpu" else tempfile.mkdtemp(dir=SHM_DIR)
+    pool = HostPool(os.path.join(base, "l1"), 1 << 21, pin=DEVICE == "cuda")
     eng = ReferenceEngine(
         ReferenceEngineConfig(model=request.param, block_size=BLOCK, num_blocks=96, max_num_seqs=8,
                               max_num_batched_tokens=64, max_model_len=400, device=DEVICE),
@@ -39,6 +45,8 @@ def engine(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterat
     yield eng
     eng.close()
     pool.close()
+    if base != str(tmp_path):
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def req(rid: str, n: int, max_tokens: int, keep: bool = False, offset: int = 0) -> EngineRequest:

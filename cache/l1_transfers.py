@@ -357,13 +357,14 @@ class L1Transfers:
         are awaited before the release is sent, and the rank applies commands in the order sent,
         so no block is dropped before its copy to L1 (when L1 has room).
 
-        A rank runs releases and submits only between steps (and, on DeepInfer, imports and
-        exports too; the reference engine runs those beside the step: ``rank/transfers.py``),
-        so a round trip here can cost a step: the owners' exports go out together (one
-        boundary), and with ``wait_release=False`` the release is sent but not waited for, so
-        the caller's next command (an import, a submit) rides in the same boundary. The rank
-        applies them in the order sent (an import that needs the released blocks waits for the
-        release), so the blocks are free by then; they stay counted as releasing until the reply."""
+        A rank runs submits only between steps (and, on DeepInfer, releases, imports and
+        exports too; the reference engine runs those beside the step, a release unless an
+        add still queued names its blocks: ``rank/transfers.py``), so a round trip here can
+        cost a step: the owners' exports go out together (one boundary), and with
+        ``wait_release=False`` the release is sent but not waited for, so the caller's next
+        command (an import, a submit) rides in the same boundary. The rank applies them in the
+        order sent (an import that needs the released blocks waits for the release), so the
+        blocks are free by then; they stay counted as releasing until the reply."""
         s = self._s
         try:
             if s.l1_enabled and s.epoch == epoch and exports:

@@ -106,6 +106,14 @@ class BlockManager:
             if need_cache_ref and self.cache_refs[block_id] <= 0:
                 raise EngineMisuse(f"{what}: block {block_id} holds no cache reference")
 
+    def release_held(self, block_ids: Sequence[int], *, what: str) -> None:
+        """Validate like ``validate_held`` (cache refs needed) and drop one cache ref on each block,
+        in one critical section: a release on the transfer thread and one on the loop thread (or
+        a step's allocation) cannot interleave between the check and the change."""
+        with self.lock:
+            self._validate_held(block_ids, what, True)
+            self._decref(block_ids, cache_ref=True)
+
     def incref(self, block_ids: Iterable[int]) -> None:
         with self.lock:
             for block_id in block_ids:

@@ -19,6 +19,15 @@ may be using:
   sequence's blocks are freed after its step sampled (``sample`` returns host ints, which waits
   for the forward). ``release`` and the prefix refs of a request that was never admitted drop
   cache-held blocks, which are never written (next point).
+* A release may run on the transfer thread (``rank/transfers.py`` says when), so a block can
+  reach count 0 there after the loop thread dropped a sequence's ref on it. Such a block has no
+  queued write: a cache ref exists only after a host sync with the block's last write
+  (``to_cache`` after ``sample``, an import after its own synchronize), and shared blocks are
+  never written. It may have a queued *read*: an aborted sequence's last prefill chunk reads its
+  prefix blocks. The engine records the fence before it drops any running sequence's refs
+  (``_finish_aborted``), not only before blocks reach 0, and the null model records it after
+  every forward. So the record an import waits on (the latest, never an older one) follows
+  every kernel of a sequence whose ref is gone, whichever thread frees the block later.
 * An export reads only blocks the cache holds (the backend learns a block id from a finished
   request's ``kept_blocks`` or from an import's reply). Such a block is full and immutable:
   shared blocks are never written (``rank/engine.py``). Its last write was queued before the host
@@ -70,7 +79,9 @@ class PoolTransfers:
 
     def fence(self) -> None:
         """Record "every kernel queued so far" on the compute stream. The loop thread calls it
-        before it frees blocks that a queued kernel may still write (module docstring)."""
+        before it drops refs on blocks that a queued kernel may still write or read, whether or
+        not they reach 0 then (a release on the transfer thread may free them later: module
+        docstring)."""
         if self._fence is not None:
             self._fence.record(torch.cuda.current_stream(self.device))
 
@@ -86,10 +97,9 @@ class PoolTransfers:
         return self.host_pool
 
     def release(self, block_ids: Sequence[int]) -> None:
-        """Drop one cache ref on each block (the loop thread: ordered with the steps)."""
-        ids = list(block_ids)
-        self.blocks.validate_held(ids, what="release", need_cache_ref=True)
-        self.blocks.decref(ids, cache_ref=True)
+        """Drop one cache ref on each block, atomically (either thread: ``rank/transfers.py``
+        says when the transfer thread may; the module docstring why the bytes need no fence)."""
+        self.blocks.release_held(list(block_ids), what="release")
 
     def export(self, pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:
         ids = list(block_ids)

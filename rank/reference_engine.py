@@ -259,7 +259,9 @@ class ReferenceEngine(Engine):
                 kept_waiting.append(seq)
         self._waiting = kept_waiting
         if any(rid in self._running for rid in aborted):
-            self.transfers.fence()  # their last prefill chunk may still be writing (pool_transfers.py)
+            # Before any of their refs drop: their last prefill chunk may still be writing its
+            # blocks or reading its prefix, which a release on the transfer thread may free later.
+            self.transfers.fence()  # (pool_transfers.py)
         for rid in aborted:
             running = self._running.get(rid)
             if running is not None:

@@ -3,26 +3,59 @@
 Why (issue 18 item 2): the loop thread reads commands only between steps. An ``import`` therefore
 waited for the step in progress and then queued behind the other commands. Measured on an H200
 (reference 'medium', 16 agents at 32K): a restore's round trip took 10x the copy of its bytes at
-p50, 30x at p95, where a decode step takes ~60 ms and the copy ~4 ms.
+p50, 30x at p95, where a decode step takes ~60 ms and the copy ~4 ms. With imports here but
+releases still at the boundary, the serving run's restores were bimodal (~7 ms, or 50-100 ms
+when an import needed the blocks of a release sent just before it): releases now run here too.
 
 For an engine that declares ``concurrent_transfers``, the worker starts this thread. The thread
 owns the command socket from the backend. It runs ``import`` and ``export`` itself while the loop
-thread steps; the engine makes that safe (``rank/pool_transfers.py``). Every other command (add,
-abort, release, shutdown) is forwarded unchanged and in order to the loop thread, through an
-inproc PUSH/PULL pair: those must stay ordered with the steps. The thread sends its replies
-through its own PUSH socket to the backend's output socket, because zmq sockets are not
+thread steps; the engine makes that safe (``rank/pool_transfers.py``). It runs a ``release``
+itself too unless an earlier command holds it back (below). Every other command (add, abort,
+shutdown, and the releases held back) is forwarded unchanged and in order to the loop thread,
+through an inproc PUSH/PULL pair: those must stay ordered with the steps. The thread sends its
+replies through its own PUSH socket to the backend's output socket, because zmq sockets are not
 thread-safe (a PULL takes any number of PUSH peers, as with the heartbeat thread's). A reply's
-stats are the loop's latest with the block counts as they are now (``Engine.transfer_stats``).
+stats are the loop's latest with the block counts as they are now (``Engine.transfer_stats``);
+the loop resends its stats after any such reply (``num_transfers``), since a reply may overtake
+a step message sent before it.
 
 Order. Imports and exports commute with add and abort, which change no free count before a step.
 An export's blocks are held until its reply: the cache awaits an export before it releases
 the blocks (``cache/l1_transfers.py``), and the export also pins them (``BlockManager.pin_held``).
-But the cache may send a release and then, without waiting for the release's reply, an import
-that needs the released blocks (``L1Transfers.retire``). Applied in order, the import finds those
-blocks free. Here the release may still be waiting for the loop thread's step boundary. So an
-import that finds too few free blocks while forwarded commands are still unapplied is forwarded
-too, and the loop thread runs it after them at the boundary: the old order and outcome. Later
-imports follow it there until the loop has run it, so imports keep their order among themselves.
+The cache may send a release and then, without waiting for the release's reply, an import
+that needs the released blocks (``L1Transfers.retire``); applied in order, the import finds those
+blocks free. A release therefore runs here, at once, unless a forwarded ``add`` that the loop has
+not applied yet names one of its blocks as a prefix block; then it is forwarded and applied after
+that add (a prefix is all an add references). Why that is enough (the gate tests check 1, 2
+and the order; 3 rests on the CUDA argument there, run by the concurrent tests on a GPU):
+
+1. An unapplied add that references a block the release drops: run first, the release could free
+   the block and an import reuse it, and the add would then validate against (and read) another
+   session's bytes. Such a release is forwarded, behind the add. The add counts as unapplied
+   until ``_handle`` has returned (``applied`` moves after it), so its validate-then-incref is
+   never split by a release here.
+2. An abort (applied or not): it only marks the request; the step drops the sequence's refs. A
+   release here drops cache refs only, so a block the sequence holds stays allocated until the
+   step drops that ref, after the fence (3). Releases commute with aborts and with releases still
+   queued for the loop (forwarded ones): all of them only decrement counts, and each validates
+   and decrements in one critical section (``BlockManager.release_held``), so two releases of
+   one block cannot both pass the check and underflow it. If the cache released a block twice,
+   which of the two gets the error could change; the counts could not.
+3. The CUDA fence: a block freed here after the loop dropped a running sequence's ref may have
+   a queued read by that sequence (never a write: cache-held blocks are not written). The loop
+   records the fence before it drops such refs, whether or not they reach 0 then, and an import
+   waits for the latest record (``rank/pool_transfers.py``).
+4. Replies: a release's reply leaves from the thread that applied it, with the stats as any
+   transfer reply's (above). Replies carry their ``cid``, so their order across the two sockets
+   does not matter; the cache awaits each one.
+5. The step allocates under ``BlockManager.lock`` while a release runs here; the release's
+   check and change are one critical section, so the step sees it wholly or not at all.
+
+An import that finds too few free blocks while forwarded commands are still unapplied (a
+release held back behind an add, say) is forwarded too, and the loop thread runs it after them
+at the boundary: the old order and outcome. Later imports follow it there until the loop has run
+it, so imports keep their order among themselves. A release here never waits behind such an
+import: it can only leave the import more free blocks.
 
 Failure: a refused command gets an error reply, as on the loop thread. Any other exception (a
 CUDA error) stops the thread, and the loop thread raises it at its next iteration, so the rank
@@ -44,6 +77,7 @@ import os
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -59,7 +93,7 @@ ENABLE_ENV = "DIB_TRANSFER_THREAD"
 GATE_ENV = "DIB_TEST_TRANSFER_GATE"
 POLL_MS = 50  # how often the thread looks at its stop flag while no command comes
 FORWARD_ADDR = "inproc://rank-commands"  # the loop thread's end binds it
-TRANSFER_OPS = frozenset({"import", "export"})
+THREAD_OPS = frozenset({"import", "export", "release"})  # run here (a release: unless held back)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -116,7 +150,8 @@ def run_command(engine: Engine, header: dict[str, Any]) -> dict[str, Any]:
 
 
 class TransferThread:
-    """Owns the backend's command socket; runs transfers, forwards the rest (module docstring).
+    """Owns the backend's command socket; runs transfers and releases, forwards the rest (module
+    docstring).
 
     ``forwarded`` (written here) and ``applied`` (written by the loop thread once it has run a
     forwarded command, before its reply) count the forwarded commands; ``num_transfers`` counts
@@ -131,6 +166,9 @@ class TransferThread:
         self.forwarded = 0
         self.applied = 0
         self._import_queued_at = 0  # ``forwarded`` just after the last import handed to the loop
+        # Forwarded adds with prefix blocks, as (``forwarded`` just after the add, its blocks),
+        # until the loop has applied them (``_held_back``).
+        self._adds: deque[tuple[int, frozenset[int]]] = deque()
         self.error: str | None = None
         self.num_transfers = 0
         self._stop = threading.Event()
@@ -168,12 +206,13 @@ class TransferThread:
                 while cast(int, cmd.get(zmq.EVENTS)) & zmq.POLLIN and not self._stop.is_set():
                     frames = cmd.recv_multipart(zmq.NOBLOCK)
                     header = wire.unpack_header(frames[0])
-                    if header.get("op") not in TRANSFER_OPS:
-                        self._forward(forward, frames)
+                    op = header.get("op")
+                    if op not in THREAD_OPS or (op == "release" and self._held_back(header)):
+                        self._forward(forward, frames, header)
                         continue
                     reply = self._transfer(header)
                     if reply is None:  # an import the loop thread runs after what is queued before it
-                        self._forward(forward, frames)
+                        self._forward(forward, frames, header)
                         self._import_queued_at = self.forwarded
                         continue
                     reply["stats"] = wire.stats_list(self.engine.transfer_stats(self.last_stats))
@@ -187,9 +226,31 @@ class TransferThread:
             out.close()
             cmd.close(0)
 
-    def _forward(self, forward: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    def _forward(self, forward: zmq.Socket[bytes], frames: list[bytes], header: dict[str, Any]) -> None:
         self.forwarded += 1
+        if header.get("op") == "add":
+            prefix = header.get("pb")
+            blocks = frozenset(b for b in prefix if isinstance(b, int)) if isinstance(prefix, list) else None
+            if blocks:
+                self._unapplied_adds().append((self.forwarded, blocks))
         forward.send_multipart(frames)
+
+    def _unapplied_adds(self) -> deque[tuple[int, frozenset[int]]]:
+        """``_adds`` without those the loop thread has applied by now."""
+        adds = self._adds
+        while adds and adds[0][0] <= self.applied:
+            adds.popleft()
+        return adds
+
+    def _held_back(self, header: dict[str, Any]) -> bool:
+        """Whether a release must go to the loop thread: a forwarded add it has not applied yet
+        names one of the release's blocks (module docstring, point 1). A malformed release goes
+        there too, to be refused as before."""
+        adds = self._unapplied_adds()
+        ids = header.get("ids")
+        if not isinstance(ids, list):
+            return True
+        return bool(adds) and any(isinstance(b, int) and b in blocks for b in ids for _, blocks in adds)
 
     def _transfer(self, header: dict[str, Any]) -> dict[str, Any] | None:
         """The reply, or None when the import must wait for forwarded commands (module docstring)."""

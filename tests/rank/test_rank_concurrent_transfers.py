@@ -1,8 +1,9 @@
 """Imports and exports on a second thread while the reference engine steps (issue 18 item 2).
 
 In process, real threads, CPU: the transfer thread's side of ``rank/transfers.py`` calls
-``import_blocks``/``export_blocks`` while the main thread runs ``step``; releases stay on the main
-thread between steps, as in the worker. Ordering is asserted with events, never a clock.
+``import_blocks``/``export_blocks``, and ``release`` for some of its restores, while the main
+thread runs ``step``; the other releases run on the main thread between steps, as forwarded ones
+do in the worker. Ordering is asserted with events, never a clock.
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ def test_transfers_finish_while_a_step_is_in_progress(engine: ReferenceEngine) -
 
 
 def test_greedy_output_and_accounting_exact_under_concurrent_restores(engine: ReferenceEngine) -> None:
-    """Many imports/exports on a second thread while greedy requests (and aborted ones) step:
-    the same tokens as without them, and the block bookkeeping exact at the end."""
+    """Many imports/exports, and releases of half the restores, on a second thread while greedy
+    requests (and aborted ones) step: the same tokens as without them, and the block bookkeeping
+    exact at the end."""
     kept = cached_blocks(engine, "src", 4 * BLOCK + 1)
     engine.export_blocks(kept, 0)
     prompts = {f"r{i}": (20 + 13 * i, 6 + i % 4) for i in range(6)}
@@ -131,7 +133,7 @@ def test_greedy_output_and_accounting_exact_under_concurrent_restores(engine: Re
 
     to_release: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
     stop = threading.Event()
-    counts = {"imports": 0, "exports": 0, "refused": 0}
+    counts = {"imports": 0, "exports": 0, "refused": 0, "thread_releases": 0}
     outstanding = threading.Semaphore(2)  # restores the loop thread has not released yet
 
     def hammer() -> None:
@@ -150,7 +152,12 @@ def test_greedy_output_and_accounting_exact_under_concurrent_restores(engine: Re
             engine.export_blocks(ids, slot)  # the restored copy goes back out to other slots
             counts["exports"] += 1
             slot = 10 + (slot + len(ids)) % 40
-            to_release.put(ids)
+            if counts["imports"] % 2:  # half the releases on this thread, beside the step
+                engine.release(ids)
+                counts["thread_releases"] += 1
+                outstanding.release()
+            else:
+                to_release.put(ids)
 
     def release_queued() -> None:  # the loop thread's releases, between steps
         while not to_release.empty():
@@ -177,13 +184,14 @@ def test_greedy_output_and_accounting_exact_under_concurrent_restores(engine: Re
         thread.join(WAIT_S)
     release_queued()
     assert counts["imports"] > 0 and counts["exports"] == counts["imports"]
+    assert counts["thread_releases"] == (counts["imports"] + 1) // 2 > 0
     assert {rid: concurrent[rid] for rid in prompts} == baseline
     engine.check_accounting()
     engine.release(kept)
     engine.check_accounting()
     assert engine.stats().num_free_blocks == engine.num_blocks - 1
-    print(f"\n{counts['imports']} imports, {counts['exports']} exports beside the steps "
-          f"({counts['refused']} refused: pool full)")
+    print(f"\n{counts['imports']} imports, {counts['exports']} exports, {counts['thread_releases']} "
+          f"releases beside the steps ({counts['refused']} refused: pool full)")
 
 
 def test_refused_transfers_change_nothing(engine: ReferenceEngine) -> None:
@@ -212,6 +220,28 @@ def test_a_release_during_an_export_frees_the_blocks_after_it() -> None:
     bm.check({})
     with pytest.raises(EngineMisuse):
         bm.pin_held([ids[0]], what="export")  # free now
+
+
+def test_a_release_checks_and_drops_its_refs_in_one_critical_section() -> None:
+    """``release_held``: a refused release changes nothing; one block released twice over is
+    refused (never an underflow), the second copy of a shared block's refs is not."""
+    bm = BlockManager(8)
+    ids = bm.allocate(3, cache_ref=True)
+    bm.incref([ids[0]])
+    bm.to_cache([ids[0]])  # two cache refs on ids[0]
+    with pytest.raises(EngineMisuse):
+        bm.release_held([ids[1], 0], what="release")
+    with pytest.raises(EngineMisuse):
+        bm.release_held([ids[1], ids[1]], what="release")
+    assert bm.num_free_blocks == 4
+    bm.check({})
+    bm.release_held(ids, what="release")
+    assert bm.num_free_blocks == 6 and bm.cache_refs[ids[0]] == 1
+    with pytest.raises(EngineMisuse, match="is free"):
+        bm.release_held([ids[1]], what="release")
+    bm.release_held([ids[0]], what="release")
+    assert bm.num_free_blocks == 7
+    bm.check({})
 
 
 def test_failed_import_copy_gives_its_blocks_back(engine: ReferenceEngine,

@@ -1,10 +1,11 @@
 """The rank worker's transfer thread (rank/transfers.py) in a real rank process, CPU.
 
 The test gate (``DIB_TEST_TRANSFER_GATE``) holds a step or a transfer for as long as a file
-exists, so the order of events is asserted without a clock: imports and exports reply while a
-step is held; a release sent meanwhile is not applied until the step ends; an import that needs
-a release still queued for the loop thread runs after it, and imports keep their order; a rank
-SIGKILLed mid-transfer fails the transfer with RankFailed and the group serves again.
+exists, so the order of events is asserted without a clock: imports, exports and releases reply
+while a step is held, and so does an import that needs the blocks of the release before it; a
+release of a block that an add still queued for the loop names is applied after that add, an
+import that needs such a release runs after it, and imports keep their order; a rank SIGKILLed
+mid-transfer (an import or a release) fails it with RankFailed and the group serves again.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_transfers_reply_while_a_step_is_held_and_commands_keep_their_order(tmp_
             await _idle(group, cached=3)
 
             (tmp_path / "hold-step").touch()
-            held = group.submit(0, _request("b", 20, 2, seed=1))  # 2 blocks, no more
+            held = group.submit(0, _request("b", 12, 2, seed=1))  # 1 block, no more
             await _until(tmp_path / "held-step")
             # The loop thread is inside a step: transfers still reply.
             await asyncio.wait_for(group.export_blocks(0, kept, 0), WAIT_S)
@@ -83,7 +84,11 @@ def test_transfers_reply_while_a_step_is_held_and_commands_keep_their_order(tmp_
             await asyncio.wait_for(group.export_blocks(0, restored, 10), WAIT_S)
             assert _slots(group, 0, 3) == _slots(group, 10, 3)  # byte-exact through a restore
             assert (tmp_path / "held-step").exists()
-            # A release stays on the loop thread: not applied while the step is held.
+            # An add sent now waits for the loop thread; a release of a block it names as a
+            # prefix stays on the loop thread behind it: not applied while the step is held.
+            prefixed = _request("c", 30, 2, seed=2)
+            prefixed.prefix_blocks, prefixed.num_cached_tokens = (restored[0],), BLOCK
+            c = group.submit(0, prefixed)
             release = asyncio.ensure_future(group.release(0, restored))
             # An import that needs the queued release's blocks runs after it (the old order):
             # the export after it replies first (the thread takes commands in order).
@@ -96,14 +101,19 @@ def test_transfers_reply_while_a_step_is_held_and_commands_keep_their_order(tmp_
             assert not release.done() and not needs_release.done() and not small.done()
             (tmp_path / "hold-step").unlink()
             await asyncio.wait_for(release, WAIT_S)
-            big = await asyncio.wait_for(needs_release, WAIT_S)  # b's 2 blocks taken by then
+            # The held step admitted b (1 block); at the boundary after it, c took its prefix
+            # ref first, so the release freed restored[1:] only: free - 1 + 2 for the import.
+            big = await asyncio.wait_for(needs_release, WAIT_S)
             assert len(big) == free + 1
             with pytest.raises(CapacityExhausted):  # in order: the big one left nothing
                 await asyncio.wait_for(small, WAIT_S)
+            await group.release(0, big)  # c waits for a block until now
             tokens, last = await asyncio.wait_for(collect(held), WAIT_S)
             assert len(tokens) == 2
-            await group.release(0, big)
+            c_tokens, c_last = await asyncio.wait_for(collect(c), WAIT_S)
+            assert len(c_tokens) == 2 and c_last.error is None  # its prefix block was still held
             await group.release(0, last.kept_blocks)
+            await group.release(0, c_last.kept_blocks)  # restored[0] among them
             # Refused transfers leave nothing behind.
             with pytest.raises(CapacityExhausted):
                 await group.import_blocks(0, 0, group.num_blocks)
@@ -119,8 +129,46 @@ def test_transfers_reply_while_a_step_is_held_and_commands_keep_their_order(tmp_
     asyncio.run(scenario())
 
 
+@pytest.mark.timeout(180)
+def test_a_release_and_the_import_that_needs_its_blocks_reply_while_a_step_is_held(tmp_path: Path) -> None:
+    """No add waits for the loop: the release runs on the transfer thread, so the import the
+    cache sends right behind it (``L1Transfers.retire``) finds the blocks free at once."""
+    async def scenario() -> None:
+        group = _group(tmp_path)
+        await group.start()
+        try:
+            _, first = await collect(group.submit(0, _request("a", 60, 3)))
+            kept = first.kept_blocks
+            await _idle(group, cached=len(kept))
+            await group.export_blocks(0, kept, 0)
+            (tmp_path / "hold-step").touch()
+            held = group.submit(0, _request("b", 20, 2, seed=1))  # applied; its step is held
+            await _until(tmp_path / "held-step")
+            await asyncio.wait_for(group.export_blocks(0, kept, 5), WAIT_S)  # (fresh counts)
+            free = group.stats(0).num_free_blocks
+            group.abort(0, "none")  # queued for the loop; a release does not wait for an abort
+            release = asyncio.ensure_future(group.release(0, kept))
+            needs_release = asyncio.ensure_future(group.import_blocks(0, 0, free + len(kept)))
+            await asyncio.wait_for(release, WAIT_S)
+            restored = await asyncio.wait_for(needs_release, WAIT_S)
+            assert (tmp_path / "held-step").exists()  # both replied with the step still held
+            assert len(restored) == free + len(kept) == group.num_blocks - 1
+            assert group.stats(0).num_free_blocks == 0
+            (tmp_path / "hold-step").unlink()
+            await group.release(0, restored)  # b waits for blocks until now
+            tokens, last = await asyncio.wait_for(collect(held), WAIT_S)
+            assert len(tokens) == 2
+            await group.release(0, last.kept_blocks)
+            await _idle(group)
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.timeout(240)
-def test_rank_sigkill_during_a_transfer_fails_it_and_the_group_serves_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("op", ["import", "release"])
+def test_rank_sigkill_during_a_transfer_fails_it_and_the_group_serves_again(tmp_path: Path, op: str) -> None:
     async def scenario() -> None:
         group = _group(tmp_path)
         await group.start()
@@ -128,11 +176,12 @@ def test_rank_sigkill_during_a_transfer_fails_it_and_the_group_serves_again(tmp_
             _, first = await collect(group.submit(0, _request("a", 40, 2)))
             await group.export_blocks(0, first.kept_blocks, 0)
             (tmp_path / "hold-transfer").touch()
-            restore = asyncio.ensure_future(group.import_blocks(0, 0, 2))
+            held: asyncio.Future[Any] = asyncio.ensure_future(
+                group.import_blocks(0, 0, 2) if op == "import" else group.release(0, first.kept_blocks))
             await _until(tmp_path / "held-transfer")
             os.kill(group.pids()[0], signal.SIGKILL)
             with pytest.raises(RankFailed):
-                await asyncio.wait_for(restore, WAIT_S)
+                await asyncio.wait_for(held, WAIT_S)
             (tmp_path / "hold-transfer").unlink()
             await group.wait_ready(120)
             assert group.epoch == 2 and not group._pending

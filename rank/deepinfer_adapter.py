@@ -83,6 +83,7 @@ from rank.engine import (
     EngineStats,
     FinishReason,
     RequestOutput,
+    checked_host_pool,
 )
 from rank.ids import BlockId
 
@@ -412,25 +413,15 @@ class DeepInferEngine(Engine):
     def _gpu_blocks(self) -> torch.Tensor:
         return cast("torch.Tensor", self.llm.driver_worker.cache_engine.gpu_blocks)  # [blocks, bpb] uint8
 
-    def _pool_for(self, host_slot: int, num_blocks: int) -> HostPool:
-        if self.host_pool is None:
-            raise EngineMisuse("this engine has no L1 host pool")
-        if num_blocks < 1:
-            raise EngineMisuse(f"need at least one block, got {num_blocks}")
-        if not 0 <= host_slot <= self.host_pool.num_slots - num_blocks:
-            raise EngineMisuse(f"host slots [{host_slot}, {host_slot + num_blocks}) outside "
-                               f"0..{self.host_pool.num_slots}")
-        return self.host_pool
-
     def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
         # KV writes and these copies are issued on the same (current) stream, so they are ordered.
         ids = list(block_ids)
-        pool = self._pool_for(host_slot, len(ids))
+        pool = checked_host_pool(self.host_pool, host_slot, len(ids))
         self._check_ids(ids, "export", need_cache_ref=False)
         pool.copy_from_device(self._gpu_blocks(), [int(b) for b in ids], host_slot)
 
     def import_blocks(self, host_slot: int, num_blocks: int) -> list[BlockId]:
-        pool = self._pool_for(host_slot, num_blocks)
+        pool = checked_host_pool(self.host_pool, host_slot, num_blocks)
         self._bm.lock()  # allocate_nolock throws part-way when short: check under the same lock
         try:
             free = int(self._bm.get_num_free_blocks())

@@ -41,10 +41,14 @@ import abc
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rank.ids import BlockId, HostSlot
+
+if TYPE_CHECKING:
+    from rank.host_pool import HostPool
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -55,6 +59,19 @@ class EngineMisuse(ValueError):
 
 class CapacityExhausted(RuntimeError):
     """Not enough free blocks (or host slots) for the operation; nothing was changed."""
+
+
+def checked_host_pool(pool: HostPool | None, host_slot: int, num_blocks: int) -> HostPool:
+    """The pool an engine's ``import_blocks``/``export_blocks`` may use for ``num_blocks`` slots from
+    ``host_slot``; EngineMisuse (a refused command, never a dead rank) when there is no pool or the
+    slots fall outside it."""
+    if pool is None:
+        raise EngineMisuse("this engine has no L1 host pool")
+    if num_blocks < 1:
+        raise EngineMisuse(f"need at least one block, got {num_blocks}")
+    if not 0 <= host_slot <= pool.num_slots - num_blocks:
+        raise EngineMisuse(f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{pool.num_slots}")
+    return pool
 
 
 class FinishReason(str, enum.Enum):

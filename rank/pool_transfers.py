@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rank.engine import CapacityExhausted, EngineMisuse, EngineStats
+from rank.engine import CapacityExhausted, EngineStats, checked_host_pool
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -85,17 +85,6 @@ class PoolTransfers:
         if self._fence is not None:
             self._fence.record(torch.cuda.current_stream(self.device))
 
-    def check_slots(self, host_slot: int, num_blocks: int) -> HostPool:
-        if self.host_pool is None:
-            raise EngineMisuse("this engine has no L1 host pool")
-        if num_blocks < 1:
-            raise EngineMisuse(f"need at least one block, got {num_blocks}")
-        if not 0 <= host_slot <= self.host_pool.num_slots - num_blocks:
-            raise EngineMisuse(
-                f"host slots [{host_slot}, {host_slot + num_blocks}) outside 0..{self.host_pool.num_slots}"
-            )
-        return self.host_pool
-
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one cache ref on each block, atomically (either thread: ``rank/transfers.py``
         says when the transfer thread may; the module docstring why the bytes need no fence)."""
@@ -103,7 +92,7 @@ class PoolTransfers:
 
     def export(self, pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:
         ids = list(block_ids)
-        host_pool = self.check_slots(host_slot, len(ids))
+        host_pool = checked_host_pool(self.host_pool, host_slot, len(ids))
         self.blocks.pin_held(ids, what="export")
         try:
             host_pool.copy_from_device(pool, ids, host_slot, stream=self.stream)
@@ -111,7 +100,7 @@ class PoolTransfers:
             self.blocks.unpin(ids)
 
     def import_(self, pool: torch.Tensor, host_slot: int, num_blocks: int) -> list[int]:
-        host_pool = self.check_slots(host_slot, num_blocks)
+        host_pool = checked_host_pool(self.host_pool, host_slot, num_blocks)
         ids = self.blocks.try_allocate(num_blocks, cache_ref=True)
         if ids is None:
             raise CapacityExhausted(f"import of {num_blocks} blocks: {self.blocks.num_free_blocks} free")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rank.block_manager import BlockManager
-from rank.engine import CapacityExhausted, EngineMisuse
+from rank.engine import CapacityExhausted, EngineMisuse, checked_host_pool
 
 if TYPE_CHECKING:
     from rank.host_pool import HostPool
@@ -116,28 +116,18 @@ class BlockPool:
         self._bm.decref(blocks, cache_ref=True)
 
     def export_blocks(self, blocks: list[int], host_slot: int) -> None:
-        pool = self._check_slots(host_slot, len(blocks))
+        pool = checked_host_pool(self.host_pool, host_slot, len(blocks))
         self._bm.validate_held(blocks, what="export_blocks", need_cache_ref=False)
         pool.copy_from_device(self._rows, blocks, host_slot)
 
     def import_blocks(self, host_slot: int, num: int) -> list[int]:
-        pool = self._check_slots(host_slot, num)
+        pool = checked_host_pool(self.host_pool, host_slot, num)
         if not self._bm.can_allocate(num):
             raise CapacityExhausted(f"import needs {num} blocks, {self._bm.num_free_blocks} free")
         blocks = self._bm.allocate(num, cache_ref=True)
         pool.copy_to_device(self._rows, blocks, host_slot)
         return blocks
 
-    def _check_slots(self, host_slot: int, num: int) -> HostPool:
-        if self.host_pool is None:
-            raise EngineMisuse("this engine has no L1 host pool")
-        if num < 1:
-            raise EngineMisuse(f"need at least one block, got {num}")
-        if not 0 <= host_slot <= self.host_pool.num_slots - num:
-            raise EngineMisuse(
-                f"host slots [{host_slot}, {host_slot + num}) outside 0..{self.host_pool.num_slots}"
-            )
-        return self.host_pool
 
     def close(self) -> None:
         if self.host_pool is not None:

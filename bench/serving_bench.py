@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -41,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -300,7 +298,6 @@ async def service_only(num_streams: int, num_steps: int) -> float:
     push one single-token output per step into); the protocol is the real one. Every step is
     consumed before the next, so each token is its own delivery: the worst case for batching.
     """
-    from cache.turns import TierTokens, Turn
     from protocol.api import Protocol
     from protocol.ledger import OutputLedger
     from protocol.tokenize import PromptTokenizer
@@ -309,32 +306,7 @@ async def service_only(num_streams: int, num_steps: int) -> float:
     from server.config import load_config
     from server.metrics import ServerMetrics
     from server.service import ChatService
-
-    class _Admission:
-        rank, prefix_blocks, num_cached_tokens, queue_time_s = 0, (), 0, 0.0
-        cached_tokens_by_tier = TierTokens()
-        max_output_tokens = 8192
-
-        def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: object) -> str:
-            return request_id
-
-    class _Cache:
-        @contextlib.asynccontextmanager
-        async def turn(self, prompt_ids: np.ndarray, *_: object, **__: object) -> AsyncIterator[Turn]:
-            turn = Turn(self, _Admission(), prompt_ids)  # type: ignore[arg-type]
-            try:
-                yield turn
-            finally:
-                turn.exit(True)
-
-        def make_room(self, *_: object) -> None:
-            pass
-
-        def finish(self, *_: object) -> None:
-            pass
-
-        def abort(self, *_: object) -> None:
-            pass
+    from standins.admit_all_cache import AdmitAllCache
 
     class _Client:
         state = GroupState.READY
@@ -349,7 +321,7 @@ async def service_only(num_streams: int, num_steps: int) -> float:
     config = load_config({"max_model_len": 8192})
     protocol = Protocol(PromptTokenizer.load(None), OutputLedger(), config.served_model_names, 8192)
     client = _Client()
-    service = ChatService(protocol, _Cache(), client, ServerMetrics(), config)
+    service = ChatService(protocol, AdmitAllCache(max_output_tokens=8192), client, ServerMetrics(), config)
     text_ids = protocol.tokenizer.encode_plain(" the quick brown fox jumps over the lazy dog" * 20).tolist()
 
     async def write(_: bytes) -> None:

@@ -7,54 +7,17 @@ a protocol whose streams only count, and a rank client whose streams the test fe
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from cache.turns import TierTokens, Turn
 from rank.client import GroupState, RequestStream
 from rank.engine import FinishReason, RequestOutput
 from server.config import load_config
 from server.metrics import ServerMetrics
 from server.service import ChatService
-
-
-class _Admission:
-    def __init__(self, num_cached_tokens: int) -> None:
-        self.rank = 0
-        self.prefix_blocks: list[int] = []
-        self.num_cached_tokens = num_cached_tokens
-        self.queue_time_s = 0.0
-        self.cached_tokens_by_tier = TierTokens()
-        self.max_output_tokens = 4
-
-    def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: object) -> str:
-        return request_id
-
-
-class _Cache:
-    def __init__(self) -> None:
-        self.cached: dict[int, int] = {}  # prompt length -> cached tokens
-
-    @contextlib.asynccontextmanager
-    async def turn(self, prompt_ids: np.ndarray, *_: object, **__: object) -> AsyncIterator[Turn]:
-        turn = Turn(self, _Admission(self.cached.get(len(prompt_ids), 0)), prompt_ids)  # type: ignore[arg-type]
-        try:
-            yield turn
-        finally:
-            turn.exit(True)
-
-    def make_room(self, *_: object) -> None:
-        pass
-
-    def finish(self, *_: object) -> None:
-        pass
-
-    def abort(self, *_: object) -> None:
-        pass
+from standins.admit_all_cache import AdmitAllCache
 
 
 class _Client:
@@ -99,7 +62,7 @@ def run_three(gate: bool) -> list[list[str]]:
     async def main() -> list[list[str]]:
         config = load_config({"max_num_batched_tokens": 1024, "submit_gate": gate,
                               "submit_gate_max_hold_secs": 600})
-        cache, client = _Cache(), _Client()
+        cache, client = AdmitAllCache(max_output_tokens=4), _Client()
         cache.cached[1200] = 1100
         service = ChatService(_Protocol(), cache, client, ServerMetrics(), config)
         tasks, seen = [], []

@@ -62,18 +62,20 @@ def import_deepinfer() -> SimpleNamespace:
 class DeepInferSettings:
     """What one rank's DeepInfer engine is built from (the workload config's keys + the rank)."""
 
+    # No defaults: the values come from RankConfig (``from_rank_config``), whose defaults are the
+    # README's; a second set here could drift from them.
     model_dir: str
     engine_rank: int
-    ep: int = 4
-    max_model_len: int = 1_064_960
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 16384
-    gpu_memory_utilization: float = 0.90
-    eplb: bool = False
-    extra_experts: int = 0
-    prefill_attempt_interval: int = 70
-    prefill_any_attempt_interval: int = 100
-    prefix_cache: bool = True
+    ep: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    eplb: bool
+    extra_experts: int
+    prefill_attempt_interval: int
+    prefill_any_attempt_interval: int
+    prefix_cache: bool
     extra_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

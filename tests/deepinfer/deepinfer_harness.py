@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rank.config import RankConfig
 from rank.deepinfer_adapter import DeepInferEngine
 from rank.deepinfer_settings import DeepInferSettings
 from rank.engine import EngineRequest, SamplingParams
@@ -39,11 +40,12 @@ class HostPoolStub:
         self.closed = True
 
 
-def settings(**overrides: Any) -> DeepInferSettings:
-    base = dict(model_dir="/nonexistent/model", engine_rank=0, ep=1, max_model_len=4096, max_num_seqs=8,
-                max_num_batched_tokens=512)
+def settings(engine_rank: int = 0, **overrides: Any) -> DeepInferSettings:
+    """DeepInferSettings as a rank builds them: from a RankConfig (``overrides`` are its keys)."""
+    base: dict[str, Any] = dict(engine="deepinfer", model_dir="/nonexistent/model", ep=1, max_model_len=4096,
+                                max_num_seqs=8, max_num_batched_tokens=512)
     base.update(overrides)
-    return DeepInferSettings(**base)
+    return DeepInferSettings.from_rank_config(RankConfig(**base), engine_rank)
 
 
 def make_engine(patched: bool = True, host_slots: int = 0, core: Any = None, prefix_cache: bool = True,

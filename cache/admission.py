@@ -28,7 +28,7 @@ import asyncio
 import enum
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocol.errors import Overloaded
@@ -79,40 +79,68 @@ class AdmissionQueue:
         return self._waiting_tokens[rank]
 
     async def enter(self, rank: int, num_tokens: int, try_admit: Callable[[AdmitLevel], bool]) -> float:
-        """Return once ``try_admit`` said yes for this turn; the result is the time queued (s).
+        """Return once ``try_admit`` said yes for this turn on ``rank``; the result is the time
+        queued (s). See ``enter_any``."""
+        _rank, waited_s = await self.enter_any((rank,), num_tokens, lambda _r, level: try_admit(level))
+        return waited_s
 
-        ``try_admit(level)`` must be synchronous and, when it returns True, must have reserved
-        the turn's blocks. Raises ``Overloaded`` when the turn cannot be admitted in time."""
-        queue = self._queues[rank]
-        if not queue and try_admit(AdmitLevel.NORMAL):
-            return 0.0
-        within_force = bool(queue) and self._clock() - queue[0].enqueued_s < self.config.force_after_s
-        if within_force and try_admit(AdmitLevel.FREE_ONLY):
-            self.num_overtaken += 1
-            return 0.0
-        if len(queue) >= self.config.max_queue_depth:
+    async def enter_any(
+        self, ranks: Sequence[int], num_tokens: int, try_admit: Callable[[int, AdmitLevel], bool],
+        order: Callable[[], Sequence[int]] | None = None,
+    ) -> tuple[int, float]:
+        """Return ``(rank, time queued)`` once ``try_admit(rank, level)`` said yes for this turn
+        on one of ``ranks``, tried in the given order (re-read from ``order()`` at each retry
+        while the turn waits) when several could take it at once.
+
+        ``try_admit`` must be synchronous and, when it returns True, must have reserved the
+        turn's blocks on that rank. A turn that may run on several ranks waits in each of their
+        queues with one ticket and is admitted by whichever rank first has room for it while it
+        is that rank's head (late binding: one queue for the node instead of one per rank picked
+        on arrival). Raises ``Overloaded`` when the turn cannot be admitted in time."""
+        if not ranks:
+            raise ValueError("enter_any needs at least one rank")
+        now = self._clock()
+        for rank in ranks:
+            if not self._queues[rank] and try_admit(rank, AdmitLevel.NORMAL):
+                return rank, 0.0
+        for rank in ranks:
+            queue = self._queues[rank]
+            within_force = bool(queue) and now - queue[0].enqueued_s < self.config.force_after_s
+            if within_force and try_admit(rank, AdmitLevel.FREE_ONLY):
+                self.num_overtaken += 1
+                return rank, 0.0
+        if all(len(self._queues[r]) >= self.config.max_queue_depth for r in ranks):
             self.num_rejected += 1
             raise Overloaded(
-                f"rank {rank} has {len(queue)} turns waiting for KV cache room; retry later",
+                f"rank {ranks[0]} has {len(self._queues[ranks[0]])} turns waiting for KV cache room; "
+                "retry later" if len(ranks) == 1 else
+                f"{len(ranks)} ranks each have {self.config.max_queue_depth} turns waiting for KV cache "
+                "room; retry later",
                 retry_after_s=self.config.recheck_s * 8,
             )
-        ticket = _Ticket(num_tokens, self._clock())
-        queue.append(ticket)
-        self._waiting_tokens[rank] += num_tokens
+        ticket = _Ticket(num_tokens, now)
+        joined = [r for r in ranks if len(self._queues[r]) < self.config.max_queue_depth]
+        share = num_tokens // len(joined)  # the router's per-rank waiting tokens: split, not counted twice
+        for r in joined:
+            self._queues[r].append(ticket)
+            self._waiting_tokens[r] += share
         self.num_queued += 1
         try:
             while True:
                 waited_s = self._clock() - ticket.enqueued_s
-                if queue[0] is ticket:
-                    force = waited_s >= self.config.force_after_s
-                    if try_admit(AdmitLevel.FORCE if force else AdmitLevel.NORMAL):
+                force = waited_s >= self.config.force_after_s
+                level = AdmitLevel.FORCE if force else AdmitLevel.NORMAL
+                for r in (order() if order is not None and len(joined) > 1 else joined):
+                    if r in joined and self._queues[r][0] is ticket and try_admit(r, level):
                         if force:
                             self.num_forced += 1
-                        return waited_s
+                        return r, waited_s
                 if waited_s >= self.config.fail_after_s:
                     self.num_rejected += 1
                     raise Overloaded(
-                        f"no KV cache room on rank {rank} after {waited_s:.1f} s; retry later",
+                        f"no KV cache room on rank {joined[0]} after {waited_s:.1f} s; retry later"
+                        if len(joined) == 1 else
+                        f"no KV cache room on any of {len(joined)} ranks after {waited_s:.1f} s; retry later",
                         retry_after_s=5.0,
                     )
                 ticket.wake.clear()
@@ -122,10 +150,11 @@ class AdmissionQueue:
                     pass
         finally:
             # Exactly one removal path (admitted, rejected, or the caller was cancelled), then
-            # the next head gets its chance at once.
-            queue.remove(ticket)
-            self._waiting_tokens[rank] -= num_tokens
-            self.notify(rank)
+            # each queue's next head gets its chance at once.
+            for r in joined:
+                self._queues[r].remove(ticket)
+                self._waiting_tokens[r] -= share
+                self.notify(r)
 
     def notify(self, rank: int) -> None:
         """Blocks were freed on ``rank`` (or a turn left the queue): retry its head now."""

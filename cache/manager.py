@@ -219,20 +219,27 @@ class CacheManager:
         s.idle.update(session, now)
         await self.transfers.await_prefetch(session.session_id)
         matches = self.l0.match_all(hashes)
-        decision = self.router.route(
-            session, matches, len(tokens), self.loads(), self.l1_enabled and self.config.prefix_cache, now
-        )
-        rank = decision.rank
+        can_move = self.l1_enabled and self.config.prefix_cache
+        l1_blocks = self.l1.match(hashes)[1] if can_move and hashes else 0
+        decision = self.router.route(session, matches, len(tokens), self.loads(), can_move, now, l1_blocks)
+        ranks = decision.candidates
         src = decision.move_from
-        if src is not None and not await self.transfers.move(session, src, rank, hashes, matches[src]):
-            rank = src
-        session.home_rank = rank
+        if src is not None and not await self.transfers.move(session, src, ranks[0], hashes, matches[src]):
+            ranks = (src,)
+        if len(ranks) == 1:
+            session.home_rank = ranks[0]
         session.num_in_flight += 1
         s.idle.update(session, now)
         try:
             num_reserve = min(max_output, self.config.output_reserve_tokens)
-            adm = await self.admitter.admit_on(rank, session, tokens, hashes, num_reserve)
+            adm = await self.admitter.admit_on(
+                ranks, session, tokens, hashes, num_reserve,
+                order=lambda: self.router.bind_order(self.loads(), matches, len(tokens)),
+            )
             adm.max_output_tokens = max_output
+            if session.home_rank != adm.rank:  # late binding: the rank that had room first
+                session.home_rank = adm.rank
+                s.idle.update(session, s.clock())
         except BaseException:
             session.num_in_flight -= 1
             s.idle.update(session, s.clock())

@@ -11,6 +11,8 @@ blocks reserved. ``close`` gives both back exactly once. A turn cancelled anywhe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
 from cache.admission import AdmitLevel
@@ -35,34 +37,37 @@ class RankAdmitter:
         self.open: set[Admission] = set()
 
     async def admit_on(
-        self, rank: Rank, session: Session, tokens: np.ndarray, hashes: list[BlockHash], num_output: int
+        self, ranks: Sequence[Rank], session: Session, tokens: np.ndarray, hashes: list[BlockHash],
+        num_output: int, order: Callable[[], Sequence[int]] | None = None,
     ) -> Admission:
-        """Wait for room on ``rank`` (ask + commit at each try), retire the victims, restore."""
+        """Wait for room on one of ``ranks`` (ask + commit at each try; the first rank that can
+        take the turn gets it, in ``order()`` when several could), retire the victims, restore."""
         s = self._s
         bs = s.block_size
         epoch = s.epoch
         num_prompt = len(tokens)
         sid = session.session_id
-        # admit() checked the fit
-        total_blocks = min(-(-(num_prompt + num_output) // bs), s.usable_blocks(rank))
+        # admit() checked the fit; every rank has the same pool
+        total_blocks = min(-(-(num_prompt + num_output) // bs), s.usable_blocks(ranks[0]))
         taken: list[Reservation] = []
 
-        def try_admit(level: AdmitLevel) -> bool:
+        def try_admit(rank: int, level: AdmitLevel) -> bool:
             if s.epoch != epoch:
                 return True  # the group restarted: admit and fail below
-            plan = self._planner.ask(rank, hashes, num_prompt, total_blocks)
+            plan = self._planner.ask(Rank(rank), hashes, num_prompt, total_blocks)
             res = self._planner.commit(plan, hashes, sid, level)
             if res is not None:
                 taken.append(res)
             return res is not None
 
-        first_l0 = min(s.l0[rank].match(hashes), len(hashes))
+        first_l0 = min(s.l0[ranks[0]].match(hashes), len(hashes))
         try:
-            queue_s = await s.queue.enter(rank, num_prompt - first_l0 * bs, try_admit)
+            got, queue_s = await s.queue.enter_any(ranks, num_prompt - first_l0 * bs, try_admit, order)
         except BaseException:
             if taken and taken[0].victims:
-                self._transfers.retire_later(rank, list(taken[0].victims), taken[0].exports)
+                self._transfers.retire_later(taken[0].plan.rank, list(taken[0].victims), taken[0].exports)
             raise
+        rank = Rank(got)
         res = taken[0] if taken else None
         if res is not None and res.victims:  # the release rides with the next command: one boundary
             try:

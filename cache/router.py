@@ -14,13 +14,16 @@ Rules, in order:
    on that rank`` (a rank that already holds part of the prompt, e.g. a resumed conversation,
    saves that prefill); ties go to the rank with more free blocks, then the lowest rank index
    (deterministic).
-4. Off by default (``place_homeless``): a known session with nothing left on its home rank (all
-   of it evicted; its next turn restores from L1 or recomputes wherever it runs) and no turn in
-   flight is placed like a new session. With more sessions than the pools hold, sessions rotate
-   through L1, and this joins each returning turn to the least-loaded rank's queue instead of its
-   old home's; in the capacity simulator the effect was within the run-to-run noise
-   (``docs/loadtest.md``). Not within ``move_cooldown_s`` of a move (``rebalance``,
-   ``move_session``): the move chose its home, and its next turn restores there.
+4. Off by default (``place_homeless``): a known session with no turn in flight whose home rank
+   holds nothing of its prefix, or no more than L1 holds (running it elsewhere costs one host-to-
+   GPU copy, no prefill), is *not bound to a rank on arrival*. It waits in every rank's admission
+   queue at once and runs on the first rank that has room for it while it is that rank's head
+   (late binding, ``AdmissionQueue.enter_any``); when several can take it, the one with the
+   least work in flight (``bind_order``). With more sessions than the pools hold, sessions
+   rotate through L1 and the KV room freed by a finishing turn is what admits the next one: one
+   queue for the node admits the oldest waiter wherever room appears, where per-rank queues
+   left turns waiting on one rank while another had room (``docs/loadtest.md``). Not within
+   ``move_cooldown_s`` of a move (``rebalance``, ``move_session``): the move chose its home.
 
 Load measure (``RankLoad.load_tokens``): running tokens (context of admitted, unfinished turns)
 + waiting tokens (prompt tokens of turns queued for admission) + idle tokens (last context of
@@ -45,7 +48,7 @@ class RouteReason(str, enum.Enum):
     HOME = "home"  # rule 1: a known session's home rank
     MOVE = "move"  # rule 2: the session moves off an overloaded home
     NEW = "new"  # rule 3: a new session, on the cheapest rank
-    HOMELESS = "homeless"  # rule 4: nothing left on its home rank, placed like a new session
+    HOMELESS = "homeless"  # rule 4: nothing on its home rank that L1 lacks: runs where room appears first
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,12 @@ class RouteDecision:
     rank: Rank
     reason: RouteReason
     move_from: Rank | None = None
+    # Rule 4 only: the other ranks the turn may run on (``rank`` is the one preferred now).
+    also: tuple[Rank, ...] = ()
+
+    @property
+    def candidates(self) -> tuple[Rank, ...]:
+        return (self.rank, *self.also)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +98,14 @@ class Router:
         loads: Sequence[RankLoad],
         can_move: bool,
         now_s: float,
+        l1_blocks: int = 0,
     ) -> RouteDecision:
-        """Pick the rank for one turn. ``matched_blocks[r]`` is the L0 prefix match on rank r."""
+        """Pick the rank for one turn. ``matched_blocks[r]`` is the L0 prefix match on rank r,
+        ``l1_blocks`` the prefix blocks L1 holds (readable)."""
         home = session.home_rank
         homeless = (
             home is not None and self.config.place_homeless and can_move
-            and session.num_in_flight == 0 and matched_blocks[home] == 0
+            and session.num_in_flight == 0 and matched_blocks[home] <= l1_blocks
             and now_s - session.moved_at_s >= self.config.move_cooldown_s  # a move chose its home
         )
         if home is not None and not homeless:
@@ -103,12 +114,32 @@ class Router:
                 return RouteDecision(target, RouteReason.MOVE, move_from=home)
             return RouteDecision(home, RouteReason.HOME)
 
+        if homeless:
+            order = self.bind_order(loads, matched_blocks, num_prompt_tokens)
+            return RouteDecision(order[0], RouteReason.HOMELESS, also=tuple(order[1:]))
+
         def cost(load: RankLoad) -> tuple[int, int, int]:
             cached_tokens = min(num_prompt_tokens, matched_blocks[load.rank] * self.block_size)
             uncached_tokens = num_prompt_tokens - cached_tokens
             return (load.load_tokens + uncached_tokens, -load.num_free_blocks, load.rank)
 
-        return RouteDecision(min(loads, key=cost).rank, RouteReason.HOMELESS if homeless else RouteReason.NEW)
+        return RouteDecision(min(loads, key=cost).rank, RouteReason.NEW)
+
+    def bind_order(
+        self, loads: Sequence[RankLoad], matched_blocks: Sequence[int], num_prompt_tokens: int
+    ) -> list[Rank]:
+        """Rule 4's preference among ranks that could all take the turn now: the least work in
+        flight (running + queued tokens: in lockstep the busiest rank sets every rank's step
+        time; idle sessions do not decode) plus the prompt tokens not resident there, so a rank
+        holding the prefix wins unless it is busier by about that much. Then more free blocks,
+        then the lower index."""
+
+        def cost(load: RankLoad) -> tuple[int, int, int]:
+            cached_tokens = min(num_prompt_tokens, matched_blocks[load.rank] * self.block_size)
+            in_flight = load.running_tokens + load.waiting_tokens
+            return (in_flight + num_prompt_tokens - cached_tokens, -load.num_free_blocks, load.rank)
+
+        return [load.rank for load in sorted(loads, key=cost)]
 
     def _move_target(
         self, session: Session, loads: Sequence[RankLoad], can_move: bool, now_s: float

@@ -2,7 +2,9 @@
 
 ``python -m bench.multi_gpu_run --policy both ...`` runs the whole multi-GPU script twice, one
 child process each (a fresh server and rank group): ``off`` (``place_homeless`` and
-``submit_gate`` false: the cache code alone) then ``on`` (both true). Each run's JSON lies in
+``submit_gate`` false: the cache code alone) then ``on`` (``place_homeless``: rule 4's late
+binding, ``cache/router.py``; the submit gate stays off, it lengthened the tail wherever it was
+tried, docs/loadtest.md). Each run's JSON lies in
 ``<out>/off`` and ``<out>/on``; this module reads them and prints one table (``<out>/onoff.md``,
 ``<out>/onoff.json``):
 
@@ -43,7 +45,7 @@ import orjson
 
 POLICIES: dict[str, dict[str, bool]] = {
     "off": {"place_homeless": False, "submit_gate": False},
-    "on": {"place_homeless": True, "submit_gate": True},
+    "on": {"place_homeless": True, "submit_gate": False},  # the gate hurt everywhere (docs/loadtest.md)
 }
 RESTORE_TARGETS = (1.5, 3.0)  # wall / copy at the p50 and the p95 (issue 18 item 2)
 

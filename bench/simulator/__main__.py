@@ -20,7 +20,7 @@ import orjson
 from bench.loadgen.report import StepStats, format_table
 from bench.simulator import calibration
 from bench.simulator.agents import simulate_step
-from bench.simulator.model import ARRIVALS, OursPolicy, SimConfig
+from bench.simulator.model import ARRIVALS, Deployment, OursPolicy, SimConfig
 from bench.simulator.nodes import simulate_nodes
 from bench.simulator.vclock import run_virtual
 from server.scheduling import SchedulingConfig
@@ -50,18 +50,27 @@ def run_many(jobs: list[tuple[SimConfig, int, int]],
 
 
 def format_engine(context: int, agents: int, s: StepStats, engine: dict[str, float]) -> str:
-    return (f"  {f'{context // 1000}K x {agents}':>11}: input {s.input_tokens_per_s / 1e6:.2f}M tok/s, "
-            f"{s.num_requests} requests; decode batch {engine['mean_running_per_rank']:.1f} seqs and "
-            f"{engine['mean_kv_tokens_per_rank'] / 1e6:.2f}M KV tokens per rank; "
-            f"{100 * engine['prefill_share']:.0f}% of engine time in prompt steps"
-            + (f"\n{'':>13}TTFT parts p50/p95: admission {engine['admit_p50_s']:.1f} / "
-               f"{engine['admit_p95_s']:.1f} s "
-               f"(queue {engine['queue_p50_s']:.1f} / {engine['queue_p95_s']:.1f}, restore "
-               f"{engine['restore_p50_s']:.2f} / "
-               f"{engine['restore_p95_s']:.2f}), "
-               f"gate {engine['gate_p50_s']:.1f} / {engine['gate_p95_s']:.1f} s, engine "
-               f"{engine['engine_p50_s']:.1f} / "
-               f"{engine['engine_p95_s']:.1f} s" if "admit_p50_s" in engine else ""))
+    lines = [(f"  {f'{context // 1000}K x {agents}':>11}: input {s.input_tokens_per_s / 1e6:.2f}M tok/s, "
+              f"{s.num_requests} requests; decode batch {engine['mean_running_per_rank']:.1f} seqs and "
+              f"{engine['mean_kv_tokens_per_rank'] / 1e6:.2f}M KV tokens per rank; "
+              f"{100 * engine['prefill_share']:.0f}% of engine time in prompt steps")]
+    if "admit_p50_s" in engine:
+        lines.append(f"{'':>13}TTFT parts p50/p95: admission {engine['admit_p50_s']:.1f} / "
+                     f"{engine['admit_p95_s']:.1f} s (queue {engine['queue_p50_s']:.1f} / "
+                     f"{engine['queue_p95_s']:.1f}, restore {engine['restore_p50_s']:.2f} / "
+                     f"{engine['restore_p95_s']:.2f}), gate {engine['gate_p50_s']:.1f} / "
+                     f"{engine['gate_p95_s']:.1f} s, engine {engine['engine_p50_s']:.1f} / "
+                     f"{engine['engine_p95_s']:.1f} s")
+    if engine.get("vote_points"):
+        lockstep = engine["decode_s"] / engine["decode_mean_s"] - 1 if engine["decode_mean_s"] else 0.0
+        lines.append(f"{'':>13}vote points passed {engine['votes_passed']} of {engine['vote_points']} "
+                     f"(rank votes with nothing waiting {engine['rank_votes_no_queue']}, over the "
+                     f"watermark {engine['rank_votes_over_mark']}); sequences left waiting by a prompt "
+                     f"step: step budget {engine['left_budget']}, head not fitting {engine['left_hol']}; "
+                     f"lockstep: decode steps {100 * lockstep:.0f}% longer than at the ranks' mean load "
+                     f"(running per rank {engine['min_running']:.1f} lowest, {engine['max_running']:.1f} "
+                     "highest, time-weighted)")
+    return "\n".join(lines)
 
 
 def seed_table(config: SimConfig, num_procs: int = 2) -> dict[str, Any]:
@@ -183,7 +192,8 @@ def nodes_table(config: SimConfig, context: int, agents_per_node: int,
 
 LEVERS = {
     "gate": "server/scheduling.py: the submit gate",
-    "homeless": "cache/router.py rule 4: a session with nothing resident goes to the least-loaded rank",
+    "homeless": "cache/router.py rule 4: a session with nothing on its home that L1 lacks waits in every "
+                "rank's queue and runs on the first with room (late binding)",
 }
 
 
@@ -226,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arrivals", choices=sorted(ARRIVALS), default="seed",
                         help="how agents start and restart conversations "
                              "(bench/simulator/model.py: ARRIVALS)")
+    parser.add_argument("--block-tokens", type=int, default=0,
+                        help="simulated KV block (tokens); 0: context / 256 within 128..2048 (faster); "
+                        "DeepInfer's is 128")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("seed-table", help="calibration: seed model vs the seed's published rows")
     p.add_argument("--out", default=None)
@@ -261,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                    "prefill_any_attempt_interval; DeepInfer's defaults are 70,100)")
     args = parser.parse_args(argv)
     config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
-                       arrivals=ARRIVALS[args.arrivals], pacing=args.pacing)
+                       arrivals=ARRIVALS[args.arrivals], pacing=args.pacing,
+                       deployment=Deployment(block_tokens=args.block_tokens))
     doc: dict[str, Any] = {"config": config.model_dump(), "command": " ".join(sys.argv)}
     if args.cmd in ("seed-table", "all"):
         doc["seed_table"] = seed_table(config, args.jobs)

@@ -106,6 +106,17 @@ class EngineCounters:
     prefill_s: float = 0.0
     seq_s: float = 0.0
     kv_token_s: float = 0.0
+    vote_points: int = 0  # vote points reached while something decodes
+    votes_passed: int = 0  # ... that became a prompt step
+    rank_votes_no_queue: int = 0  # rank x vote point: nothing waiting
+    rank_votes_over_mark: int = 0  # rank x vote point: waiting, but KV usage over the watermark
+    prefill_mean_s: float = 0.0  # what prompt steps would take at the ranks' mean, not their max
+    decode_mean_s: float = 0.0  # the same for decode steps
+    left_hol: int = 0  # sequences left waiting by a prompt step: a head that did not fit
+    left_budget: int = 0  # ... by the step's token budget (or a chunked head)
+    left_not_wanted: int = 0  # ... on a rank that did not take part (its vote was no)
+    max_seq_s: float = 0.0  # decode-time integral of the largest rank's running sequences
+    min_seq_s: float = 0.0
 
     def mean_running(self) -> float:
         return self.seq_s / self.decode_s if self.decode_s else 0.0
@@ -118,7 +129,16 @@ class EngineCounters:
         return {"decode_s": round(self.decode_s, 1), "prefill_s": round(self.prefill_s, 1),
                 "prefill_share": round(self.prefill_s / busy, 3) if busy else 0.0,
                 "mean_running_per_rank": round(self.mean_running(), 2),
-                "mean_kv_tokens_per_rank": round(self.mean_kv_tokens())}
+                "mean_kv_tokens_per_rank": round(self.mean_kv_tokens()),
+                "vote_points": self.vote_points, "votes_passed": self.votes_passed,
+                "rank_votes_no_queue": self.rank_votes_no_queue,
+                "rank_votes_over_mark": self.rank_votes_over_mark,
+                "left_hol": self.left_hol, "left_budget": self.left_budget,
+                "left_not_wanted": self.left_not_wanted,
+                "max_running": round(self.max_seq_s / self.decode_s if self.decode_s else 0, 2),
+                "min_running": round(self.min_seq_s / self.decode_s if self.decode_s else 0, 2),
+                "prefill_mean_s": round(self.prefill_mean_s, 1),
+                "decode_mean_s": round(self.decode_mean_s, 1)}
 
 
 class SimGroup:
@@ -385,6 +405,16 @@ class SimGroup:
                 break  # a chunked sequence ends the batch
         return duration, done
 
+    def _count_vote(self, wants: list[bool]) -> None:
+        c = self.counters
+        c.vote_points += 1
+        for r, w in zip(self.ranks, wants):
+            if not w:
+                if r.waiting:
+                    c.rank_votes_over_mark += 1
+                else:
+                    c.rank_votes_no_queue += 1
+
     def _vote_passes(self, wants: list[bool]) -> bool:
         """DeepInfer's step-type vote at ``decode_step`` (0 right after a prompt step): "ALL"
         points every ``prefill_all_interval_steps`` need every rank to want a prefill, "ANY"
@@ -416,7 +446,9 @@ class SimGroup:
             if any(r.running for r in self.ranks):
                 if self._is_vote_point():
                     wants = [self._wants_prefill(r) for r in self.ranks]
+                    self._count_vote(wants)
                     if self._vote_passes(wants) and await self._prefill_step(wants):
+                        self.counters.votes_passed += 1
                         continue
                 await self._decode_segment()
                 continue
@@ -442,9 +474,20 @@ class SimGroup:
         results = [self._prefill_rank(r, w) for r, w in zip(self.ranks, wants)]
         if not any(d > 0 or done for d, done in results):
             return False
+        for r, w in zip(self.ranks, wants):
+            if not w:
+                self.counters.left_not_wanted += len(r.waiting)
+            elif r.waiting:
+                head = r.waiting[0]
+                if not head.admitted:
+                    self.counters.left_hol += len(r.waiting)
+                else:
+                    self.counters.left_budget += len(r.waiting)
         for r, (_d, done) in zip(self.ranks, results):
             r.in_step = done  # neither waiting nor running while the step runs
         step_s = max(self.model.placeholder_step_s, max(d for d, _ in results))
+        self.counters.prefill_mean_s += max(self.model.placeholder_step_s,
+                                            sum(d for d, _ in results) / len(results))
         await asyncio.sleep(step_s)
         self.counters.prefill_s += step_s
         for r in self.ranks:
@@ -484,8 +527,12 @@ class SimGroup:
         steps = max(1, int(steps))
         step_s = max(self.model.decode_step_s(len(r.running), r.kv_tokens()) for r in self.ranks)
         c, dt = self.counters, steps * step_s
+        c.decode_mean_s += steps * sum(self.model.decode_step_s(len(r.running), r.kv_tokens())
+                                       for r in self.ranks) / self.num_ranks
         c.decode_s += dt
         c.seq_s += dt * sum(len(r.running) for r in self.ranks) / self.num_ranks
+        c.max_seq_s += dt * max(len(r.running) for r in self.ranks)
+        c.min_seq_s += dt * min(len(r.running) for r in self.ranks)
         c.kv_token_s += dt * sum(r.kv_tokens() for r in self.ranks) / self.num_ranks
         await asyncio.sleep(dt)
         self.num_steps += steps

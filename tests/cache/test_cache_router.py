@@ -60,10 +60,12 @@ def test_router_moves_idle_session_off_overloaded_rank_once() -> None:
     assert router.route(s, resident, 21_000, heavy, True, 100.0).rank == 0  # cooldown
 
 
-def test_router_places_a_homeless_session_by_load_rule_4() -> None:
-    """Nothing left on its home rank, no turn in flight, L1 on, no move within the cooldown:
-    placed like a new session (nothing moves); with a resident prefix, a turn in flight, without
-    L1, just after a move or with the rule off it stays home."""
+def test_router_late_binds_a_homeless_session_rule_4() -> None:
+    """Nothing on its home rank that L1 lacks, no turn in flight, L1 on, no move within the
+    cooldown: every rank is a candidate (late binding), the least work in flight first (running
+    + queued tokens + prompt tokens not resident there; idle sessions do not count). With a
+    prefix on home that L1 does not hold, a turn in flight, without L1, just after a move or
+    with the rule off, it stays home."""
     router = Router(RouterConfig(place_homeless=True), BS)
     s = SessionTable().create("x", 0.0)
     s.home_rank = 2
@@ -72,12 +74,24 @@ def test_router_places_a_homeless_session_by_load_rule_4() -> None:
     busy = loads(300_000, 120_000, 500_000, 90_000)
     d = router.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0)
     assert (d.rank, d.reason, d.move_from) == (3, "homeless", None)
-    # part of its prefix on another rank (an earlier home) counts by the cost rule (load +
-    # uncached tokens): rank 1 with 100 blocks costs 120,000 + 188,200 = 308,200 > rank 3's 291,000
-    d = router.route(s, [0, 100, 0, 0], 201_000, busy, True, 100.0)
-    assert (d.rank, d.reason) == (3, "homeless")
-    d = router.route(s, [0, 400, 0, 0], 201_000, busy, True, 100.0)
-    assert (d.rank, d.reason) == (1, "homeless")  # 120,000 + 149,800 = 269,800 < 291,000
+    assert d.candidates == (3, 1, 0, 2)
+    # idle sessions homed on a rank do not decode there: only running + queued tokens count
+    idle_heavy = [RankLoad(0, 0, 10_000, 900_000, 1000), RankLoad(1, 50_000, 0, 0, 1000),
+                  RankLoad(2, 60_000, 0, 0, 1000), RankLoad(3, 70_000, 0, 0, 1000)]
+    assert router.route(s, [0, 0, 0, 0], 201_000, idle_heavy, True, 100.0).candidates == (0, 1, 2, 3)
+    # part of its prefix on another rank counts as tokens not to restore: rank 1 with 100 blocks
+    # costs 120,000 + 188,200 = 308,200 > rank 3's 291,000; with 400 blocks 269,800 < 291,000
+    assert router.route(s, [0, 100, 0, 0], 201_000, busy, True, 100.0).candidates[:2] == (3, 1)
+    assert router.route(s, [0, 400, 0, 0], 201_000, busy, True, 100.0).candidates[:2] == (1, 3)
+    # resident on home but L1 holds as much: still free to run anywhere, home first unless it
+    # is busier by more than the prompt (here 500K + 0 vs 90K + 201K: rank 3 first)
+    d = router.route(s, [0, 0, 1570, 0], 201_000, busy, True, 100.0, l1_blocks=1570)
+    assert d.reason == "homeless" and d.candidates[0] == 3
+    light_home = loads(300_000, 120_000, 100_000, 90_000)
+    d = router.route(s, [0, 0, 1570, 0], 201_000, light_home, True, 100.0, l1_blocks=1570)
+    assert d.reason == "homeless" and d.candidates[0] == 2
+    # home holds more than L1 does: moving would cost a prefill, it stays
+    assert router.route(s, [0, 0, 1570, 0], 201_000, busy, True, 100.0, l1_blocks=1000).reason == "home"
     assert router.route(s, [0, 0, 1, 0], 201_000, busy, True, 100.0).reason == "home"
     assert router.route(s, [0, 0, 0, 0], 201_000, busy, False, 100.0).reason == "home"
     s.num_in_flight = 1

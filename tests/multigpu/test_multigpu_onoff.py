@@ -21,7 +21,7 @@ def test_both_runs_off_then_on_with_the_levers_and_no_sigkill() -> None:
                     "--policy", "--out", "--kill-at") == ["--quick", "--gpus", "1"]
     on = workload_config(parse_args(["--quick", "--policy", "on", "--out", "/tmp/x"]))
     off = workload_config(parse_args(["--quick", "--policy", "off", "--out", "/tmp/x"]))
-    assert (on["place_homeless"], on["submit_gate"]) == (True, True)
+    assert (on["place_homeless"], on["submit_gate"]) == (True, False)
     assert (off["place_homeless"], off["submit_gate"]) == (False, False)
     assert "place_homeless" not in workload_config(parse_args(["--quick", "--out", "/tmp/x"]))
 

@@ -68,8 +68,8 @@ class CacheConfig(BaseModel):
     move_min_tokens: int = Field(65_536, ge=0, description="...and at least this many tokens above it.")
     move_cooldown_s: float = Field(60.0, ge=0, description="A session moves at most once per this period.")
     place_homeless: bool = Field(
-        False, description="A session with nothing left on its home rank goes to the least-loaded rank "
-        "(cache/router.py rule 4; off: no measurable effect in the simulator, docs/loadtest.md)."
+        True, description="Late binding: a session with nothing on its home rank that L1 lacks runs on "
+        "the first rank with room (cache/router.py rule 4; docs/loadtest.md, \"Late binding\")."
     )
 
     def admission(self) -> AdmissionConfig:

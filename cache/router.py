@@ -14,7 +14,7 @@ Rules, in order:
    on that rank`` (a rank that already holds part of the prompt, e.g. a resumed conversation,
    saves that prefill); ties go to the rank with more free blocks, then the lowest rank index
    (deterministic).
-4. Off by default (``place_homeless``): a known session with no turn in flight whose home rank
+4. On by default (``place_homeless``): a known session with no turn in flight whose home rank
    holds nothing of its prefix, or no more than L1 holds (running it elsewhere costs one host-to-
    GPU copy, no prefill), is *not bound to a rank on arrival*. It waits in every rank's admission
    queue at once and runs on the first rank that has room for it while it is that rank's head
@@ -82,7 +82,7 @@ class RouterConfig:
     overload_ratio: float = 1.5
     move_min_tokens: int = 65_536
     move_cooldown_s: float = 60.0
-    place_homeless: bool = False
+    place_homeless: bool = True
 
 
 class Router:

@@ -168,9 +168,10 @@ class WorkloadConfig(BaseModel):
         "Off by default: in the capacity simulator it lengthened the TTFT tail (docs/loadtest.md).",
     )
     place_homeless: bool = Field(
-        False, description="A session with nothing left on its home rank's GPU (evicted to L1) goes to "
-        "the least-loaded rank instead of its old home (cache/router.py rule 4). Off by default: no "
-        "measurable effect in the capacity simulator (docs/loadtest.md).",
+        True, description="Late binding (cache/router.py rule 4): a session with nothing on its home "
+        "rank's GPU that L1 lacks waits in every rank's admission queue and runs, restored from L1, on "
+        "the first rank with room (the least work in flight first), instead of waiting for its home "
+        "(docs/loadtest.md, \"Late binding\").",
     )
     submit_gate_max_hold_secs: float = Field(
         10, ge=0, description="The submit gate holds a turn at most this long (then it goes regardless).",

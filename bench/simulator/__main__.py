@@ -199,10 +199,10 @@ LEVERS = {
 
 def add_lever_args(p: argparse.ArgumentParser) -> None:
     d = SchedulingConfig()
-    p.add_argument("--levers", default="none",
+    p.add_argument("--levers", default="homeless",
                    help="ours' levers on, comma-separated: "
                    + "; ".join(f"{k} ({v})" for k, v in LEVERS.items())
-                   + "; 'none' = the cache code alone")
+                   + "; 'none' = the cache code alone; default: the service's defaults (homeless)")
     p.add_argument("--budget", type=int, default=d.engine_budget_tokens,
                    help="gate: engine budget (tokens per rank)")
     p.add_argument("--aging", type=float, default=d.aging_tokens_per_s, help="gate: aging (tokens per s)")

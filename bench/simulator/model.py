@@ -188,14 +188,14 @@ ARRIVALS: dict[str, Arrivals] = {
 
 class OursPolicy(BaseModel):
     """The backend's own levers on top of the real ``cache/`` code (issue 18 item 2), with the
-    service's defaults: homeless-session placement (``cache/router.py`` rule 4) and the submit
-    gate (``server/scheduling.py``), both off by default (docs/loadtest.md, "Moving the tail").
-    ``OURS_OFF`` is the cache code alone."""
+    service's defaults: late binding of sessions L1 can restore anywhere (``cache/router.py``
+    rule 4, on) and the submit gate (``server/scheduling.py``, off; docs/loadtest.md, "Moving the
+    tail"). ``OURS_OFF`` is the cache code alone."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     scheduling: SchedulingConfig = SchedulingConfig()
-    place_homeless: bool = False
+    place_homeless: bool = True
     cache: dict[str, float] = Field(default_factory=dict,
                                     description="other CacheConfig overrides (exploration)")
 

@@ -100,6 +100,7 @@ def test_router_late_binds_a_homeless_session_rule_4() -> None:
     s.moved_at_s = 99.0  # moved here 1 s ago (rebalance, move_session): its next turn restores here
     assert router.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0).reason == "home"
     s.moved_at_s = 40.0
-    off = Router(RouterConfig(), BS)  # the default: off
+    assert Router(RouterConfig(), BS).route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0).reason == "homeless"
+    off = Router(RouterConfig(place_homeless=False), BS)  # the rule off
     d = off.route(s, [0, 0, 0, 0], 201_000, busy, True, 100.0)
-    assert (d.rank, d.reason) == (2, "home")
+    assert (d.rank, d.reason, d.candidates) == (2, "home", (2,))

@@ -97,5 +97,5 @@ def test_workload_keys_reach_the_gate_and_the_router() -> None:
     sched = config.scheduling_config()
     assert (sched.enabled, sched.engine_budget_tokens, sched.max_hold_s) == (True, 4096, 3.0)
     assert load_config({}).scheduling_config().enabled is False  # off by default (docs/loadtest.md)
-    assert load_config({}).cache_config().router().place_homeless is False  # off by default too
-    assert load_config({"place_homeless": True}).cache_config().router().place_homeless is True
+    assert load_config({}).cache_config().router().place_homeless is True  # on by default (late binding)
+    assert load_config({"place_homeless": False}).cache_config().router().place_homeless is False

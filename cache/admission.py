@@ -17,6 +17,9 @@ blocks`` fit in the rank's pool without evicting a session that is about to retu
   wait; thrashing is avoided because this is rare and ordered by value).
 * After ``fail_after_s`` (or if the queue already holds ``max_queue_depth`` turns) the turn
   fails with ``Overloaded`` (HTTP 503, retryable) instead of hanging.
+* A turn that may run on several ranks (``enter_any``; ``cache/router.py`` rule 4, late binding)
+  holds one ticket in each of their queues and is admitted by whichever rank first has room for
+  it while it is that rank's head; it then leaves every queue. FIFO order holds on each rank.
 
 The fit test itself (``try_admit(level) -> bool``) belongs to the caller (the cache manager),
 which knows the ledgers; this module only orders the waiters and keeps the queue metrics.

@@ -17,11 +17,12 @@ from server.scheduling import SchedulingConfig
 
 
 def _small(policy: str, gpu_tokens: int = 120_000, arrivals: str = "steady") -> SimConfig:
-    # "ours-gate": ours with the submit gate on (server/scheduling.py; off by default)
+    # "ours-gate": ours with the submit gate on (server/scheduling.py; off by default);
+    # "ours-bound": ours without late binding (cache/router.py rule 4; on by default)
     gate = SchedulingConfig(enabled=policy == "ours-gate", engine_budget_tokens=4096, max_hold_s=5.0)
     return SimConfig(
         policy="ours" if policy.startswith("ours") else policy,
-        ours=OursPolicy(scheduling=gate),
+        ours=OursPolicy(scheduling=gate, place_homeless=policy != "ours-bound"),
         arrivals=ARRIVALS[arrivals],
         deployment=Deployment(num_ranks=2, gpu_kv_tokens_per_rank=gpu_tokens, l1_tokens_per_rank=2_000_000,
                               block_tokens=256),
@@ -65,7 +66,7 @@ def groups(monkeypatch: pytest.MonkeyPatch) -> list[SimGroup]:
     ("policy", "gpu_tokens", "arrivals"),  # roomy, and tight (evictions, L1 restores, queueing)
     [("seed", 400_000, "steady"), ("ours", 400_000, "steady"), ("seed", 60_000, "steady"),
      ("ours", 60_000, "steady"), ("seed", 400_000, "fresh"), ("seed", 400_000, "seed"),
-     ("ours-gate", 60_000, "steady")],
+     ("ours-gate", 60_000, "steady"), ("ours-bound", 60_000, "steady")],
 )
 def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens: int, arrivals: str,
                                                          groups: list[SimGroup]) -> None:
@@ -107,6 +108,13 @@ def test_every_request_finishes_and_tokens_are_conserved(policy: str, gpu_tokens
     # after the run nothing is running and no sequence holds a block
     for r in result.group.ranks:
         assert not r.running and not r.waiting and not r.seq_refs.any()
+    # the measured window's counters are consistent: passes within points, a no-vote per rank
+    # per point at most, the slowest rank's time at least the ranks' mean, lowest <= mean <= highest
+    c = result.group.counters
+    assert 0 < c.votes_passed <= c.vote_points
+    assert c.rank_votes_no_queue + c.rank_votes_over_mark <= c.vote_points * result.group.num_ranks
+    assert c.decode_s >= c.decode_mean_s - 1e-9 and c.prefill_s >= c.prefill_mean_s - 1e-9
+    assert c.min_seq_s <= c.seq_s + 1e-9 <= c.max_seq_s + 2e-9
 
 
 def test_engine_rejects_bad_prefix_and_reports_capacity() -> None:

@@ -22,8 +22,11 @@ Rules, in order:
    least work in flight (``bind_order``). With more sessions than the pools hold, sessions
    rotate through L1 and the KV room freed by a finishing turn is what admits the next one: one
    queue for the node admits the oldest waiter wherever room appears, where per-rank queues
-   left turns waiting on one rank while another had room (``docs/loadtest.md``). Not within
-   ``move_cooldown_s`` of a move (``rebalance``, ``move_session``): the move chose its home.
+   left turns waiting on one rank while another had room (``docs/loadtest.md``). The price: a
+   turn that fits nowhere yet heads every queue it is in, not only its home's; turns behind it
+   overtake only into free blocks, as behind any head, and after ``queue_force_after_s`` it may
+   evict protected sessions, which bounds that stall. Not within ``move_cooldown_s`` of a move
+   (``rebalance``, ``move_session``): the move chose its home.
 
 Load measure (``RankLoad.load_tokens``): running tokens (context of admitted, unfinished turns)
 + waiting tokens (prompt tokens of turns queued for admission) + idle tokens (last context of

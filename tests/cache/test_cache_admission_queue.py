@@ -273,3 +273,40 @@ def test_admission_queue_late_binding_cancel_leaves_every_queue() -> None:
         assert order == [("T", 1), ("E", 1)]
 
     asyncio.run(main())
+
+
+def test_admission_queue_late_binding_head_that_fits_nowhere() -> None:
+    """A two-rank turn T that fits nowhere heads both queues: a later turn S overtakes it on rank 1
+    only into free blocks (FREE_ONLY) while T has waited under ``force_after_s``; a turn arriving
+    after that queues behind T; once T may force, it is tried at FORCE on its ranks, in order."""
+
+    async def main() -> None:
+        clock = FakeClock()
+        q = AdmissionQueue(2, AdmissionConfig(force_after_s=1.0, recheck_s=0.01), clock)
+        t_levels: list[tuple[int, AdmitLevel]] = []
+
+        def t_try(rank: int, level: AdmitLevel) -> bool:
+            t_levels.append((rank, level))
+            return level is AdmitLevel.FORCE and rank == 1
+
+        t = asyncio.create_task(q.enter_any((0, 1), 100, t_try))
+        await asyncio.sleep(0.02)
+        assert (q.depth(0), q.depth(1)) == (1, 1)
+        s_levels: list[tuple[int, AdmitLevel]] = []
+
+        def s_try(rank: int, level: AdmitLevel) -> bool:
+            s_levels.append((rank, level))
+            return level is AdmitLevel.FREE_ONLY
+
+        assert await q.enter_any((1,), 5, s_try) == (1, 0.0)
+        assert s_levels == [(1, AdmitLevel.FREE_ONLY)] and q.num_overtaken == 1
+        clock.now = 2.0  # T may force now: nothing overtakes it any more
+        late_levels: list[tuple[int, AdmitLevel]] = []
+        late = asyncio.create_task(q.enter_any((1,), 5, lambda r, lv: late_levels.append((r, lv)) is None))
+        assert await t == (1, 2.0)
+        assert t_levels[-2:] == [(0, AdmitLevel.FORCE), (1, AdmitLevel.FORCE)]
+        assert {lv for _, lv in t_levels[:-2]} == {AdmitLevel.NORMAL}
+        assert await late == (1, 0.0)  # queued behind T, admitted once T left (the clock stood still)
+        assert late_levels == [(1, AdmitLevel.NORMAL)]  # no FREE_ONLY shortcut past a forcing head
+
+    asyncio.run(main())

@@ -525,15 +525,17 @@ class SimGroup:
             for seq in r.running:
                 steps = min(steps, math.ceil((seq.max_tokens - seq.generated) / seq.tokens_per_step))
         steps = max(1, int(steps))
-        step_s = max(self.model.decode_step_s(len(r.running), r.kv_tokens()) for r in self.ranks)
+        running = [len(r.running) for r in self.ranks]
+        kv_tokens = [r.kv_tokens() for r in self.ranks]
+        rank_step_s = [self.model.decode_step_s(n, kv) for n, kv in zip(running, kv_tokens)]
+        step_s = max(rank_step_s)  # lockstep: the slowest rank
         c, dt = self.counters, steps * step_s
-        c.decode_mean_s += steps * sum(self.model.decode_step_s(len(r.running), r.kv_tokens())
-                                       for r in self.ranks) / self.num_ranks
+        c.decode_mean_s += steps * sum(rank_step_s) / self.num_ranks
         c.decode_s += dt
-        c.seq_s += dt * sum(len(r.running) for r in self.ranks) / self.num_ranks
-        c.max_seq_s += dt * max(len(r.running) for r in self.ranks)
-        c.min_seq_s += dt * min(len(r.running) for r in self.ranks)
-        c.kv_token_s += dt * sum(r.kv_tokens() for r in self.ranks) / self.num_ranks
+        c.seq_s += dt * sum(running) / self.num_ranks
+        c.max_seq_s += dt * max(running)
+        c.min_seq_s += dt * min(running)
+        c.kv_token_s += dt * sum(kv_tokens) / self.num_ranks
         await asyncio.sleep(dt)
         self.num_steps += steps
         self._decode_step += steps

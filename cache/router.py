@@ -38,7 +38,7 @@ with few running turns but many homed sessions is not free.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache.sessions import Session
@@ -120,13 +120,8 @@ class Router:
         if homeless:
             order = self.bind_order(loads, matched_blocks, num_prompt_tokens)
             return RouteDecision(order[0], RouteReason.HOMELESS, also=tuple(order[1:]))
-
-        def cost(load: RankLoad) -> tuple[int, int, int]:
-            cached_tokens = min(num_prompt_tokens, matched_blocks[load.rank] * self.block_size)
-            uncached_tokens = num_prompt_tokens - cached_tokens
-            return (load.load_tokens + uncached_tokens, -load.num_free_blocks, load.rank)
-
-        return RouteDecision(min(loads, key=cost).rank, RouteReason.NEW)
+        best = self._by_cost(loads, matched_blocks, num_prompt_tokens, lambda load: load.load_tokens)[0]
+        return RouteDecision(best, RouteReason.NEW)
 
     def bind_order(
         self, loads: Sequence[RankLoad], matched_blocks: Sequence[int], num_prompt_tokens: int
@@ -136,11 +131,19 @@ class Router:
         time; idle sessions do not decode) plus the prompt tokens not resident there, so a rank
         holding the prefix wins unless it is busier by about that much. Then more free blocks,
         then the lower index."""
+        return self._by_cost(loads, matched_blocks, num_prompt_tokens,
+                             lambda load: load.running_tokens + load.waiting_tokens)
+
+    def _by_cost(
+        self, loads: Sequence[RankLoad], matched_blocks: Sequence[int], num_prompt_tokens: int,
+        work: Callable[[RankLoad], int],
+    ) -> list[Rank]:
+        """Ranks by ``work(load)`` + the prompt tokens not resident there, then more free
+        blocks, then the lower index (rule 3 with the whole load, rule 4 with the work in flight)."""
 
         def cost(load: RankLoad) -> tuple[int, int, int]:
             cached_tokens = min(num_prompt_tokens, matched_blocks[load.rank] * self.block_size)
-            in_flight = load.running_tokens + load.waiting_tokens
-            return (in_flight + num_prompt_tokens - cached_tokens, -load.num_free_blocks, load.rank)
+            return (work(load) + num_prompt_tokens - cached_tokens, -load.num_free_blocks, load.rank)
 
         return [load.rank for load in sorted(loads, key=cost)]
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rank.client import RequestStream
 from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, SamplingParams
 from rank.errors import RankFailed
 from rank.group import RankGroup
@@ -50,6 +51,23 @@ async def _until(path: Path) -> None:
     raise AssertionError(f"{path} never appeared")
 
 
+async def _cached_turn(group: RankGroup) -> list[int]:
+    """Run request "a" (60 prompt tokens, 3 out) to its end and wait until only its kept blocks
+    are held; returns them."""
+    _, first = await collect(group.submit(0, _request("a", 60, 3)))
+    await _idle(group, cached=len(first.kept_blocks))
+    return list(first.kept_blocks)
+
+
+async def _finish(group: RankGroup, stream: RequestStream, num_tokens: int) -> None:
+    """Run ``stream`` to its end, expect ``num_tokens``, give back its kept blocks and wait until
+    the rank holds nothing."""
+    tokens, last = await asyncio.wait_for(collect(stream), WAIT_S)
+    assert len(tokens) == num_tokens
+    await group.release(0, last.kept_blocks)
+    await _idle(group)
+
+
 async def _idle(group: RankGroup, cached: int = 0) -> None:
     for _ in range(WAIT_S * 20):
         if group.stats(0).num_free_blocks == group.num_blocks - 1 - cached:
@@ -70,10 +88,8 @@ def test_transfers_reply_while_a_step_is_held_and_commands_keep_their_order(tmp_
         group = _group(tmp_path)
         await group.start()
         try:
-            _, first = await collect(group.submit(0, _request("a", 60, 3)))
-            kept = first.kept_blocks
+            kept = await _cached_turn(group)
             assert len(kept) == 3  # (60 + 3 - 1) // 16
-            await _idle(group, cached=3)
 
             (tmp_path / "hold-step").touch()
             held = group.submit(0, _request("b", 12, 2, seed=1))  # 1 block, no more
@@ -137,9 +153,7 @@ def test_a_release_and_the_import_that_needs_its_blocks_reply_while_a_step_is_he
         group = _group(tmp_path)
         await group.start()
         try:
-            _, first = await collect(group.submit(0, _request("a", 60, 3)))
-            kept = first.kept_blocks
-            await _idle(group, cached=len(kept))
+            kept = await _cached_turn(group)
             await group.export_blocks(0, kept, 0)
             (tmp_path / "hold-step").touch()
             held = group.submit(0, _request("b", 20, 2, seed=1))  # applied; its step is held
@@ -156,10 +170,7 @@ def test_a_release_and_the_import_that_needs_its_blocks_reply_while_a_step_is_he
             assert group.stats(0).num_free_blocks == 0
             (tmp_path / "hold-step").unlink()
             await group.release(0, restored)  # b waits for blocks until now
-            tokens, last = await asyncio.wait_for(collect(held), WAIT_S)
-            assert len(tokens) == 2
-            await group.release(0, last.kept_blocks)
-            await _idle(group)
+            await _finish(group, held, 2)
         finally:
             await group.close()
 
@@ -188,10 +199,7 @@ def test_rank_sigkill_during_a_transfer_fails_it_and_the_group_serves_again(tmp_
             # The L1 slots outlive the rank: the new epoch restores them.
             restored = await asyncio.wait_for(group.import_blocks(0, 0, 2), WAIT_S)
             await group.release(0, restored)
-            tokens, last = await collect(group.submit(0, _request("c", 30, 3)))
-            assert len(tokens) == 3
-            await group.release(0, last.kept_blocks)
-            await _idle(group)
+            await _finish(group, group.submit(0, _request("c", 30, 3)), 3)
         finally:
             await group.close()
 

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -55,6 +57,7 @@ from bench.multi_gpu.analysis import (
     fault_window,
     in_window,
     parse_metrics,
+    phase_table,
     restore_table,
 )
 from bench.multi_gpu.report import render_markdown
@@ -587,11 +590,14 @@ def run(args: argparse.Namespace) -> int:
         m_delta = delta(m1, m0)
         tiers_all = cache_tiers(m_delta)
         imports_pre_kill = [i for i in recorder.imports if t_kill is None or i["t"] < t_kill]
+        timings = rt.call(lambda: _transfer_log(rt.runtime.group), 10)
         res.put("cache", {
             "metrics_delta_whole_load": tiers_all,
             "restores": restore_table(recorder.imports, limits, bpb),
             "restores_before_kill": restore_table(imports_pre_kill, limits, bpb),
             "exports": restore_table(recorder.exports, limits, bpb),
+            "transfer_phases": {op: phase_table(timings, op, t_to=t_kill if t_kill is not None else math.inf)
+                                for op in ("import", "export", "release")},
             "admissions_by_rank": {str(r): sum(1 for a in recorder.admissions if a["rank"] == r)
                                    for r in range(args.ranks)},
             "admission_queue_s_p50_p95": _q2([a["queue_s"] for a in recorder.admissions]),
@@ -620,6 +626,10 @@ def run(args: argparse.Namespace) -> int:
     (args.out / "multi_gpu_run.md").write_text(render_markdown(res.doc), encoding="utf-8")
     print((args.out / "multi_gpu_run.md").read_text(encoding="utf-8"), flush=True)
     return 0 if ok and not res.doc["errors"] else 1
+
+
+async def _transfer_log(group: Any) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(t) for t in group.transfer_log]
 
 
 def _q2(values: list[float]) -> list[float]:

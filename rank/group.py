@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ from rank.errors import RankFailed, RankUnavailable
 from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
 from rank.ids import BlockId, Epoch, HostSlot, Rank
 from rank.launch import BACKEND_ROOT, master_port_for, rank_env, rank_python, worker_argv
-from rank.link import RankLink, Tracked, describe_exit, prefix_cache_support
+from rank.link import RankLink, Tracked, TransferTiming, describe_exit, prefix_cache_support
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class RankGroup:
         self._listeners: list[Callable[[Epoch], None]] = []
         self._pending: dict[int, tuple[int, asyncio.Future[Any]]] = {}
         self._cids = itertools.count(1)
+        self.transfer_log: deque[TransferTiming] = deque(maxlen=4096)  # the latest round trips
         self._failure: asyncio.Future[str] | None = None
         self._state_event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -405,7 +407,8 @@ class RankGroup:
             return
         fut = entry[1]
         if header["ok"]:
-            fut.set_result(header["result"])
+            header["read"] = time.monotonic()
+            fut.set_result(header)
         else:
             exc_type = CapacityExhausted if header["etype"] == "CapacityExhausted" else EngineMisuse
             fut.set_exception(exc_type(header["msg"]))
@@ -449,12 +452,16 @@ class RankGroup:
         cid = header["cid"] = next(self._cids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[cid] = (rank, fut)
+        sent = time.monotonic()
         try:
             self._send(r, wire.pack(header))
         except RankUnavailable:
             self._pending.pop(cid, None)
             raise
-        return await fut
+        reply = await fut
+        if (timing := TransferTiming.of(header["op"], rank, sent, reply, time.monotonic())) is not None:
+            self.transfer_log.append(timing)
+        return reply["result"]
 
     async def release(self, rank: Rank, block_ids: list[BlockId]) -> None:
         await self._command(rank, {"op": "release", "ids": [int(b) for b in block_ids]})

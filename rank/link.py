@@ -37,6 +37,37 @@ from rank.engine import FinishReason, RequestOutput
 DRAIN_BATCH = 32  # messages taken per wakeup before yielding to the event loop once
 
 
+@dataclass(frozen=True, slots=True)
+class TransferTiming:
+    """Where one ``release``/``export``/``import`` round trip's time went, in seconds. The ends
+    are the backend's clock, the middle the rank's reply ``ts`` (``rank/transfers.py``); both are
+    ``time.monotonic()``, which is system-wide on Linux. Kept by ``RankGroup.transfer_log`` for
+    benchmarks and diagnosis (``bench/multi_gpu_run.py`` splits restores by these phases)."""
+
+    op: str
+    rank: int
+    sent: float  # backend clock, when the command was handed to zmq
+    to_rank_s: float  # -> the rank took it off its socket: zmq, its thread waking, commands ahead
+    wait_s: float  # -> the engine call began on the rank (header decode, held back behind adds)
+    engine_s: float  # the engine call: block allocation, the copy, its synchronize
+    back_s: float  # -> the backend's receive task read the reply: stats, send, zmq, that task waking
+    resume_s: float  # -> the awaiting coroutine ran again (the backend's event loop)
+
+    @classmethod
+    def of(cls, op: str, rank: int, sent: float, reply: dict[str, Any],
+           resumed: float) -> TransferTiming | None:
+        ts, read = reply.get("ts"), reply.get("read")
+        if not isinstance(ts, list) or len(ts) != 3 or not isinstance(read, float):
+            return None
+        received, started, done = (float(t) for t in ts)
+        return cls(op, rank, sent, received - sent, started - received, done - started, read - done,
+                   resumed - read)
+
+    @property
+    def total_s(self) -> float:
+        return self.to_rank_s + self.wait_s + self.engine_s + self.back_s + self.resume_s
+
+
 @dataclass(slots=True)
 class Tracked:
     """A request in flight on a rank."""

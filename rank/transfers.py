@@ -129,11 +129,16 @@ def gated(step: Callable[[], T]) -> Callable[[], T]:
     return held_step
 
 
-def run_command(engine: Engine, header: dict[str, Any]) -> dict[str, Any]:
+def run_command(engine: Engine, header: dict[str, Any], received: float) -> dict[str, Any]:
     """Run ``release``/``export``/``import`` and return the reply (without its stats). The same
-    code on either thread; raises only on an unexpected failure."""
+    code on either thread; raises only on an unexpected failure.
+
+    The reply's ``ts`` is [received, started, done] on ``time.monotonic()`` (system-wide on
+    Linux, so the backend can compare it with its own clock: ``rank/group.py`` ``TransferTiming``):
+    when the command left the socket, when this call began, when the engine returned."""
     op = header["op"]
     cid = header.get("cid")
+    started = time.monotonic()
     try:
         result: Any = None
         if op == "release":
@@ -144,9 +149,11 @@ def run_command(engine: Engine, header: dict[str, Any]) -> dict[str, Any]:
             result = engine.import_blocks(header["slot"], header["n"])
         else:
             raise EngineMisuse(f"unknown command {op!r}")
-        return {"t": "reply", "cid": cid, "ok": True, "result": result}
+        return {"t": "reply", "cid": cid, "ok": True, "result": result,
+                "ts": [received, started, time.monotonic()]}
     except (EngineMisuse, CapacityExhausted, ValueError) as exc:
-        return {"t": "reply", "cid": cid, "ok": False, "etype": type(exc).__name__, "msg": str(exc)}
+        return {"t": "reply", "cid": cid, "ok": False, "etype": type(exc).__name__, "msg": str(exc),
+                "ts": [received, started, time.monotonic()]}
 
 
 class TransferThread:
@@ -205,12 +212,13 @@ class TransferThread:
                     continue
                 while cast(int, cmd.get(zmq.EVENTS)) & zmq.POLLIN and not self._stop.is_set():
                     frames = cmd.recv_multipart(zmq.NOBLOCK)
+                    received = time.monotonic()
                     header = wire.unpack_header(frames[0])
                     op = header.get("op")
                     if op not in THREAD_OPS or (op == "release" and self._held_back(header)):
                         self._forward(forward, frames, header)
                         continue
-                    reply = self._transfer(header)
+                    reply = self._transfer(header, received)
                     if reply is None:  # an import the loop thread runs after what is queued before it
                         self._forward(forward, frames, header)
                         self._import_queued_at = self.forwarded
@@ -252,13 +260,13 @@ class TransferThread:
             return True
         return bool(adds) and any(isinstance(b, int) and b in blocks for b in ids for _, blocks in adds)
 
-    def _transfer(self, header: dict[str, Any]) -> dict[str, Any] | None:
+    def _transfer(self, header: dict[str, Any], received: float) -> dict[str, Any] | None:
         """The reply, or None when the import must wait for forwarded commands (module docstring)."""
         if header["op"] == "import" and self.applied < self._import_queued_at:
             return None  # an import forwarded before this one is not applied yet: keep their order
         unapplied = self.applied < self.forwarded
         hold_at_gate("transfer")
-        reply = run_command(self.engine, header)
+        reply = run_command(self.engine, header, received)
         if not reply["ok"] and reply["etype"] == "CapacityExhausted" and unapplied:
             return None
         return reply

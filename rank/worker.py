@@ -328,14 +328,14 @@ class RankLoop:
         # Ask zmq whether a message is queued (cheap) rather than let a recv raise zmq.Again: a
         # busy rank drains every step, nearly always finding nothing.
         while cmd.get(zmq.EVENTS) & zmq.POLLIN:
-            reply = self._handle(cmd.recv_multipart(zmq.NOBLOCK))
+            reply = self._handle(cmd.recv_multipart(zmq.NOBLOCK), time.monotonic())
             if self.transfers is not None:  # before the reply: the backend may act on it at once
                 self.transfers.applied += 1
             if reply is not None:
                 self.send(self.wire.pack(reply))
 
-    def _handle(self, frames: list[bytes]) -> dict[str, Any] | None:
-        """Apply one command; the reply to send, if it has one."""
+    def _handle(self, frames: list[bytes], received: float) -> dict[str, Any] | None:
+        """Apply one command (``received``: when it left the socket); the reply to send, if any."""
         from rank.engine import EngineMisuse
 
         header = self.wire.unpack_header(frames[0])
@@ -359,7 +359,7 @@ class RankLoop:
             if self.owns_lockstep:  # let the group drain to idle, where the ranks agree to stop
                 self.engine.abort(list(self.handles))
             return None
-        reply = transfers.run_command(self.engine, header)  # release, export, import
+        reply = transfers.run_command(self.engine, header, received)  # release, export, import
         reply["stats"] = self.wire.stats_list(self._stats())
         return reply
 

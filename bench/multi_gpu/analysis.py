@@ -134,6 +134,22 @@ def restore_table(restores: list[dict[str, Any]], limits: dict[int, CopyLimit],
     }
 
 
+TRANSFER_PHASES = ("to_rank_s", "wait_s", "engine_s", "back_s", "resume_s")  # rank/link.py TransferTiming
+
+
+def phase_table(timings: list[dict[str, Any]], op: str, t_from: float = -math.inf,
+                t_to: float = math.inf) -> dict[str, Any]:
+    """One op's round trips (``RankGroup.transfer_log`` as dicts) split by phase: p50 / p95 / mean
+    per phase (seconds), sent in [t_from, t_to)."""
+    rows = [t for t in timings if t["op"] == op and t_from <= t["sent"] < t_to]
+    out: dict[str, Any] = {"num": len(rows)}
+    for name in (*TRANSFER_PHASES, "total_s"):
+        values = [t[name] if name != "total_s" else sum(t[p] for p in TRANSFER_PHASES) for t in rows]
+        p50, p95 = quantiles(values)
+        out[name] = {"p50": p50, "p95": p95, "mean": float(np.mean(values)) if values else float("nan")}
+    return out
+
+
 def in_window(records: Iterable[Any], t_from: float, t_to: float) -> list[Any]:
     return [r for r in records if t_from <= r.t_start < t_to]
 

@@ -20,6 +20,24 @@ def _ms_list(transfers: list[dict[str, Any]]) -> list[tuple[Any, float]]:
     return [(t["num_blocks"], round(t["wall_s"] * 1e3, 1)) for t in transfers]
 
 
+def _phase_lines(phases: dict[str, Any]) -> list[str]:
+    """The round trips split by phase (``rank/link.py`` ``TransferTiming``), ms p50 / p95 / mean."""
+    if not phases:
+        return []
+    names = ("to_rank_s", "wait_s", "engine_s", "back_s", "resume_s", "total_s")
+    lines = ["", ("Round trips by phase (ms, p50 / p95 / mean): to rank = sent until the rank took it "
+                  "off its socket; wait = until the engine call began; engine = allocation, copy and its "
+                  "synchronize; back = until the backend read the reply; resume = until the awaiting "
+                  "coroutine ran:"), "",
+             "| op | n | " + " | ".join(n.removesuffix("_s").replace("_", " ") for n in names) + " |",
+             "| --- | --- |" + " --- |" * len(names)]
+    for op, t in phases.items():
+        cells = [f"{_f(t[n]['p50'], '.2f', 1e3)} / {_f(t[n]['p95'], '.2f', 1e3)} / "
+                 f"{_f(t[n]['mean'], '.2f', 1e3)}" for n in names]
+        lines.append(f"| {op} | {t['num']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _load_row(name: str, s: dict[str, Any] | None) -> str:
     if not s:
         return f"| {name} | - | - | - | - | - | - |"
@@ -136,7 +154,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                   "| --- | --- | --- | --- | --- | --- | --- |",
                   _restore_line("L1 -> GPU restores, whole run", c.get("restores")),
                   _restore_line("L1 -> GPU restores before the kill", c.get("restores_before_kill")),
-                  _restore_line("GPU -> L1 writes (vs H2D limit)", c.get("exports"))]
+                  _restore_line("GPU -> L1 writes (vs H2D limit)", c.get("exports")),
+                  *_phase_lines(c.get("transfer_phases") or {})]
     mv = ph.get("move")
     if mv:
         lines += ["", "## Cross-GPU session move", ""]

@@ -13,7 +13,15 @@ import orjson
 import pytest
 
 from bench.loadgen.client import RequestRecord
-from bench.multi_gpu.analysis import CopyLimit, cache_tiers, delta, fault_window, parse_metrics, restore_table
+from bench.multi_gpu.analysis import (
+    CopyLimit,
+    cache_tiers,
+    delta,
+    fault_window,
+    parse_metrics,
+    phase_table,
+    restore_table,
+)
 from bench.multi_gpu.load import record_from_dict, record_to_dict
 from bench.multi_gpu.report import render_markdown
 
@@ -76,6 +84,23 @@ def test_restore_table_against_the_limit_of_the_restoring_rank() -> None:
     assert table["ratio_p50"] == pytest.approx(1.5)  # ratios 2.0 (rank 0) and 1.0 (rank 1)
     assert table["total_bytes"] == 2000
     assert restore_table([], limits, 100)["num"] == 0
+
+
+def test_phase_table_splits_one_ops_round_trips_in_the_window() -> None:
+    def timing(op: str, sent: float, engine_s: float) -> dict[str, float | str]:
+        return {"op": op, "rank": 0, "sent": sent, "to_rank_s": 0.001, "wait_s": 0.0,
+                "engine_s": engine_s, "back_s": 0.002, "resume_s": 0.0}
+
+    rows = [timing("import", 1.0, 0.004), timing("import", 2.0, 0.006), timing("export", 1.5, 0.1),
+            timing("import", 9.0, 1.0)]
+    table = phase_table(rows, "import", t_to=5.0)
+    assert table["num"] == 2  # the export and the import sent at 9.0 are left out
+    assert table["engine_s"]["p50"] == pytest.approx(0.005)
+    assert table["engine_s"]["mean"] == pytest.approx(0.005)
+    assert table["total_s"]["p50"] == pytest.approx(0.008)
+    text = render_markdown({"command": "x", "phases": {"cache": {"transfer_phases": {"import": table}}}})
+    assert "| import | 2 |" in text
+    assert phase_table([], "import")["num"] == 0
 
 
 def _rec(t_start: float, t_end: float, error: str | None = None) -> RequestRecord:

@@ -204,3 +204,43 @@ def test_rank_sigkill_during_a_transfer_fails_it_and_the_group_serves_again(tmp_
             await group.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(180)
+def test_round_trips_are_split_by_phase_and_a_held_transfer_counts_as_waiting(tmp_path: Path) -> None:
+    """``RankGroup.transfer_log``: each reply's phases come from the rank's own clock between the
+    backend's, so they are causal bounds, not timings: every phase is >= 0, they add up to no more
+    than the awaited round trip, and a transfer held at the gate (after the rank took it, before
+    the engine call) is charged to ``wait_s`` for at least as long as the test saw it held."""
+    import time
+
+    async def scenario() -> None:
+        group = _group(tmp_path)
+        await group.start()
+        try:
+            kept = await _cached_turn(group)
+            t0 = time.monotonic()
+            await asyncio.wait_for(group.export_blocks(0, kept, 0), WAIT_S)
+            round_trip = time.monotonic() - t0
+            export = group.transfer_log[-1]
+            assert export.op == "export" and export.rank == 0
+            phases = (export.to_rank_s, export.wait_s, export.engine_s, export.back_s, export.resume_s)
+            assert min(phases) >= 0 and export.total_s <= round_trip
+
+            (tmp_path / "hold-transfer").touch()
+            restore = asyncio.ensure_future(group.import_blocks(0, 0, len(kept)))
+            await _until(tmp_path / "held-transfer")
+            seen_held = time.monotonic()
+            await asyncio.sleep(0.2)
+            released = time.monotonic()
+            (tmp_path / "hold-transfer").unlink()
+            restored = await asyncio.wait_for(restore, WAIT_S)
+            timing = group.transfer_log[-1]
+            assert timing.op == "import" and timing.wait_s >= released - seen_held
+            await group.release(0, [*kept, *restored])
+            assert group.transfer_log[-1].op == "release"
+            await _idle(group)
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())

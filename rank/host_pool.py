@@ -6,12 +6,17 @@ rank can restore blocks another rank exported, which is what moving a session of
 overloaded rank needs. On CUDA the mapping is page-locked with ``cudaHostRegister`` so copies are
 real DMA (pageable memory runs at a third of the link; see shared/reference/measurements.md).
 
-Copies are shaped for the link, not per block: an export gathers the block rows on the device
-into one contiguous staging tensor and moves it with one copy into consecutive slots; an import
-moves consecutive slots with one copy into a device staging buffer and scatters it into the block
-rows with ``index_copy_``. Both synchronize the stream they ran on before returning, so an
-exported slot is readable by every process, an imported block is in place before any later step
-reads it, and the slots may be reused as soon as the call returns.
+Copies are shaped for the link. A session's blocks sit in consecutive slots but in scattered
+rows, so a transfer is split into runs of consecutive row ids. Where the runs are long enough
+(``DIRECT_MIN_RUN_BYTES`` on average), each run is one ``cudaMemcpyAsync`` between its slots and
+its rows: the copy engines alone, no kernel and no staging buffer. Otherwise (many small rows) an
+export gathers the rows on the device into one staging tensor and moves it with one copy, and an
+import moves the slots with one copy into a staging buffer and scatters it with ``index_copy_``.
+Why the runs (issue 18 item 2, ``bench/restore_copy_paths.py``): beside a step, the scatter's
+kernel waits for streaming multiprocessors that the step's kernels hold, and its index tensor is
+uploaded synchronously first; per-run copies need neither. Both paths synchronize the stream they
+ran on before returning, so an exported slot is readable by every process, an imported block is
+in place before any later step reads it, and the slots may be reused as soon as the call returns.
 
 Lifecycle: the supervisor picks the path (``host_pool_path``) and the byte budget
 (``plan_host_pool_bytes``; both in ``rank/host_budget.py``, which imports no torch), passes both
@@ -34,6 +39,42 @@ import torch
 from rank.host_budget import GIB
 
 log = logging.getLogger(__name__)
+
+# Per-run copies when the runs average at least this many bytes (module docstring); below it a
+# copy's fixed cost (~10 us of launch) outweighs what the kernel path costs.
+DIRECT_MIN_RUN_BYTES = 1 << 20
+
+
+def runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first row, first index into ``block_ids``, length) of each run of consecutive ids."""
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            out.append((block_ids[start], start, i - start))
+            start = i
+    return out
+
+
+def by_runs(rows: torch.Tensor, slots: torch.Tensor, block_runs: list[tuple[int, int, int]],
+            to_device: bool, non_blocking: bool) -> None:
+    """One copy per run (``runs``) between ``slots`` (host) and ``rows`` (device)."""
+    for row, i, n in block_runs:
+        if to_device:
+            rows[row : row + n].copy_(slots[i : i + n], non_blocking=non_blocking)
+        else:
+            slots[i : i + n].copy_(rows[row : row + n], non_blocking=non_blocking)
+
+
+def by_kernel(rows: torch.Tensor, slots: torch.Tensor, block_ids: Sequence[int], to_device: bool,
+              non_blocking: bool) -> None:
+    """One copy through a device staging tensor, gathered or scattered by a kernel."""
+    idx = torch.tensor(list(block_ids), dtype=torch.int64, device=rows.device)
+    if to_device:
+        rows.index_copy_(0, idx, slots.to(rows.device, non_blocking=non_blocking))
+    else:
+        slots.copy_(rows.index_select(0, idx), non_blocking=non_blocking)
+
 
 # _CPU_COPY: on CPU the rows are copied with numpy, on one thread. A torch copy from a second
 # thread (the worker's transfer thread) starts an OpenMP team of its own whose threads spin after
@@ -113,7 +154,7 @@ class HostPool:
 
     def copy_from_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int, *,
                          stream: torch.cuda.Stream | None = None) -> None:
-        """Export: gather rows on the device, one copy into consecutive slots, then wait.
+        """Export: rows to consecutive slots (module docstring: per run or by a kernel), then wait.
 
         ``stream``: run (and wait for) the copy there instead of the current stream, so it
         overlaps the compute stream's kernels; the caller vouches that no queued kernel writes
@@ -124,15 +165,13 @@ class HostPool:
             return
         stream = stream if stream is not None else torch.cuda.current_stream(device_pool.device)
         with torch.cuda.stream(stream):
-            idx = torch.tensor(list(block_ids), dtype=torch.int64, device=device_pool.device)
-            staging = device_pool.index_select(0, idx)
-            dst.copy_(staging, non_blocking=self._registered_ptr is not None)
+            self._copy(device_pool, dst, block_ids, to_device=False)
         stream.synchronize()
 
     def copy_to_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int, *,
                        stream: torch.cuda.Stream | None = None,
                        after: torch.cuda.Event | None = None) -> None:
-        """Import: one copy of consecutive slots to a device staging buffer, a scatter, then wait.
+        """Import: consecutive slots to rows (module docstring: per run or by a kernel), then wait.
 
         ``stream``: as in ``copy_from_device``; ``after``: an event the copy waits for on the
         device first (the engine's fence for kernels that may still touch freed rows)."""
@@ -144,12 +183,20 @@ class HostPool:
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
-            idx = torch.tensor(list(block_ids), dtype=torch.int64, device=device_pool.device)
-            staging = src.to(device_pool.device, non_blocking=self._registered_ptr is not None)
-            device_pool.index_copy_(0, idx, staging)
+            self._copy(device_pool, src, block_ids, to_device=True)
         # Waiting here puts the data in place before the caller replies (so before any step
         # that reads these blocks is even queued), and frees the host slots for reuse.
         stream.synchronize()
+
+    def _copy(self, rows: torch.Tensor, slots: torch.Tensor, block_ids: Sequence[int], *,
+              to_device: bool) -> None:
+        """Queue the copy on the current stream (module docstring: per run, or by a kernel)."""
+        pinned = self._registered_ptr is not None
+        block_runs = runs(block_ids)
+        if len(block_runs) * DIRECT_MIN_RUN_BYTES <= len(block_ids) * self.bytes_per_block:
+            by_runs(rows, slots, block_runs, to_device, pinned)
+        else:
+            by_kernel(rows, slots, block_ids, to_device, pinned)
 
     def close(self) -> None:
         if self._registered_ptr is not None:

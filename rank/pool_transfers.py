@@ -104,6 +104,7 @@ class PoolTransfers:
         ids = self.blocks.try_allocate(num_blocks, cache_ref=True)
         if ids is None:
             raise CapacityExhausted(f"import of {num_blocks} blocks: {self.blocks.num_free_blocks} free")
+        ids.sort()  # any free rows will do: in order, they form the longest runs (rank/host_pool.py)
         try:
             host_pool.copy_to_device(pool, ids, host_slot, stream=self.stream, after=self._fence)
         except BaseException:

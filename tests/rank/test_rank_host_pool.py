@@ -6,9 +6,10 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
-from rank.host_pool import HostPool
+from rank.host_pool import HostPool, by_kernel, by_runs, runs
 
 
 def test_two_mappings_share_bytes_and_unlink_removes_the_file() -> None:
@@ -33,6 +34,32 @@ def test_two_mappings_share_bytes_and_unlink_removes_the_file() -> None:
         b.close()
         unlink_host_pool(path)
     assert not os.path.exists(path)
+
+
+def test_runs_split_ids_where_they_stop_being_consecutive() -> None:
+    assert runs([5, 6, 7, 2, 3, 9]) == [(5, 0, 3), (2, 3, 2), (9, 5, 1)]
+    assert runs([4]) == [(4, 0, 1)]
+    assert runs([3, 2, 1]) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]  # descending ids are not a run
+
+
+@given(st.permutations(range(12)).flatmap(lambda p: st.integers(1, 12).map(lambda n: p[:n])))
+def test_both_copy_paths_move_the_same_bytes_both_ways(ids: list[int]) -> None:
+    """``by_runs`` (a copy per run) and ``by_kernel`` (staging + index kernel) are interchangeable:
+    slots -> rows and rows -> slots give byte-identical results for any order of distinct ids."""
+    slots = torch.arange(len(ids) * 8, dtype=torch.int64).remainder(251).to(torch.uint8).view(len(ids), 8)
+    rows = {}
+    for name, copy in (("runs", lambda r, s: by_runs(r, s, runs(ids), True, False)),
+                       ("kernel", lambda r, s: by_kernel(r, s, ids, True, False))):
+        rows[name] = torch.zeros(12, 8, dtype=torch.uint8)
+        copy(rows[name], slots)
+        assert torch.equal(rows[name][ids], slots)
+    assert torch.equal(rows["runs"], rows["kernel"])  # and nothing else was written
+    back = {}
+    for name, copy in (("runs", lambda r, s: by_runs(r, s, runs(ids), False, False)),
+                       ("kernel", lambda r, s: by_kernel(r, s, ids, False, False))):
+        back[name] = torch.zeros_like(slots)
+        copy(rows["runs"], back[name])
+    assert torch.equal(back["runs"], slots) and torch.equal(back["kernel"], slots)
 
 
 def test_budget_is_lowered_to_what_the_machine_allows() -> None:

@@ -18,7 +18,7 @@ Paths, each timed from the call to its stream's synchronize, median and p95 over
 * ``runs``: one H2D copy per run of consecutive ids (``by_runs``);
 * ``contiguous``: one H2D copy of the same bytes into consecutive rows (the link's limit).
 
-Block ids: ``--layout random`` (a fragmented free list, worst case: runs of ~1 block),
+Block ids (``--layouts``): ``random`` (a fragmented free list, worst case: runs of ~1 block),
 ``sorted`` (the same ids in order), ``runs4`` (runs of 4). ``--busy`` runs bf16 matmuls on the
 default stream the whole time, as a step would (set 0 for an idle GPU). Printed, not asserted.
 """

@@ -14,7 +14,8 @@ on this process's own pool of the engine's row size) is the reference. Two modes
 * ``loop``: ``DIB_TRANSFER_THREAD=0``, the import waits for the step boundary (the old path).
 
 Printed, not asserted: the step time (p50 of the intervals between one request's tokens), the
-copy time (median), and the round trip's p50/p95 with its ratio to the copy. On CPU the rank and
+copy time (median), the round trip's p50/p95 with its ratio to the copy, and the round trip split
+by phase (``RankGroup.transfer_log``: to the rank, wait, engine call, back, resume). On CPU the rank and
 this process share the cores, so only the ratio between the modes means much there.
 """
 
@@ -22,16 +23,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import os
 import random
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
+from bench.multi_gpu.analysis import TRANSFER_PHASES, phase_table
 from rank.client import RequestStream
 from rank.engine import EngineRequest, SamplingParams
 from rank.group import RankGroup
@@ -70,7 +74,7 @@ def copy_seconds(bytes_per_block: int, num_blocks: int, device: str, repeats: in
         os.unlink(path)
 
 
-async def run_mode(args: argparse.Namespace, thread: bool) -> dict[str, float]:
+async def run_mode(args: argparse.Namespace, thread: bool) -> dict[str, Any]:
     bs = args.block_size
     load_blocks = args.load * (-(-(args.load_tokens + 4096) // bs))  # prompt + room to decode
     config = WorkloadConfig(reference_model=args.model, reference_device=args.device, ep=1, block_size=bs,
@@ -98,7 +102,10 @@ async def run_mode(args: argparse.Namespace, thread: bool) -> dict[str, float]:
 
         watcher = asyncio.ensure_future(watch())
         walls = []
-        for _ in range(args.warmup + args.restores):
+        measured_from = float("inf")
+        for i in range(args.warmup + args.restores):
+            if i == args.warmup:
+                measured_from = time.monotonic()  # TransferTiming.sent is on this clock
             await asyncio.sleep(random.uniform(0.0, 2 * args.gap_ms / 1e3))  # land anywhere in a step
             start = time.perf_counter()
             ids = await group.import_blocks(RANK, SLOT, n)
@@ -115,8 +122,9 @@ async def run_mode(args: argparse.Namespace, thread: bool) -> dict[str, float]:
 
         await asyncio.wait_for(asyncio.gather(*(drain(s) for s in load[1:])), 60)
         steps = [b - a for a, b in itertools.pairwise(arrivals)]
-        return {"blocks": n, "bytes_per_block": group.bytes_per_block, "step_p50": _pct(steps, 0.5),
-                "wall_p50": _pct(walls, 0.5), "wall_p95": _pct(walls, 0.95)}
+        phases = phase_table([dataclasses.asdict(t) for t in group.transfer_log], "import", measured_from)
+        return {"phases": phases, "blocks": n, "bytes_per_block": group.bytes_per_block,
+                "step_p50": _pct(steps, 0.5), "wall_p50": _pct(walls, 0.5), "wall_p95": _pct(walls, 0.95)}
     finally:
         await group.close()
 
@@ -145,6 +153,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{copy * 1e3:6.2f} ms ({r['blocks'] * r['bytes_per_block'] / 2**20:.1f} MiB) | round trip "
               f"p50 {r['wall_p50'] * 1e3:7.2f} ms ({r['wall_p50'] / copy:5.1f}x copy), p95 "
               f"{r['wall_p95'] * 1e3:7.2f} ms ({r['wall_p95'] / copy:5.1f}x copy)")
+        phases = r["phases"]
+        print("        round trip by phase, ms p50 / p95 (rank/link.py TransferTiming): " + ", ".join(
+            f"{name.removesuffix('_s').replace('_', ' ')} {phases[name]['p50'] * 1e3:.2f} / "
+            f"{phases[name]['p95'] * 1e3:.2f}" for name in TRANSFER_PHASES))
 
 
 if __name__ == "__main__":

@@ -26,13 +26,17 @@ from bench.simulator.vclock import run_virtual
 from server.scheduling import SchedulingConfig
 
 
-def run_detail(config: SimConfig, context: int, agents: int) -> tuple[StepStats, dict[str, float]]:
-    """One step: its statistics and where the engine's time went in the measured window."""
+def run_detail(config: SimConfig, context: int, agents: int,
+               pool_probe_s: float = 0.0) -> tuple[StepStats, dict[str, float]]:
+    """One step: its statistics and where the engine's time went in the measured window
+    (``pool_probe_s``: also print where our cache's pools went, ``bench/simulator/pool_probe.py``)."""
     t0 = time.process_time()
-    result = run_virtual(simulate_step(config, context, agents))
+    result = run_virtual(simulate_step(config, context, agents, pool_probe_s=pool_probe_s))
     print(f"  simulated {config.policy} {context // 1000}K x {agents}: {time.process_time() - t0:.1f} s of "
           "CPU",
           file=sys.stderr, flush=True)
+    if result.pool is not None:
+        print(result.pool.summary(result.group.num_blocks - 1, result.group.block_size))
     return result.stats, {**result.group.counters.summary(), **result.phases()}
 
 
@@ -246,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=500_000)
     p.add_argument("--agents", type=int, default=200)
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
+    p.add_argument("--pool-probe", type=float, default=0.0, metavar="S",
+                   help="ours: sample where each rank's pool goes every S simulated seconds of the "
+                   "measured window and print the means (bench/simulator/pool_probe.py)")
     add_lever_args(p)
     p = sub.add_parser("capacity", help="agents held at a TTFT p95 target (bisection)")
     p.add_argument("--context", type=int, default=500_000)
@@ -286,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
                 "prefill_all_interval_steps": all_steps, "prefill_any_interval_steps": any_steps})})
         print(f"ours: {stepped.ours.model_dump()}" if args.policy == "ours" else "", file=sys.stderr)
-        s, engine = run_detail(stepped, args.context, args.agents)
+        s, engine = run_detail(stepped, args.context, args.agents, args.pool_probe)
         print(format_table([s]))
         print(format_engine(args.context, args.agents, s, engine))
         doc["step"] = {**s.model_dump(exclude={"timeline"}), "engine": engine}

@@ -25,6 +25,7 @@ from bench.loadgen.distributions import ParametricTurnSource, WorkloadParams, in
 from bench.loadgen.report import Criteria, StepStats, step_stats
 from bench.simulator.engine import SimGroup
 from bench.simulator.model import SimConfig
+from bench.simulator.pool_probe import PoolProbe
 from bench.simulator.seed_cache import SeedCacheManager
 from cache.sessions import StopKind
 from rank.engine import FinishReason, SamplingParams
@@ -248,6 +249,7 @@ class SimResult:
     records: list[RequestRecord]
     gate: SubmitGate | None = None
     t_measure: tuple[float, float] = (0.0, 0.0)
+    pool: PoolProbe | None = None  # ``pool_probe_s``: samples of our cache's pools
 
     def phases(self) -> dict[str, float]:
         """Where the TTFT went, over the turns started in the measured window: p50 / p95 of
@@ -263,8 +265,10 @@ class SimResult:
 
 
 async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
-                        params: WorkloadParams | None = None, check: bool = False) -> SimResult:
-    """One step (``num_agents`` at ``context_tokens``) under ``config.policy``; virtual time."""
+                        params: WorkloadParams | None = None, check: bool = False,
+                        pool_probe_s: float = 0.0) -> SimResult:
+    """One step (``num_agents`` at ``context_tokens``) under ``config.policy``; virtual time.
+    ``pool_probe_s`` > 0 (ours only): sample the pools that often in the measured window."""
     loop = asyncio.get_running_loop()
     params = params or WorkloadParams(context_target_tokens=context_tokens, pacing=config.pacing)
     config = config.model_copy(update={"deployment": config.deployment.for_context(context_tokens)})
@@ -277,8 +281,12 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
     t0 = loop.time()
     stop_at = t0 + config.duration_s
     loop.call_at(t0 + config.warmup_s, group.reset_counters)
+    probe = (PoolProbe(manager, loop.time, pool_probe_s, t0 + config.warmup_s)
+             if pool_probe_s > 0 and config.policy == "ours" else None)
     await run_agents(config, params, num_agents, lambda _sid, _rng: (group, manager, gate), records, totals,
                      stop_at)
+    if probe is not None:
+        probe.stop()
     if hasattr(manager, "drain"):
         await manager.drain()
     if check:
@@ -289,4 +297,4 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
     label = f"{config.policy} {context_tokens // 1000}K x {num_agents}"
     stats = step_stats(label, context_tokens, num_agents, records, t0 + config.warmup_s, stop_at, Criteria(),
                        max_timeline=0)
-    return SimResult(stats, totals, group, manager, records, gate, (t0 + config.warmup_s, stop_at))
+    return SimResult(stats, totals, group, manager, records, gate, (t0 + config.warmup_s, stop_at), probe)

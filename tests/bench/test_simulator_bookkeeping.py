@@ -141,3 +141,20 @@ def test_engine_rejects_bad_prefix_and_reports_capacity() -> None:
         await group.close()
 
     run_virtual(run())
+
+
+def test_pool_probe_splits_each_ranks_pool_without_losing_a_block() -> None:
+    """The probe's split (bench/simulator/pool_probe.py) of a tight pool: each sample's parts sum
+    to the rank's capacity, turns held blocks, and the keep-out is the cache's own."""
+    config = _small("ours", 60_000, "steady")
+    result = run_virtual(simulate_step(config, 20_000, 6, pool_probe_s=2.0))
+    assert result.pool is not None and len(result.pool.samples) >= 40
+    capacity = result.group.num_blocks - 1
+    keep_out = result.manager.state.keep_out_blocks(0)
+    for per_rank in result.pool.samples:
+        assert len(per_rank) == config.deployment.num_ranks
+        for held, idle, reserved, releasing, out, free in per_rank:
+            assert min(held, idle, reserved, releasing) >= 0 and out == keep_out
+            assert held + idle + reserved + releasing + out + free == capacity
+    assert max(s[0] for per_rank in result.pool.samples for s in per_rank) > 0
+    assert "held by turns" in result.pool.summary(capacity, result.group.block_size)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -628,8 +627,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok and not res.doc["errors"] else 1
 
 
-async def _transfer_log(group: Any) -> list[dict[str, Any]]:
-    return [dataclasses.asdict(t) for t in group.transfer_log]
+async def _transfer_log(group: Any) -> list[Any]:
+    """A copy of ``RankGroup.transfer_log``, taken on the group's event loop."""
+    return list(group.transfer_log)
 
 
 def _q2(values: list[float]) -> list[float]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import itertools
 import os
 import random
@@ -35,13 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.multi_gpu.analysis import TRANSFER_PHASES, phase_table
+from bench.multi_gpu.analysis import phase_table
 from rank.client import RequestStream
 from rank.engine import EngineRequest, SamplingParams
 from rank.group import RankGroup
 from rank.host_budget import SHM_DIR
 from rank.host_pool import HostPool
 from rank.ids import HostSlot, Rank
+from rank.link import TransferTiming
 from rank.transfers import ENABLE_ENV
 from server.config import WorkloadConfig
 
@@ -122,7 +122,7 @@ async def run_mode(args: argparse.Namespace, thread: bool) -> dict[str, Any]:
 
         await asyncio.wait_for(asyncio.gather(*(drain(s) for s in load[1:])), 60)
         steps = [b - a for a, b in itertools.pairwise(arrivals)]
-        phases = phase_table([dataclasses.asdict(t) for t in group.transfer_log], "import", measured_from)
+        phases = phase_table(group.transfer_log, "import", measured_from)
         return {"phases": phases, "blocks": n, "bytes_per_block": group.bytes_per_block,
                 "step_p50": _pct(steps, 0.5), "wall_p50": _pct(walls, 0.5), "wall_p95": _pct(walls, 0.95)}
     finally:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         phases = r["phases"]
         print("        round trip by phase, ms p50 / p95 (rank/link.py TransferTiming): " + ", ".join(
             f"{name.removesuffix('_s').replace('_', ' ')} {phases[name]['p50'] * 1e3:.2f} / "
-            f"{phases[name]['p95'] * 1e3:.2f}" for name in TRANSFER_PHASES))
+            f"{phases[name]['p95'] * 1e3:.2f}" for name in TransferTiming.PHASES))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import zmq
@@ -52,6 +52,8 @@ class TransferTiming:
     engine_s: float  # the engine call: block allocation, the copy, its synchronize
     back_s: float  # -> the backend's receive task read the reply: stats, send, zmq, that task waking
     resume_s: float  # -> the awaiting coroutine ran again (the backend's event loop)
+
+    PHASES: ClassVar[tuple[str, ...]] = ("to_rank_s", "wait_s", "engine_s", "back_s", "resume_s")
 
     @classmethod
     def of(cls, op: str, rank: int, sent: float, reply: dict[str, Any],

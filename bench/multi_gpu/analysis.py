@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from rank.link import TransferTiming
+
 CACHE_NS = "deepinfer_cache_"
 
 
@@ -134,17 +136,14 @@ def restore_table(restores: list[dict[str, Any]], limits: dict[int, CopyLimit],
     }
 
 
-TRANSFER_PHASES = ("to_rank_s", "wait_s", "engine_s", "back_s", "resume_s")  # rank/link.py TransferTiming
-
-
-def phase_table(timings: list[dict[str, Any]], op: str, t_from: float = -math.inf,
+def phase_table(timings: Iterable[TransferTiming], op: str, t_from: float = -math.inf,
                 t_to: float = math.inf) -> dict[str, Any]:
-    """One op's round trips (``RankGroup.transfer_log`` as dicts) split by phase: p50 / p95 / mean
-    per phase (seconds), sent in [t_from, t_to)."""
-    rows = [t for t in timings if t["op"] == op and t_from <= t["sent"] < t_to]
+    """One op's round trips (``RankGroup.transfer_log``) split by phase: p50 / p95 / mean per
+    phase (seconds) and of their total, in ``TransferTiming.PHASES`` order, sent in [t_from, t_to)."""
+    rows = [t for t in timings if t.op == op and t_from <= t.sent < t_to]
     out: dict[str, Any] = {"num": len(rows)}
-    for name in (*TRANSFER_PHASES, "total_s"):
-        values = [t[name] if name != "total_s" else sum(t[p] for p in TRANSFER_PHASES) for t in rows]
+    for name in (*TransferTiming.PHASES, "total_s"):
+        values = [getattr(t, name) for t in rows]
         p50, p95 = quantiles(values)
         out[name] = {"p50": p50, "p95": p95, "mean": float(np.mean(values)) if values else float("nan")}
     return out

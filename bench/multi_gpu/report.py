@@ -24,7 +24,7 @@ def _phase_lines(phases: dict[str, Any]) -> list[str]:
     """The round trips split by phase (``rank/link.py`` ``TransferTiming``), ms p50 / p95 / mean."""
     if not phases:
         return []
-    names = ("to_rank_s", "wait_s", "engine_s", "back_s", "resume_s", "total_s")
+    names = [name for name in next(iter(phases.values())) if name != "num"]  # analysis.phase_table's order
     lines = ["", ("Round trips by phase (ms, p50 / p95 / mean): to rank = sent until the rank took it "
                   "off its socket; wait = until the engine call began; engine = allocation, copy and its "
                   "synchronize; back = until the backend read the reply; resume = until the awaiting "

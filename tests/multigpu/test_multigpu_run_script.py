@@ -24,6 +24,7 @@ from bench.multi_gpu.analysis import (
 )
 from bench.multi_gpu.load import record_from_dict, record_to_dict
 from bench.multi_gpu.report import render_markdown
+from rank.link import TransferTiming
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,9 +88,9 @@ def test_restore_table_against_the_limit_of_the_restoring_rank() -> None:
 
 
 def test_phase_table_splits_one_ops_round_trips_in_the_window() -> None:
-    def timing(op: str, sent: float, engine_s: float) -> dict[str, float | str]:
-        return {"op": op, "rank": 0, "sent": sent, "to_rank_s": 0.001, "wait_s": 0.0,
-                "engine_s": engine_s, "back_s": 0.002, "resume_s": 0.0}
+    def timing(op: str, sent: float, engine_s: float) -> TransferTiming:
+        return TransferTiming(op, 0, sent, to_rank_s=0.001, wait_s=0.0, engine_s=engine_s, back_s=0.002,
+                              resume_s=0.0)
 
     rows = [timing("import", 1.0, 0.004), timing("import", 2.0, 0.006), timing("export", 1.5, 0.1),
             timing("import", 9.0, 1.0)]

@@ -8,8 +8,11 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from rank import host_pool as host_pool_module
+from rank.block_manager import BlockManager
 from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
-from rank.host_pool import HostPool, by_kernel, by_runs, runs
+from rank.host_pool import DIRECT_MIN_RUN_BYTES, HostPool, by_kernel, by_runs, runs
+from rank.pool_transfers import PoolTransfers
 
 
 def test_two_mappings_share_bytes_and_unlink_removes_the_file() -> None:
@@ -40,6 +43,50 @@ def test_runs_split_ids_where_they_stop_being_consecutive() -> None:
     assert runs([5, 6, 7, 2, 3, 9]) == [(5, 0, 3), (2, 3, 2), (9, 5, 1)]
     assert runs([4]) == [(4, 0, 1)]
     assert runs([3, 2, 1]) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]  # descending ids are not a run
+
+
+def test_an_import_takes_its_free_rows_in_order(tmp_path: os.PathLike[str]) -> None:
+    """The free list hands rows out in release order; an import sorts them, so the restore's
+    rows form the longest runs of consecutive ids (one copy per run, ``rank/host_pool.py``)."""
+    host = HostPool(os.path.join(str(tmp_path), "l1"), 8 * 16, pin=False)
+    host.open(16)
+    try:
+        assert host.tensor is not None
+        host.tensor[:6] = torch.arange(6 * 16, dtype=torch.uint8).view(6, 16)
+        blocks = BlockManager(13)
+        blocks.allocate(12)
+        blocks.decref([2, 9, 5, 11, 3, 7])  # free list now 7, 3, 11, 5, 9, 2
+        pool = torch.zeros(13, 16, dtype=torch.uint8)
+        ids = PoolTransfers(blocks, host, torch.device("cpu")).import_(pool, 0, 6)
+        assert ids == [2, 3, 5, 7, 9, 11]
+        assert torch.equal(pool[ids], host.tensor[:6])
+    finally:
+        host.close()
+
+
+@pytest.mark.parametrize(("block_bytes", "ids", "path"), [
+    (DIRECT_MIN_RUN_BYTES, [1, 3, 5, 7], "runs"),  # runs of one row, each a whole MiB
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 3, 4], "runs"),  # one run of 2 MiB
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 5, 6], "runs"),  # two runs of exactly 1 MiB
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 3, 7], "runs"),  # runs of 1.5 and 0.5 MiB: 1 MiB on average
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 4, 7], "kernel"),  # three runs: 0.67 MiB on average
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 3, 5, 7], "kernel"),
+])
+def test_a_copy_goes_per_run_only_where_runs_average_a_mib(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, block_bytes: int, ids: list[int],
+        path: str) -> None:
+    chosen: list[str] = []
+    monkeypatch.setattr(host_pool_module, "by_runs", lambda *a: chosen.append("runs"))
+    monkeypatch.setattr(host_pool_module, "by_kernel", lambda *a: chosen.append("kernel"))
+    host = HostPool(os.path.join(str(tmp_path), "l1"), 4 * block_bytes, pin=False)
+    host.open(block_bytes)
+    try:
+        assert host.tensor is not None
+        host._copy(torch.empty(0), host.tensor, ids, to_device=True)
+        host._copy(torch.empty(0), host.tensor, ids, to_device=False)
+    finally:
+        host.close()
+    assert chosen == [path, path]
 
 
 @given(st.permutations(range(12)).flatmap(lambda p: st.integers(1, 12).map(lambda n: p[:n])))

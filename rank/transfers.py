@@ -133,7 +133,7 @@ def run_command(engine: Engine, header: dict[str, Any], received: float) -> dict
     """Run ``release``/``export``/``import`` and return the reply (without its stats). The same
     code on either thread; raises only on an unexpected failure.
 
-    The reply's ``ts`` is [received, started, done] on ``time.monotonic()`` (system-wide on
+    A successful reply's ``ts`` is [received, started, done] on ``time.monotonic()`` (system-wide on
     Linux, so the backend can compare it with its own clock: ``rank/group.py`` ``TransferTiming``):
     when the command left the socket, when this call began, when the engine returned."""
     op = header["op"]
@@ -152,8 +152,7 @@ def run_command(engine: Engine, header: dict[str, Any], received: float) -> dict
         return {"t": "reply", "cid": cid, "ok": True, "result": result,
                 "ts": [received, started, time.monotonic()]}
     except (EngineMisuse, CapacityExhausted, ValueError) as exc:
-        return {"t": "reply", "cid": cid, "ok": False, "etype": type(exc).__name__, "msg": str(exc),
-                "ts": [received, started, time.monotonic()]}
+        return {"t": "reply", "cid": cid, "ok": False, "etype": type(exc).__name__, "msg": str(exc)}
 
 
 class TransferThread:

@@ -67,7 +67,9 @@ def format_engine(context: int, agents: int, s: StepStats, engine: dict[str, flo
                      f"{engine['engine_p95_s']:.1f} s")
     if engine.get("vote_points"):
         lockstep = engine["decode_s"] / engine["decode_mean_s"] - 1 if engine["decode_mean_s"] else 0.0
-        lines.append(f"{'':>13}vote points passed {engine['votes_passed']} of {engine['vote_points']} "
+        filler = f", {engine['filler_votes']} by the vote filler" if engine.get("filler_votes") else ""
+        lines.append(f"{'':>13}vote points passed {engine['votes_passed']} of {engine['vote_points']}"
+                     f"{filler} "
                      f"(rank votes with nothing waiting {engine['rank_votes_no_queue']}, over the "
                      f"watermark {engine['rank_votes_over_mark']}); sequences left waiting by a prompt "
                      f"step: step budget {engine['left_budget']}, head not fitting {engine['left_hol']}; "
@@ -196,6 +198,8 @@ def nodes_table(config: SimConfig, context: int, agents_per_node: int,
 
 LEVERS = {
     "gate": "server/scheduling.py: the submit gate",
+    "filler": "rank/vote_filler.py: a one-token request on a rank with nothing waiting, so its vote "
+              "does not veto a prompt step at an ALL point",
     "homeless": "cache/router.py rule 4: a session with nothing on its home that L1 lacks waits in every "
                 "rank's queue and runs on the first with room (late binding)",
 }
@@ -203,10 +207,10 @@ LEVERS = {
 
 def add_lever_args(p: argparse.ArgumentParser) -> None:
     d = SchedulingConfig()
-    p.add_argument("--levers", default="homeless",
+    p.add_argument("--levers", default="homeless,filler",
                    help="ours' levers on, comma-separated: "
                    + "; ".join(f"{k} ({v})" for k, v in LEVERS.items())
-                   + "; 'none' = the cache code alone; default: the service's defaults (homeless)")
+                   + "; 'none' = the cache code alone; default: the service's defaults (homeless,filler)")
     p.add_argument("--budget", type=int, default=d.engine_budget_tokens,
                    help="gate: engine budget (tokens per rank)")
     p.add_argument("--aging", type=float, default=d.aging_tokens_per_s, help="gate: aging (tokens per s)")
@@ -226,7 +230,8 @@ def ours_policy(args: argparse.Namespace) -> OursPolicy:
     sched = SchedulingConfig(enabled="gate" in levers, engine_budget_tokens=args.budget,
                              aging_tokens_per_s=args.aging, max_hold_s=args.max_hold)
     cache = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.cache)}
-    return OursPolicy(scheduling=sched, place_homeless="homeless" in levers, cache=cache)
+    return OursPolicy(scheduling=sched, place_homeless="homeless" in levers, vote_filler="filler" in levers,
+                      cache=cache)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=500_000)
     p.add_argument("--agents", type=int, default=200)
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
+    p.add_argument("--prompt-step-overhead", type=float, default=0.0, metavar="S",
+                   help="sensitivity: a fixed cost per prompt step (EngineModel.prompt_step_overhead_s)")
     p.add_argument("--pool-probe", type=float, default=0.0, metavar="S",
                    help="ours: sample where each rank's pool goes every S simulated seconds of the "
                    "measured window and print the means (bench/simulator/pool_probe.py)")
@@ -292,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             all_steps, any_steps = (int(v) for v in args.votes.split(","))
             stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
                 "prefill_all_interval_steps": all_steps, "prefill_any_interval_steps": any_steps})})
+        if args.prompt_step_overhead:
+            stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
+                "prompt_step_overhead_s": args.prompt_step_overhead})})
         print(f"ours: {stepped.ours.model_dump()}" if args.policy == "ours" else "", file=sys.stderr)
         s, engine = run_detail(stepped, args.context, args.agents, args.pool_probe)
         print(format_table([s]))

@@ -272,7 +272,8 @@ async def simulate_step(config: SimConfig, context_tokens: int, num_agents: int,
     loop = asyncio.get_running_loop()
     params = params or WorkloadParams(context_target_tokens=context_tokens, pacing=config.pacing)
     config = config.model_copy(update={"deployment": config.deployment.for_context(context_tokens)})
-    group = SimGroup(config.deployment, config.engine, seed=config.seed)
+    group = SimGroup(config.deployment, config.engine, seed=config.seed,
+                     vote_filler=config.uses_vote_filler())
     group.start()
     manager = make_manager(config, group, loop.time)
     gate = make_gate(config, group, loop.time)

@@ -115,6 +115,7 @@ class EngineCounters:
     left_hol: int = 0  # sequences left waiting by a prompt step: a head that did not fit
     left_budget: int = 0  # ... by the step's token budget (or a chunked head)
     left_not_wanted: int = 0  # ... on a rank that did not take part (its vote was no)
+    filler_votes: int = 0  # vote points that passed only because of the vote filler
     max_seq_s: float = 0.0  # decode-time integral of the largest rank's running sequences
     min_seq_s: float = 0.0
 
@@ -134,17 +135,21 @@ class EngineCounters:
                 "rank_votes_no_queue": self.rank_votes_no_queue,
                 "rank_votes_over_mark": self.rank_votes_over_mark,
                 "left_hol": self.left_hol, "left_budget": self.left_budget,
-                "left_not_wanted": self.left_not_wanted,
+                "left_not_wanted": self.left_not_wanted, "filler_votes": self.filler_votes,
                 "max_running": round(self.max_seq_s / self.decode_s if self.decode_s else 0, 2),
                 "min_running": round(self.min_seq_s / self.decode_s if self.decode_s else 0, 2),
                 "prefill_mean_s": round(self.prefill_mean_s, 1),
                 "decode_mean_s": round(self.decode_mean_s, 1)}
 
 
+FILLER_MAX_STREAK = 8  # rank/vote_filler.py MAX_STREAK
+
+
 class SimGroup:
     """See the module docstring. ``num_blocks`` etc. are the RankClient attributes."""
 
-    def __init__(self, deployment: Deployment, model: EngineModel, seed: int = 0) -> None:
+    def __init__(self, deployment: Deployment, model: EngineModel, seed: int = 0,
+                 vote_filler: bool = False) -> None:
         self.deployment = deployment
         self.model = model
         self.num_ranks = deployment.num_ranks
@@ -169,6 +174,8 @@ class SimGroup:
         self._wake = asyncio.Event()
         self._copy_locks = [asyncio.Lock() for _ in range(self.num_ranks)]
         self._decode_step = 0  # DeepInfer's decode_step: steps since the last prompt step
+        self.vote_filler = vote_filler
+        self._prompt_streak = 0  # prompt steps in a row (the filler's cap)
         self._task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -403,7 +410,26 @@ class SimGroup:
                 done.append(seq)
             else:
                 break  # a chunked sequence ends the batch
+        if duration > 0:
+            duration += self.model.prompt_step_overhead_s
         return duration, done
+
+    def _head_can_start(self, r: _Rank) -> bool:
+        """Whether the head of a rank that wants a prompt step would be scheduled now (the
+        filler's guard: a step of fillers alone would reset ``decode_step`` and loop)."""
+        head = r.waiting[0]
+        if head.admitted:
+            return True
+        in_flight = len(r.running) + sum(1 for s in r.waiting if s.admitted)
+        return in_flight < self.model.max_num_seqs and self._head_need(r, head) <= len(r.free)
+
+    def _filler_ok(self, wants: list[bool]) -> bool:
+        """The vote filler turns this ALL point's vote into yes (module docstring)."""
+        if not self.vote_filler or self._prompt_streak >= FILLER_MAX_STREAK:
+            return False
+        mark = self.model.kv_watermark + 1e-12
+        return (any(w and self._head_can_start(r) for w, r in zip(wants, self.ranks))
+                and all(w or (not r.waiting and self._usage(r) <= mark) for w, r in zip(wants, self.ranks)))
 
     def _count_vote(self, wants: list[bool]) -> None:
         c = self.counters
@@ -418,11 +444,17 @@ class SimGroup:
     def _vote_passes(self, wants: list[bool]) -> bool:
         """DeepInfer's step-type vote at ``decode_step`` (0 right after a prompt step): "ALL"
         points every ``prefill_all_interval_steps`` need every rank to want a prefill, "ANY"
-        points every ``prefill_any_interval_steps`` (not 0) need one rank."""
+        points every ``prefill_any_interval_steps`` (not 0) need one rank. With the vote filler,
+        an ALL point also passes when ``_filler_ok``."""
         d, m = self._decode_step, self.model
         if d % m.prefill_all_interval_steps == 0 and all(wants):
             return True
-        return d != 0 and d % m.prefill_any_interval_steps == 0 and any(wants)
+        if d != 0 and d % m.prefill_any_interval_steps == 0:
+            return any(wants)
+        if d % m.prefill_all_interval_steps == 0 and self._filler_ok(wants):
+            self.counters.filler_votes += 1
+            return True
+        return False
 
     def _steps_to_next_vote(self, all_want: bool) -> int:
         """Decode (or placeholder) steps from now to the next vote point that can pass."""
@@ -458,9 +490,10 @@ class SimGroup:
                 await self._wake.wait()
                 continue
             # Nothing decodes: the group runs placeholder steps up to the next passing vote.
-            k = self._steps_to_next_vote(all(wants))
+            k = self._steps_to_next_vote(all(wants) or self._filler_ok(wants))
             if k:
                 await asyncio.sleep(k * self.model.placeholder_step_s)
+                self._prompt_streak = 0
                 self._decode_step += k
                 self.num_steps += k
                 continue
@@ -494,6 +527,7 @@ class SimGroup:
             r.in_step = []
         self.num_steps += 1
         self.num_prefill_steps += 1
+        self._prompt_streak += 1
         self._decode_step = 0
         for r, (_d, done) in zip(self.ranks, results):
             for seq in done:
@@ -538,6 +572,7 @@ class SimGroup:
         c.kv_token_s += dt * sum(kv_tokens) / self.num_ranks
         await asyncio.sleep(dt)
         self.num_steps += steps
+        self._prompt_streak = 0
         self._decode_step += steps
         for r in self.ranks:
             finished = []

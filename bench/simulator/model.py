@@ -81,6 +81,9 @@ class EngineModel(BaseModel):
         True,
         description="DeepInfer default: a sequence preempted in decode fails (insufficient_system_resource)"
     )
+    prompt_step_overhead_s: float = Field(
+        0.0, ge=0, description="sensitivity only: a fixed cost added to every prompt step a rank works in "
+        "(unmeasured; 0 in the fit, whose prefill rates came from long prompts)")
     placeholder_step_s: float = Field(0.010, ge=0,
                                       description="a step with nothing scheduled (1-token forward)")
     max_num_seqs: int = Field(128, ge=1)
@@ -189,18 +192,20 @@ ARRIVALS: dict[str, Arrivals] = {
 class OursPolicy(BaseModel):
     """The backend's own levers on top of the real ``cache/`` code (issue 18 item 2), with the
     service's defaults: late binding of sessions L1 can restore anywhere (``cache/router.py``
-    rule 4, on) and the submit gate (``server/scheduling.py``, off; docs/loadtest.md, "Moving the
-    tail"). ``OURS_OFF`` is the cache code alone."""
+    rule 4, on), the vote filler (``rank/vote_filler.py``, on; modelled in ``SimGroup``) and the
+    submit gate (``server/scheduling.py``, off; docs/loadtest.md, "Moving the tail").
+    ``OURS_OFF`` is the cache code alone."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     scheduling: SchedulingConfig = SchedulingConfig()
     place_homeless: bool = True
+    vote_filler: bool = True
     cache: dict[str, float] = Field(default_factory=dict,
                                     description="other CacheConfig overrides (exploration)")
 
 
-OURS_OFF = OursPolicy(scheduling=SchedulingConfig(enabled=False), place_homeless=False)
+OURS_OFF = OursPolicy(scheduling=SchedulingConfig(enabled=False), place_homeless=False, vote_filler=False)
 
 
 class SimConfig(BaseModel):
@@ -233,3 +238,6 @@ class SimConfig(BaseModel):
         "them once per rank); 0 = every conversation's ids are its own",
     )
     seed: int = 0
+
+    def uses_vote_filler(self) -> bool:
+        return self.policy == "ours" and self.ours.vote_filler

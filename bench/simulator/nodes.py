@@ -50,7 +50,8 @@ async def simulate_nodes(config: SimConfig, context_tokens: int, agents_per_node
     config = config.model_copy(update={"deployment": config.deployment.for_context(context_tokens)})
     nodes: list[tuple[SimGroup, Any, SubmitGate]] = []
     for i in range(num_nodes):
-        group = SimGroup(config.deployment, config.engine, seed=config.seed * 7919 + i)
+        group = SimGroup(config.deployment, config.engine, seed=config.seed * 7919 + i,
+                         vote_filler=config.uses_vote_filler())
         group.start()
         nodes.append((group, make_manager(config, group, loop.time), make_gate(config, group, loop.time)))
     served: list[int] = [0] * num_nodes

@@ -107,6 +107,38 @@ def test_second_vote_turns_an_empty_prompt_step_into_nothing_and_a_fitting_head_
     run_virtual(run())
 
 
+@pytest.mark.parametrize("filler", [False, True])
+def test_the_vote_filler_passes_an_all_point_that_an_empty_rank_would_veto(filler: bool) -> None:
+    """Two ranks, rank 0 with a prompt waiting that fits, rank 1 with nothing waiting: DeepInfer's
+    ALL point (decode_step 0, 70) fails; with the vote filler (rank/vote_filler.py) it passes. ANY
+    points and the guards (an empty rank over the watermark, a head that cannot start, the streak
+    cap) are the same either way."""
+
+    async def run() -> None:
+        group = SimGroup(Deployment(num_ranks=2, gpu_kv_tokens_per_rank=100 * 128, block_tokens=128),
+                         EngineModel(), vote_filler=filler)  # not started: we ask the vote directly
+        group.submit(0, _request("a", 15 * 128))  # needs 15 blocks
+        wants = [group._wants_prefill(r) for r in group.ranks]
+        assert wants == [True, False]
+        for step, passes in ((0, filler), (70, filler), (140, filler), (100, True), (35, False)):
+            group._decode_step = step
+            assert group._vote_passes(wants) is passes, step
+        group._decode_step = 0
+        group._prompt_streak = 8  # FILLER_MAX_STREAK prompt steps in a row
+        assert group._vote_passes(wants) is False
+        group._prompt_streak = 0
+        held = await group.import_blocks(1, 0, 95)  # rank 1 over the watermark: its vote is no
+        assert group._vote_passes(wants) is False
+        await group.release(1, held)
+        held = await group.import_blocks(0, 0, 86)  # usage 0.87: rank 0 wants, its head does not fit
+        assert group._wants_prefill(group.ranks[0]) and group._vote_passes(wants) is False
+        await group.release(0, held)
+        assert group._vote_passes(wants) is filler
+        assert group.counters.filler_votes == (4 if filler else 0)
+
+    run_virtual(run())
+
+
 def test_prompt_larger_than_the_pool_is_ignored_and_leaks_nothing() -> None:
     async def run() -> None:
         group = SimGroup(Deployment(num_ranks=1, gpu_kv_tokens_per_rank=20 * 128, block_tokens=128),

@@ -39,6 +39,7 @@ class RankConfig:
     extra_experts: int = 0
     prefill_attempt_interval: int = 70
     prefill_any_attempt_interval: int = 100
+    vote_filler: bool = True  # rank/vote_filler.py
     prefix_cache: bool = True
     l1_cache: bool = True
     l1_host_gb: float = 128.0

@@ -16,8 +16,8 @@ group), ``step()`` on a rank with nothing to run is DeepInfer's placeholder forw
 rank-local (the step still in flight under zero-overhead scheduling). Hence ``owns_lockstep``:
 ``rank/worker.py`` calls ``lockstep_has_work()`` then ``step()`` every iteration, and
 ``group_had_work`` (the vote, equal on every rank) marks the iterations idle group-wide.
-(``placeholder_step()`` works too: it runs ``llm.step()`` and keeps its outputs for the next
-``step()``.)
+``placeholder_step()`` runs ``llm.step()`` and keeps its outputs for the next ``step()``. Before
+``llm.step()`` at an ALL vote point, ``rank/vote_filler.py`` may queue a one-token request.
 
 Tests (only) run this adapter in real rank processes over the stand-in: the worker's factory
 (``rank.engines.make_deepinfer_engine``) takes ``api_module``, a module whose ``deepinfer_api()``
@@ -86,6 +86,7 @@ from rank.engine import (
     checked_host_pool,
 )
 from rank.ids import BlockId
+from rank.vote_filler import VoteFiller
 
 if TYPE_CHECKING:
     import torch
@@ -181,6 +182,8 @@ class DeepInferEngine(Engine):
         self._vote: bool | None = None
         self.group_had_work = False  # the last collective vote (the same on every rank)
         self._inflight = False
+        usable = self.patch_present and bool(api.votes_across_ranks)  # rank/vote_filler.py
+        self._filler = VoteFiller.for_engine(self.llm, settings, usable, self._finished_status)
         self._num_cached_tokens_total = 0
         self._num_prompt_tokens_total = 0
         log.info("deepinfer rank %d: %d KV blocks x %d tokens, %d state slots", settings.engine_rank,
@@ -290,7 +293,14 @@ class DeepInferEngine(Engine):
             ptrs = self.llm.flush_inflight_reqs() if self._inflight else np.empty(0, dtype=np.uint64)
             self._inflight = False
         else:
+            filler, group_min = self._filler, self.group_min
+            if filler is not None and group_min is not None:
+                seq = filler.before_step(group_min)
+                if seq is not None:  # never active: its outputs are dropped, its blocks tracked
+                    self._releasing.append(seq)
             ptrs = self.llm.step()
+            if filler is not None and group_min is not None:
+                filler.after_step()
             self._inflight = True
         return self._finish_step(ptrs)
 

@@ -55,6 +55,7 @@ def import_deepinfer() -> SimpleNamespace:
     return SimpleNamespace(
         LLMEngine=LLMEngine, EngineArgs=EngineArgs, RequestOutput=NativeOutput, Scheduler=Scheduler,
         BlockManager=BlockManager, Sequence=NativeSequence, SequenceStatus=SequenceStatus, is_fake=False,
+        votes_across_ranks=True,
     )
 
 
@@ -76,6 +77,7 @@ class DeepInferSettings:
     prefill_attempt_interval: int
     prefill_any_attempt_interval: int
     prefix_cache: bool
+    vote_filler: bool
     extra_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -96,7 +98,7 @@ class DeepInferSettings:
             gpu_memory_utilization=config.gpu_memory_utilization, eplb=config.eplb,
             extra_experts=config.extra_experts, prefill_attempt_interval=config.prefill_attempt_interval,
             prefill_any_attempt_interval=config.prefill_any_attempt_interval,
-            prefix_cache=config.prefix_cache,
+            prefix_cache=config.prefix_cache, vote_filler=config.vote_filler,
             extra_env=tuple(sorted(config.deepinfer_env.items())),
         )
 

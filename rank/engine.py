@@ -165,6 +165,9 @@ class Engine(abc.ABC):
     # Set by the lockstep worker for engines that do not own the lockstep: a collective the
     # engine calls once per (placeholder) step, as a real model's forward would. Others ignore it.
     step_collective: Callable[[], None] | None = None
+    # Set by the lockstep worker for engines that own the lockstep: an all_reduce MIN of a few ints
+    # over the ranks' side group. Every rank must call it at the same point of the same iteration.
+    group_min: Callable[[list[int]], list[int]] | None = None
     # Engines that own the lockstep: whether any rank had work at the last ``lockstep_has_work``
     # vote (the worker runs its idle-time shutdown vote only when no rank had).
     group_had_work: bool = False

@@ -175,6 +175,7 @@ class RankLoop:
                 raise RuntimeError(f"engine's group has {dist.get_world_size()} ranks, the supervisor "
                                    f"started {args.world_size}")
             self.control_group = dist.new_group(backend="gloo")  # collective: every rank, same point
+            self.engine.group_min = self._group_min
         else:
             # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): ranks that share GPUs
             # (fewer visible than ranks, e.g. bench.multi_gpu_run --gpus 1) vote over gloo.
@@ -215,6 +216,12 @@ class RankLoop:
             self.poller.unregister(self.cmd)
             self.cmd = forwarded
             self.poller.register(self.cmd, zmq.POLLIN)
+
+    def _group_min(self, values: list[int]) -> list[int]:
+        """``Engine.group_min``: all_reduce MIN on the side group (engines that own the lockstep)."""
+        t = self.torch.tensor(values, dtype=self.torch.int32)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.control_group)
+        return [int(v) for v in t.tolist()]
 
     def send(self, frames: list[bytes]) -> None:
         self.out.send_multipart(frames)

@@ -161,6 +161,11 @@ class WorkloadConfig(BaseModel):
     prefill_any_attempt_interval: int = Field(
         100, ge=1, description="DeepInfer DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL (ANY vote points)."
     )
+    vote_filler: bool = Field(
+        True, description="Engine deepinfer with ep > 1 (rank/vote_filler.py): at an ALL vote point a rank "
+        "with nothing to prefill queues a one-token request, so its vote does not hold back the prompts "
+        "other ranks have waiting until the next ANY point (docs/loadtest.md, \"The vote filler\").",
+    )
     submit_gate: bool = Field(
         False, description="Order each rank's prompt work between admission and the engine "
         "(server/scheduling.py): at most max_num_batched_tokens of uncached prompt tokens queued in "
@@ -258,8 +263,8 @@ class WorkloadConfig(BaseModel):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             gpu_memory_utilization=self.gpu_memory_utilization, eplb=self.eplb,
             extra_experts=self.extra_experts, prefill_attempt_interval=self.prefill_attempt_interval,
-            prefill_any_attempt_interval=self.prefill_any_attempt_interval, prefix_cache=self.prefix_cache,
-            l1_cache=self.l1_cache, l1_host_gb=self.l1_host_gb,
+            prefill_any_attempt_interval=self.prefill_any_attempt_interval, vote_filler=self.vote_filler,
+            prefix_cache=self.prefix_cache, l1_cache=self.l1_cache, l1_host_gb=self.l1_host_gb,
             load_timeout_seconds=self.load_timeout_seconds,
             model_dir=str(model_dir) if model_dir is not None else None, deepinfer_venv=self.deepinfer_venv,
             master_port=self.master_port, env=self.env, deepinfer_env=self.deepinfer_env,

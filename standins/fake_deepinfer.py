@@ -641,6 +641,7 @@ class FakeOptions:
     eos_modulus: int = 0  # the toy model emits EOS when its hash % eos_modulus == 0 (0: never)
     zos: bool = True
     prefill_attempt_interval: int = 1
+    prefill_any_attempt_interval: int = 0  # DeepInfer's ANY points (the real Scheduler); 0: the same
     dp_group: Any = None  # a torch.distributed group; needed by the real Scheduler
     # No model compute: token ids come from a hash of (step, row) without reading or writing the
     # KV pool, for benchmarks of everything around the forward (bench/decode_bench.py).
@@ -676,7 +677,7 @@ class FakeLLMEngine:
             max_num_batched_tokens=max_batched, max_num_seqs=args.max_num_seqs,
             stop_preempted_request=True, chunked_prefill=args.chunked_prefill, engine_type=0,
             prefill_attempt_interval=opts.prefill_attempt_interval,
-            prefill_any_attempt_interval=opts.prefill_attempt_interval)
+            prefill_any_attempt_interval=opts.prefill_any_attempt_interval or opts.prefill_attempt_interval)
         self.scheduler = core.Scheduler(
             BLOCK_SIZE, self.block_manager, self.state_manager, opts.eos_id, opts.dp_group,
             self.scheduler_config, 0, 0, max(max_model_len, max_batched), None, [], 1,
@@ -882,5 +883,8 @@ def make_api(patched: bool = True, core: Any = None, **options: Any) -> SimpleNa
         LLMEngine=engine_cls, EngineArgs=EngineArgs, RequestOutput=core.RequestOutput,
         Scheduler=core.Scheduler, BlockManager=core.BlockManager, Sequence=core.Sequence,
         SequenceStatus=core.SequenceStatus, is_fake=True,
+        # DeepInfer's real Scheduler votes the step type across the ranks of its dp_group; this
+        # module's votes per rank (rank/vote_filler.py needs the former).
+        votes_across_ranks=options.get("dp_group") is not None,
     )
 

@@ -123,6 +123,8 @@ def deepinfer_api() -> SimpleNamespace:
     # Read at import time, as DeepInfer's SchedulerConfig defaults are (the adapter sets it).
     options.setdefault("prefill_attempt_interval",
                        int(os.environ.get("DEEPINFER_PREFILL_ATTEMPT_INTERVAL", "1")))
+    options.setdefault("prefill_any_attempt_interval",
+                       int(os.environ.get("DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL", "0")))
     if core == "installed":
         return _installed_api(options)
     if core != "stand-in":

@@ -468,7 +468,7 @@ class DeepInferEngine(Engine):
             running_tokens=running_tokens, waiting_tokens=waiting_tokens,
             num_cached_tokens_total=self._num_cached_tokens_total,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
-        )
+            num_vote_fillers_total=self._filler.counts.added if self._filler is not None else 0)
 
     def _live_blocks(self) -> set[int]:
         held: set[int] = set()

@@ -130,6 +130,7 @@ class EngineStats:
     waiting_tokens: int  # prompt tokens still to prefill
     num_cached_tokens_total: int  # prompt tokens served from prefix blocks since start
     num_prompt_tokens_total: int
+    num_vote_fillers_total: int = 0  # DeepInfer: one-token requests rank/vote_filler.py queued
 
 
 def usable_prefix_blocks(num_matched_blocks: int, prompt_len: int, block_size: int) -> int:

@@ -30,6 +30,7 @@ from rank.engine import EngineRequest, EngineStats, RequestOutput, SamplingParam
 STATS_FIELDS = (
     "num_blocks", "num_free_blocks", "num_cached_blocks", "num_running", "num_waiting",
     "running_tokens", "waiting_tokens", "num_cached_tokens_total", "num_prompt_tokens_total",
+    "num_vote_fillers_total",
 )
 
 

@@ -108,6 +108,8 @@ def test_filler_lets_a_ranks_leftover_prompt_go_at_the_next_all_point(vote_fille
             else:  # every ALL point failed: b waited for an ANY point, after the long reply ended
                 assert long_was_over and tokens_before_b == LONG_REPLY
             await _wait_all_free(group)  # fillers leave no block behind on either rank
+            fillers = [group.stats(r).num_vote_fillers_total for r in range(2)]  # the metric's source
+            assert (fillers[1] > 0) if vote_filler else (fillers == [0, 0]), fillers
         finally:
             await group.close()
         assert [r.proc.returncode if r.proc is not None else None for r in group._ranks] == [0, 0]

@@ -35,11 +35,11 @@ NUM_BLOCKS = 96
 LONG_REPLY = 150
 
 
-def _config(vote_filler: bool) -> RankConfig:
+def _config(vote_filler: bool, max_num_seqs: int = 8) -> RankConfig:
     fake = {"core": "installed", "num_gpu_blocks": NUM_BLOCKS, "vocab_size": 1000}
     return RankConfig(
         engine="deepinfer", deepinfer_venv=sys.prefix, model_dir="/nonexistent/model", ep=2,
-        max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=512, prefill_attempt_interval=4,
+        max_model_len=4096, max_num_seqs=max_num_seqs, max_num_batched_tokens=512, prefill_attempt_interval=4,
         prefill_any_attempt_interval=200, vote_filler=vote_filler, l1_host_gb=0.002, load_timeout_seconds=180,
         deepinfer_env={"DIB_DEEPINFER_MODULE": "standins.fake_deepinfer_lockstep",
                        "DIB_FAKE_DEEPINFER": json.dumps(fake), "OMP_NUM_THREADS": "1"},
@@ -113,5 +113,39 @@ def test_filler_lets_a_ranks_leftover_prompt_go_at_the_next_all_point(vote_fille
         finally:
             await group.close()
         assert [r.proc.returncode if r.proc is not None else None for r in group._ranks] == [0, 0]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(300)
+def test_no_filler_while_the_waiting_head_cannot_start() -> None:
+    """Rank 0 runs max_num_seqs (2) replies and has a third prompt waiting for a slot: DeepInfer's
+    vote there is yes (a waiting head under the watermark), but the head cannot be scheduled. A
+    filler on rank 1 would make prompt steps of the filler alone (DeepInfer's second vote passes on
+    it), each resetting decode_step to an ALL point: the loop the head-can-start guard prevents.
+    So rank 1 queues fillers only for heads that can start: the two first prompts' (when they reach
+    rank 0 in different iterations) and the third's once a slot is free: at most 3 (without the
+    guard: 64 in one run, 8 per ALL point until the streak cap)."""
+    if not os.environ.get("DEEPINFER_BUILD_DIR"):
+        pytest.skip("needs DeepInfer's build: bash scripts/test_deepinfer_build.sh")
+
+    async def scenario() -> None:
+        group = RankGroup(_config(True, max_num_seqs=2), python=sys.executable)
+        await group.start()
+        try:
+            running = [group.submit(0, _request(f"run-{i}", 100, 80, seed=10 + i)) for i in range(2)]
+            for s in running:
+                await s.__anext__()  # both decoding: rank 0's slots are full
+            third = group.submit(0, _request("third", 100, 4, seed=20))
+            outs = []
+            for s in [*running, third]:
+                async for out in s:
+                    outs.append(out)
+            assert sum(1 for o in outs if o.finished and o.finish_reason == FinishReason.LENGTH) == 3
+            await _wait_all_free(group)
+            fillers = [group.stats(r).num_vote_fillers_total for r in range(2)]
+            assert fillers[0] == 0 and fillers[1] <= 3, fillers
+        finally:
+            await group.close()
 
     asyncio.run(scenario())

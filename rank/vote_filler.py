@@ -85,9 +85,11 @@ class FillerCounts:
 
 
 class VoteFiller:
-    """One rank's filler (module docstring). ``group_min`` is the worker's all_reduce MIN over
-    the ranks' side group; ``llm`` is DeepInfer's ``LLMEngine`` (with the prefix-cache patch:
-    ``Sequence.block_table``, ``BlockManager.num_blocks``)."""
+    """One rank's filler (module docstring). ``llm`` is DeepInfer's ``LLMEngine`` (with the
+    prefix-cache patch: ``Sequence.block_table``, ``BlockManager.num_blocks``); ``before_step``
+    takes the worker's all_reduce MIN over the ranks' side group (``Engine.group_min``). Filler
+    ids (``vote-filler-<rank>-<n>``) cannot meet a served request's: the server numbers those
+    behind a random hex prefix (``server/app.py`` ``RequestIds``)."""
 
     def __init__(self, llm: Any, rank: int, all_interval: int, any_interval: int, max_num_seqs: int,
                  finished_status: int) -> None:

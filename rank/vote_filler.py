@@ -48,7 +48,7 @@ from rank.deepinfer_settings import DeepInferSettings
 
 log = logging.getLogger(__name__)
 
-MAX_STREAK = 8  # prompt steps in a row after which no filler is added (bench/simulator: the same)
+MAX_STREAK = 8  # prompt steps in a row after which no filler is added (bench/simulator imports it)
 WATERMARK = float(np.float32(0.9))  # scheduler.hpp GPU_CACHE_PREFILL_WATERMARK (a C++ float)
 FILLER_PREFIX = "vote-filler-"
 _SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 1, "ignore_eos": True}

@@ -40,6 +40,7 @@ from rank.engine import (
     FinishReason,
     RequestOutput,
 )
+from rank.vote_filler import MAX_STREAK as FILLER_MAX_STREAK
 
 
 @dataclass(slots=True, eq=False)
@@ -140,9 +141,6 @@ class EngineCounters:
                 "min_running": round(self.min_seq_s / self.decode_s if self.decode_s else 0, 2),
                 "prefill_mean_s": round(self.prefill_mean_s, 1),
                 "decode_mean_s": round(self.decode_mean_s, 1)}
-
-
-FILLER_MAX_STREAK = 8  # rank/vote_filler.py MAX_STREAK
 
 
 class SimGroup:

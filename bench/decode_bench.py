@@ -88,7 +88,7 @@ def build_dir(given: str | None) -> Path:
         path = Path(out[-1].split("=", 1)[-1])
     if not (path / ".complete").exists():
         raise SystemExit(f"no DeepInfer build at {path}: run `bash scripts/build_deepinfer.sh` "
-                         "(or pass --core stand-in)")
+                         "(bench.decode_bench also runs without it: --core stand-in)")
     return path
 
 

@@ -31,17 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.decode_bench import build_dir
 from rank.config import RankConfig
 from rank.engine import EngineRequest, SamplingParams
 from rank.group import RankGroup
-
-
-def build_dir(given: str | None) -> Path:
-    path = Path(given or os.environ.get("DEEPINFER_BUILD_DIR", ""))
-    if not (path / "venv" / "bin" / "python").exists():
-        raise SystemExit("needs DeepInfer's build: DEEPINFER_BUILD_DIR=... or --build-dir "
-                         "(bash scripts/build_deepinfer.sh prints it)")
-    return path
 
 
 def config(args: argparse.Namespace, vote_filler: bool, build: Path) -> RankConfig:
@@ -116,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="measured seconds per setting")
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--build-dir", default=None)
+    parser.add_argument("--build-dir", default=None,
+                        help="scripts/build_deepinfer.sh's directory (default: the one it prints here)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     build = build_dir(args.build_dir)

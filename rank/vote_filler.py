@@ -79,7 +79,6 @@ def group_passes(reduced: list[int]) -> bool:
 
 @dataclass(slots=True)
 class FillerCounts:
-    points: int = 0  # ALL-only points the collective ran at
     added: int = 0  # fillers added
     aborted: int = 0  # fillers the step did not finish
 
@@ -145,7 +144,6 @@ class VoteFiller:
         step = int(self.llm.scheduler.decode_step)
         if not is_all_only_point(step, self.all_interval, self.any_interval):
             return None
-        self.counts.points += 1
         vote = self.local_vote()
         passes = group_passes(group_min(vote.encode())) and self.streak < MAX_STREAK
         num_waiting, _ = self.llm.scheduler.get_sum_prompt_len_waiting()

@@ -11,11 +11,10 @@ ranks are killed, ``epoch`` goes up by one, restart listeners hear the new epoch
 the dead one's GPU block ids; the L1 host pool file is kept), and a fresh group is started.
 After ``max_start_failures`` consecutive failed starts the group gives up (``FAILED``).
 
-Client: one PUSH socket per rank for commands (sent without blocking from the event loop) and one
-PULL socket per rank read by one task per rank. A step message carries all of that rank's
-outputs for the step; they are pushed into the requests' ``RequestStream``s (see
-``rank/wire.py`` for the format, ``rank/link.py`` for the receive path).
-"""
+Client: one PUSH socket per rank for commands (sent without blocking from the event loop), one
+PULL socket per rank read by one task per rank, and transfers on ``rank/transfer_channel.py``'s
+Unix socket once the rank connects. A step message carries all of that rank's outputs for the
+step, pushed into the requests' ``RequestStream``s (``rank/wire.py``, ``rank/link.py``)."""
 
 from __future__ import annotations
 
@@ -170,7 +169,7 @@ class RankGroup:
         if self.state == GroupState.READY:
             for r in self._ranks:
                 with contextlib.suppress(zmq.ZMQError):
-                    r.cmd.send_multipart(wire.pack({"op": "shutdown"}), zmq.NOBLOCK)
+                    r.send({"op": "shutdown"})
             procs = [r.proc for r in self._ranks if r.proc is not None]
             started = time.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -269,11 +268,13 @@ class RankGroup:
         self._ranks = []
         now = time.monotonic()
         for rank in range(self.num_ranks):
-            prefix = f"ipc://{self._tmpdir}/e{self.epoch}-r{rank}"
-            r = RankLink.bind(self._sync_ctx, rank, f"{prefix}-cmd", f"{prefix}-out", now)
+            prefix = f"{self._tmpdir}/e{self.epoch}-r{rank}"
+            r = RankLink.bind(self._sync_ctx, rank, f"ipc://{prefix}-cmd", f"ipc://{prefix}-out", now,
+                              channel_path=f"{prefix}-x")
             self._ranks.append(r)
             args = worker_argv(self.python, self.config, rank, self.num_ranks, config_path=config_path,
-                               cmd_addr=f"{prefix}-cmd", out_addr=f"{prefix}-out", master_port=master_port,
+                               cmd_addr=f"ipc://{prefix}-cmd", out_addr=f"ipc://{prefix}-out",
+                               channel_addr=f"{prefix}-x", master_port=master_port,
                                host_pool_path=self.host_pool_path, host_pool_bytes=self.host_pool_bytes,
                                parent_pid=os.getpid())
             env = rank_env(self.config, self.num_ranks, rank, master_port, self._base_env)
@@ -284,7 +285,8 @@ class RankGroup:
             log.info("rank group %s epoch %d: started rank %d (pid %d)", self.name, self.epoch, rank,
                      r.proc.pid)
             self._tasks += [
-                asyncio.create_task(self._receive(r)),
+                asyncio.create_task(r.receive(self._on_message)),
+                asyncio.create_task(r.accept_channel(self._on_message)),
                 asyncio.create_task(self._wait_exit(r)),
                 asyncio.create_task(self._forward_stderr(r)),
             ]
@@ -321,8 +323,7 @@ class RankGroup:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         for r in self._ranks:
-            r.cmd.close(0)
-            r.out.close(0)
+            r.close_sockets()
         if self._closing:  # a restart keeps it: the next epoch's ranks re-map it, never zeroed
             unlink_host_pool(self.host_pool_path)
 
@@ -366,9 +367,6 @@ class RankGroup:
                 elif r.busy_s > self.step_timeout_s:
                     self._fail_epoch(f"rank {r.rank} stuck in one step for {r.busy_s:.0f}s (step_timeout_s)")
 
-    async def _receive(self, r: RankLink) -> None:
-        await r.receive(self._on_message)
-
     def _on_message(self, r: RankLink, frames: list[bytes]) -> None:
         header = orjson.loads(frames[0])
         kind = header["t"]
@@ -397,7 +395,7 @@ class RankGroup:
                 asyncio.get_running_loop().call_later(FATAL_GRACE_S, _settle, failure, r.fatal)
 
     def _dispatch(self, r: RankLink, header: dict[str, Any], frames: list[bytes]) -> None:
-        r.dispatch(header, frames)
+        r.dispatch(header, frames)  # a method of its own: bench/reliability/storm.py wraps it
 
     def _on_reply(self, r: RankLink, header: dict[str, Any]) -> None:
         if "stats" in header:
@@ -423,9 +421,9 @@ class RankGroup:
             raise EngineMisuse(f"rank {rank} outside 0..{self.num_ranks - 1}")
         return self._ranks[rank]
 
-    def _send(self, r: RankLink, frames: list[bytes]) -> None:
+    def _send(self, r: RankLink, header: dict[str, Any], *frames: bytes) -> None:
         try:
-            r.cmd.send_multipart(frames, zmq.NOBLOCK)
+            r.send(header, *frames)
         except zmq.ZMQError as exc:
             raise RankUnavailable(f"rank {r.rank} is not reachable: {exc}") from None
 
@@ -433,7 +431,7 @@ class RankGroup:
         r = self._ready_rank(rank)
         handle = r.next_handle
         r.next_handle = (handle + 1) & 0x7FFFFFFF
-        self._send(r, wire.encode_add(request, handle))
+        self._send(r, *wire.encode_add(request, handle))
         stream = RequestStream(request.request_id, rank, self.epoch,
                                lambda: self.abort(rank, request.request_id),
                                num_prompt_tokens=len(request.prompt_ids),
@@ -445,7 +443,7 @@ class RankGroup:
         if self.state != GroupState.READY or not 0 <= rank < self.num_ranks:
             return  # nothing to abort: the epoch's requests are already failed
         with contextlib.suppress(RankUnavailable):
-            self._send(self._ranks[rank], wire.pack({"op": "abort", "rids": [request_id]}))
+            self._send(self._ranks[rank], {"op": "abort", "rids": [request_id]})
 
     async def _command(self, rank: int, header: dict[str, Any]) -> Any:
         r = self._ready_rank(rank)
@@ -454,7 +452,7 @@ class RankGroup:
         self._pending[cid] = (rank, fut)
         sent = time.monotonic()
         try:
-            self._send(r, wire.pack(header))
+            self._send(r, header)
         except RankUnavailable:
             self._pending.pop(cid, None)
             raise

@@ -97,14 +97,14 @@ def rank_env(config: RankConfig, num_ranks: int, rank: int, master_port: int,
 
 
 def worker_argv(python: str, config: RankConfig, rank: int, num_ranks: int, *, config_path: str,
-                cmd_addr: str,
-                out_addr: str, master_port: int, host_pool_path: str, host_pool_bytes: int,
-                parent_pid: int) -> list[str]:
+                cmd_addr: str, out_addr: str, channel_addr: str, master_port: int, host_pool_path: str,
+                host_pool_bytes: int, parent_pid: int) -> list[str]:
     """The command line of rank process ``rank`` (``python -m rank.worker``, see its ``parse_args``);
     the rank exits as soon as ``parent_pid`` (the supervisor) is no longer its parent."""
     args = [
         python, "-m", "rank.worker", "--rank", str(rank), "--world-size", str(num_ranks),
         "--config", config_path, "--cmd-addr", cmd_addr, "--out-addr", out_addr,
+        "--channel-addr", channel_addr,
         "--master-port", str(master_port), "--threads", str(threads_per_rank(config, num_ranks)),
         "--host-pool-path", host_pool_path, "--host-pool-bytes", str(host_pool_bytes),
         "--parent-pid", str(parent_pid),

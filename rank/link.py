@@ -21,7 +21,9 @@ takes a loop without offsets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,10 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
 import numpy as np
+import orjson
 import zmq
 
+from rank import transfer_channel
 from rank.client import RequestStream
 from rank.engine import FinishReason, RequestOutput
+from rank.transfer_channel import CHANNEL_OPS, ChannelWriter
 
 DRAIN_BATCH = 32  # messages taken per wakeup before yielding to the event loop once
 
@@ -98,12 +103,18 @@ class RankLink:
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     exit_code: int | None = None
     fatal: str | None = None  # the rank's own fatal report, if it sent one
+    # The transfer channel (rank/transfer_channel.py): listening until the rank's transfer
+    # thread connects (ranks without one never do), then ``channel``; ``next_seq`` numbers commands.
+    listener: socket.socket | None = None
+    channel: ChannelWriter | None = None
+    next_seq: int = 0
 
     @classmethod
     def bind(cls, ctx: zmq.Context[zmq.Socket[bytes]], rank: int, cmd_addr: str, out_addr: str,
-             now: float) -> RankLink:
+             now: float, channel_path: str | None = None) -> RankLink:
         """The backend's ends of a new rank's sockets: PUSH commands, PULL outputs (no HWM: the
-        backend never blocks on a rank, and the rank's outputs are bounded by its requests)."""
+        backend never blocks on a rank, and the rank's outputs are bounded by its requests), and
+        the transfer channel's listener at ``channel_path``."""
         cmd = ctx.socket(zmq.PUSH)
         cmd.setsockopt(zmq.SNDHWM, 0)
         cmd.setsockopt(zmq.LINGER, 0)
@@ -112,7 +123,41 @@ class RankLink:
         out.setsockopt(zmq.RCVHWM, 0)
         out.setsockopt(zmq.LINGER, 0)
         out.bind(out_addr)
-        return cls(rank, cmd, out, last_seen=now)
+        listener = transfer_channel.listen(channel_path) if channel_path else None
+        return cls(rank, cmd, out, last_seen=now, listener=listener)
+
+    def send(self, header: dict[str, Any], *frames: bytes) -> None:
+        """Number a command and send it: a transfer on the channel once the rank has connected,
+        anything else (or everything, before that) on zmq. Raises ``zmq.ZMQError``."""
+        header["sq"] = self.next_seq
+        self.next_seq += 1
+        payload = orjson.dumps(header)
+        if self.channel is not None and header.get("op") in CHANNEL_OPS and self.channel.send(payload):
+            return
+        self.cmd.send_multipart([payload, *frames], zmq.NOBLOCK)
+
+    def _resend(self, lost: list[bytes]) -> None:
+        """The channel is gone (the rank closed it): what it had not written goes by zmq."""
+        for payload in lost:
+            with contextlib.suppress(zmq.ZMQError):
+                self.cmd.send_multipart([payload], zmq.NOBLOCK)
+
+    async def accept_channel(self, on_message: Callable[[RankLink, list[bytes]], None]) -> None:
+        """Wait for the rank's transfer thread to connect; its replies then come in here."""
+        if self.listener is None:
+            return
+        conn, _ = await asyncio.get_running_loop().sock_accept(self.listener)
+        self.listener.close()
+        self.listener = None
+        self.channel = ChannelWriter(conn, lambda message: on_message(self, [message]), self._resend)
+
+    def close_sockets(self) -> None:
+        self.cmd.close(0)
+        self.out.close(0)
+        if self.listener is not None:
+            self.listener.close()
+        if self.channel is not None:
+            self.channel.close()
 
     def health(self, now: float) -> dict[str, Any]:
         """This rank's entry in the group's /healthz ranks list."""

@@ -8,7 +8,9 @@ releases still at the boundary, the serving run's restores were bimodal (~7 ms, 
 when an import needed the blocks of a release sent just before it): releases now run here too.
 
 For an engine that declares ``concurrent_transfers``, the worker starts this thread. The thread
-owns the command socket from the backend. It runs ``import`` and ``export`` itself while the loop
+owns the command socket from the backend and the transfer channel (``rank/transfer_channel.py``:
+a Unix socket for transfers and their replies, with less latency than zmq), and takes commands
+from both in the backend's order (their ``sq``). It runs ``import`` and ``export`` itself while the loop
 thread steps; the engine makes that safe (``rank/pool_transfers.py``). It runs a ``release``
 itself too unless an earlier command holds it back (below). Every other command (add, abort,
 shutdown, and the releases held back) is forwarded unchanged and in order to the loop thread,
@@ -74,6 +76,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import traceback
@@ -81,8 +84,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from rank import wire
+import orjson
+
+from rank import transfer_channel, wire
 from rank.engine import CapacityExhausted, EngineMisuse
+from rank.transfer_channel import FrameReader, Reorder, header_seq
 
 if TYPE_CHECKING:
     import zmq
@@ -166,8 +172,12 @@ class TransferThread:
     """
 
     def __init__(self, ctx: zmq.Context[Any], cmd: zmq.Socket[bytes], out_addr: str, engine: Engine,
-                 last_stats: EngineStats) -> None:
+                 last_stats: EngineStats, channel_addr: str = "") -> None:
         self.ctx, self.cmd, self.out_addr, self.engine = ctx, cmd, out_addr, engine
+        self.channel_addr = channel_addr
+        self._channel: socket.socket | None = None  # the transfer channel, while connected
+        self._reader = FrameReader()
+        self._out: zmq.Socket[bytes] | None = None
         self.last_stats = last_stats
         self.forwarded = 0
         self.applied = 0
@@ -204,27 +214,21 @@ class TransferThread:
         out = self.ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 2000)
         out.connect(self.out_addr)
+        self._out = out
         cmd = self.cmd
+        poller = zmq.Poller()
+        poller.register(cmd, zmq.POLLIN)
+        self._channel = self._connect()
+        if self._channel is not None:
+            poller.register(self._channel.fileno(), zmq.POLLIN)
+        order: Reorder[tuple[list[bytes], dict[str, Any], float]] = Reorder()
         try:
             while not self._stop.is_set():
-                if not cmd.poll(POLL_MS):
+                if not poller.poll(POLL_MS):
                     continue
-                while cast(int, cmd.get(zmq.EVENTS)) & zmq.POLLIN and not self._stop.is_set():
-                    frames = cmd.recv_multipart(zmq.NOBLOCK)
-                    received = time.monotonic()
-                    header = wire.unpack_header(frames[0])
-                    op = header.get("op")
-                    if op not in THREAD_OPS or (op == "release" and self._held_back(header)):
-                        self._forward(forward, frames, header)
-                        continue
-                    reply = self._transfer(header, received)
-                    if reply is None:  # an import the loop thread runs after what is queued before it
-                        self._forward(forward, frames, header)
-                        self._import_queued_at = self.forwarded
-                        continue
-                    reply["stats"] = wire.stats_list(self.engine.transfer_stats(self.last_stats))
-                    out.send_multipart(wire.pack(reply))
-                    self.num_transfers += 1  # after the send: the loop's next stats go out after it
+                for frames, header, received in self._arrived(poller):
+                    for item in order.push(header_seq(header), (frames, header, received)):
+                        self._handle(forward, *item)
         except Exception as exc:  # noqa: BLE001 - handed to the loop thread, which fails the rank
             log.error("transfer thread failed: %s", traceback.format_exc())
             self.error = f"{type(exc).__name__}: {exc}"
@@ -232,6 +236,71 @@ class TransferThread:
             forward.close(0)
             out.close()
             cmd.close(0)
+            if self._channel is not None:
+                self._channel.close()
+
+    def _connect(self) -> socket.socket | None:
+        """The transfer channel to the backend (``rank/transfer_channel.py``), if it offers one."""
+        if not self.channel_addr:
+            return None
+        try:
+            return transfer_channel.connect(self.channel_addr)
+        except OSError as exc:
+            log.warning("no transfer channel (%s): transfers stay on zmq", exc)
+            return None
+
+    def _arrived(self, poller: zmq.Poller) -> list[tuple[list[bytes], dict[str, Any], float]]:
+        """Every command waiting on either socket, as (frames, header, when taken off)."""
+        import zmq
+
+        arrived = []
+        channel = self._channel
+        if channel is not None:
+            try:
+                data = channel.recv(1 << 20, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                data = None
+            if data == b"":  # the backend closed it; a partial message is dropped (it resends it)
+                poller.unregister(channel.fileno())
+                channel.close()
+                self._channel = None
+            elif data:
+                now = time.monotonic()
+                arrived += [([m], wire.unpack_header(m), now) for m in self._reader.feed(data)]
+        cmd = self.cmd
+        while cast(int, cmd.get(zmq.EVENTS)) & zmq.POLLIN and not self._stop.is_set():
+            frames = cmd.recv_multipart(zmq.NOBLOCK)
+            arrived.append((frames, wire.unpack_header(frames[0]), time.monotonic()))
+        return arrived
+
+    def _handle(self, forward: zmq.Socket[bytes], frames: list[bytes], header: dict[str, Any],
+                received: float) -> None:
+        """One command, in the backend's order: run here or forwarded (module docstring)."""
+        op = header.get("op")
+        if op not in THREAD_OPS or (op == "release" and self._held_back(header)):
+            self._forward(forward, frames, header)
+            return
+        reply = self._transfer(header, received)
+        if reply is None:  # an import the loop thread runs after what is queued before it
+            self._forward(forward, frames, header)
+            self._import_queued_at = self.forwarded
+            return
+        reply["stats"] = wire.stats_list(self.engine.transfer_stats(self.last_stats))
+        self._reply(reply)
+        self.num_transfers += 1  # after the send: the loop's next stats go out after it
+
+    def _reply(self, reply: dict[str, Any]) -> None:
+        """On the channel while there is one, else (or if it breaks) on the output socket."""
+        if self._channel is not None:
+            try:
+                self._channel.sendall(transfer_channel.encode(orjson.dumps(reply)))
+                return
+            except OSError as exc:
+                log.warning("transfer channel lost (%s): replies go by zmq", exc)
+                self._channel.close()
+                self._channel = None
+        assert self._out is not None  # set by ``_run`` before any command
+        self._out.send_multipart(wire.pack(reply))
 
     def _forward(self, forward: zmq.Socket[bytes], frames: list[bytes], header: dict[str, Any]) -> None:
         self.forwarded += 1

@@ -43,7 +43,8 @@ def unpack_header(frame: bytes) -> dict[str, Any]:
     return header
 
 
-def encode_add(request: EngineRequest, handle: int) -> list[bytes]:
+def encode_add(request: EngineRequest, handle: int) -> tuple[dict[str, Any], bytes]:
+    """An ``add`` command: its header and its prompt frame."""
     sp = request.sampling
     header = {
         "op": "add", "rid": request.request_id, "h": handle,
@@ -52,7 +53,7 @@ def encode_add(request: EngineRequest, handle: int) -> list[bytes]:
         "kb": request.keep_blocks,
     }
     prompt = np.ascontiguousarray(request.prompt_ids, dtype="<i4")
-    return pack(header, prompt.tobytes())
+    return header, prompt.tobytes()
 
 
 def decode_add(header: dict[str, Any], prompt_frame: bytes) -> EngineRequest:

@@ -212,7 +212,7 @@ class RankLoop:
             forwarded.setsockopt(zmq.RCVHWM, 0)
             forwarded.bind(transfers.FORWARD_ADDR)
             self.transfers = transfers.TransferThread(ctx, self.cmd, args.out_addr, self.engine,
-                                                      self.engine.stats())
+                                                      self.engine.stats(), args.channel_addr)
             self.poller.unregister(self.cmd)
             self.cmd = forwarded
             self.poller.register(self.cmd, zmq.POLLIN)
@@ -390,6 +390,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="workload config JSON file")
     p.add_argument("--cmd-addr", required=True)
     p.add_argument("--out-addr", required=True)
+    p.add_argument("--channel-addr", default="", help="the transfer channel's Unix socket path")
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--host-pool-path", default="")

@@ -112,7 +112,7 @@ def test_receive_drains_floods_and_wakes_after_idle() -> None:
         r = RankLink(0, None, pull, last_seen=0.0)  # type: ignore[arg-type]
         stream = _track(r, 3, "r3")
         handles = {"r3": 3}
-        task = asyncio.create_task(group._receive(r))
+        task = asyncio.create_task(r.receive(group._on_message))
         try:
             num_steps = 3 * DRAIN_BATCH + 5
             for i in range(num_steps):  # queued before the task first runs

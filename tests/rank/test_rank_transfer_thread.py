@@ -244,3 +244,74 @@ def test_round_trips_are_split_by_phase_and_a_held_transfer_counts_as_waiting(tm
             await group.close()
 
     asyncio.run(scenario())
+
+
+class _HeldCommands:
+    """The backend's zmq command socket with its sends held while ``holding``: a command numbered
+    before a transfer reaches the rank after it (the transfer takes the channel)."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock, self.holding, self.held = sock, True, []
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        if self.holding:
+            self.held.append((frames, flags))
+        else:
+            self.sock.send_multipart(frames, flags)
+
+    def flush(self) -> None:
+        self.holding = False
+        for frames, flags in self.held:
+            self.sock.send_multipart(frames, flags)
+
+    def close(self, linger: int | None = None) -> None:
+        self.sock.close(linger)
+
+
+@pytest.mark.timeout(180)
+def test_a_transfer_on_the_channel_waits_for_the_zmq_command_numbered_before_it(tmp_path: Path) -> None:
+    """rank/transfer_channel.py: the channel may deliver a release before the add sent before it
+    on zmq. The rank takes commands by number, so the release still waits behind that add, whose
+    prefix block it names (the add takes its ref first); taken as they came, the release would
+    free the block and the add would be refused. Then the backend drops the channel: transfers go
+    by zmq again and still reply."""
+    async def scenario() -> None:
+        group = _group(tmp_path)
+        await group.start()
+        try:
+            r = group._ranks[0]
+            kept = await _cached_turn(group)
+            assert r.channel is not None and not r.channel.closed  # the rank connected
+            await group.export_blocks(0, kept, 0)
+            restored = await asyncio.wait_for(group.import_blocks(0, 0, len(kept)), WAIT_S)
+            held = _HeldCommands(r.cmd)
+            r.cmd = held
+            prefixed = _request("c", 30, 2, seed=2)
+            prefixed.prefix_blocks, prefixed.num_cached_tokens = (restored[0],), BLOCK
+            c = group.submit(0, prefixed)  # numbered, held here
+            release = asyncio.ensure_future(group.release(0, restored))  # on the channel, next number
+            await asyncio.sleep(0.5)  # room to misbehave; the rank has the release by now
+            assert not release.done() and len(held.held) == 1
+            held.flush()
+            await asyncio.wait_for(release, WAIT_S)
+            c_tokens, c_last = await asyncio.wait_for(collect(c), WAIT_S)
+            assert len(c_tokens) == 2 and c_last.error is None  # its prefix block was still held
+            assert restored[0] in c_last.kept_blocks
+            r.cmd = held.sock
+            await group.release(0, c_last.kept_blocks)
+            await group.release(0, kept)
+            await _idle(group)
+
+            r.channel.close()  # lost: everything by zmq from here, both ways
+            _, d = await asyncio.wait_for(collect(group.submit(0, _request("d", 40, 2, seed=3))), WAIT_S)
+            n = len(d.kept_blocks)
+            await asyncio.wait_for(group.export_blocks(0, d.kept_blocks, 4), WAIT_S)
+            back = await asyncio.wait_for(group.import_blocks(0, 4, n), WAIT_S)
+            await asyncio.wait_for(group.export_blocks(0, back, 8), WAIT_S)
+            assert n and _slots(group, 4, n) == _slots(group, 8, n)  # byte-exact, by zmq
+            await group.release(0, [*d.kept_blocks, *back])
+            await _idle(group)
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())

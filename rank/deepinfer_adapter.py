@@ -423,8 +423,8 @@ class DeepInferEngine(Engine):
     def _gpu_blocks(self) -> torch.Tensor:
         return cast("torch.Tensor", self.llm.driver_worker.cache_engine.gpu_blocks)  # [blocks, bpb] uint8
 
-    def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
-        # KV writes and these copies are issued on the same (current) stream, so they are ordered.
+    def export_blocks(self, block_ids: Sequence[int], host_slot: int, between: object = None) -> None:
+        # One copy at the step boundary (``between`` unused); KV writes and it share one stream.
         ids = list(block_ids)
         pool = checked_host_pool(self.host_pool, host_slot, len(ids))
         self._check_ids(ids, "export", need_cache_ref=False)

@@ -203,8 +203,13 @@ class Engine(abc.ABC):
         """Drop one cache ref on each block (validated first: in range and cache-held)."""
 
     @abc.abstractmethod
-    def export_blocks(self, block_ids: Sequence[BlockId], host_slot: HostSlot) -> None:
-        """Copy blocks into consecutive L1 host slots starting at ``host_slot``."""
+    def export_blocks(self, block_ids: Sequence[BlockId], host_slot: HostSlot,
+                      between: Callable[[], None] | None = None) -> None:
+        """Copy blocks into consecutive L1 host slots starting at ``host_slot``. An engine that
+        copies in parts (``concurrent_transfers``) calls ``between`` after each part but the
+        last, with the blocks still pinned: the transfer thread runs the commands that came
+        meanwhile, so a restore does not wait for a long write (``rank/transfers.py``). Others
+        may ignore it."""
 
     @abc.abstractmethod
     def import_blocks(self, host_slot: HostSlot, num_blocks: int) -> list[BlockId]:

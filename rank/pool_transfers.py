@@ -45,6 +45,7 @@ the blocks are in place before the backend can send the request that reads them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,10 +53,18 @@ import torch
 from rank.engine import CapacityExhausted, EngineStats, checked_host_pool
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from rank.block_manager import BlockManager
     from rank.host_pool import HostPool
+
+
+EXPORT_PART_BYTES = 32 << 20  # ~0.6 ms of copy at the H200's ~54 GB/s: what a restore waits at most
+EXPORT_PART_ENV = "DIB_EXPORT_PART_BYTES"  # tests and benchmarks: another part size
+
+
+def export_part_bytes() -> int:
+    return int(os.environ.get(EXPORT_PART_ENV, EXPORT_PART_BYTES))
 
 
 class PoolTransfers:
@@ -90,12 +99,20 @@ class PoolTransfers:
         says when the transfer thread may; the module docstring why the bytes need no fence)."""
         self.blocks.release_held(list(block_ids), what="release")
 
-    def export(self, pool: torch.Tensor, block_ids: Sequence[int], host_slot: int) -> None:
+    def export(self, pool: torch.Tensor, block_ids: Sequence[int], host_slot: int,
+               between: Callable[[], None] | None = None) -> None:
+        """Copy in parts of at most ``export_part_bytes``, calling ``between`` after each but the
+        last (``Engine.export_blocks``); the blocks stay pinned throughout."""
         ids = list(block_ids)
         host_pool = checked_host_pool(self.host_pool, host_slot, len(ids))
+        part = max(1, export_part_bytes() // host_pool.bytes_per_block) if between else len(ids)
         self.blocks.pin_held(ids, what="export")
         try:
-            host_pool.copy_from_device(pool, ids, host_slot, stream=self.stream)
+            for start in range(0, len(ids), part):
+                host_pool.copy_from_device(pool, ids[start : start + part], host_slot + start,
+                                           stream=self.stream)
+                if between is not None and start + part < len(ids):
+                    between()
         finally:
             self.blocks.unpin(ids)
 

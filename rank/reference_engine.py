@@ -448,8 +448,9 @@ class ReferenceEngine(Engine):
     def release(self, block_ids: Sequence[int]) -> None:
         self.transfers.release(block_ids)
 
-    def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
-        self.transfers.export(self.pool, block_ids, host_slot)
+    def export_blocks(self, block_ids: Sequence[int], host_slot: int,
+                      between: Callable[[], None] | None = None) -> None:
+        self.transfers.export(self.pool, block_ids, host_slot, between)
 
     def import_blocks(self, host_slot: int, num_blocks: int) -> list[BlockId]:
         return cast("list[BlockId]", self.transfers.import_(self.pool, host_slot, num_blocks))

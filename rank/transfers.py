@@ -53,6 +53,14 @@ and the order; 3 rests on the CUDA argument there, run by the concurrent tests o
 5. The step allocates under ``BlockManager.lock`` while a release runs here; the release's
    check and change are one critical section, so the step sees it wholly or not at all.
 
+Long writes. The reference engine copies an export in parts (``rank/pool_transfers.py``:
+``EXPORT_PART_BYTES``, ~0.6 ms of copy on an H200) and, between parts, this thread runs the
+commands that arrived meanwhile, in order, up to the next export (``_between_parts``). So a
+restore, which a turn waits for, waits at most one part of a write-through or spill, which no
+one waits for: in the H200 serving run imports had waited up to ~8 ms behind 10 ms exports. Those
+commands commute with the export in progress: its blocks stay pinned (a release of one frees it
+after the export), an import takes only free blocks, and an add only references held ones.
+
 An import that finds too few free blocks while forwarded commands are still unapplied (a
 release held back behind an add, say) is forwarded too, and the loop thread runs it after them
 at the boundary: the old order and outcome. Later imports follow it there until the loop has run
@@ -67,8 +75,9 @@ fails gives its blocks back, and an export unpins its blocks (``rank/pool_transf
 ``DIB_TRANSFER_THREAD=0`` (``ENABLE_ENV``, set in the backend's environment: the group passes
 ``DIB_*`` on) keeps every command on the loop thread, for A/B measurements (``bench/transfer_overlap.py``).
 
-TESTS ONLY: ``DIB_TEST_TRANSFER_GATE=<dir>`` (``GATE_ENV``) holds a step (the file ``hold-step``)
-or a transfer (``hold-transfer``) for as long as that file exists in ``<dir>``. Meanwhile the
+TESTS ONLY: ``DIB_TEST_TRANSFER_GATE=<dir>`` (``GATE_ENV``) holds a step (the file ``hold-step``),
+a transfer (``hold-transfer``) or an export between its parts (``hold-part``) for as long as that
+file exists in ``<dir>``. Meanwhile the
 marker ``held-step``/``held-transfer`` is there. This lets a test order events without a clock.
 """
 
@@ -103,6 +112,7 @@ THREAD_OPS = frozenset({"import", "export", "release"})  # run here (a release: 
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Command = tuple[list[bytes], dict[str, Any], float]  # frames, header, when taken off its socket
 
 
 def enabled(engine: Engine) -> bool:
@@ -135,9 +145,11 @@ def gated(step: Callable[[], T]) -> Callable[[], T]:
     return held_step
 
 
-def run_command(engine: Engine, header: dict[str, Any], received: float) -> dict[str, Any]:
+def run_command(engine: Engine, header: dict[str, Any], received: float,
+                between: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run ``release``/``export``/``import`` and return the reply (without its stats). The same
-    code on either thread; raises only on an unexpected failure.
+    code on either thread; raises only on an unexpected failure. ``between``: an export's, as in
+    ``Engine.export_blocks``.
 
     A successful reply's ``ts`` is [received, started, done] on ``time.monotonic()`` (system-wide on
     Linux, so the backend can compare it with its own clock: ``rank/group.py`` ``TransferTiming``):
@@ -150,7 +162,7 @@ def run_command(engine: Engine, header: dict[str, Any], received: float) -> dict
         if op == "release":
             engine.release(header["ids"])
         elif op == "export":
-            engine.export_blocks(header["ids"], header["slot"])
+            engine.export_blocks(header["ids"], header["slot"], between)
         elif op == "import":
             result = engine.import_blocks(header["slot"], header["n"])
         else:
@@ -178,6 +190,12 @@ class TransferThread:
         self._channel: socket.socket | None = None  # the transfer channel, while connected
         self._reader = FrameReader()
         self._out: zmq.Socket[bytes] | None = None
+        # Set by ``_run``: the poller over both sockets, the forwarding socket.
+        self._poller: zmq.Poller | None = None
+        self._forward_sock: zmq.Socket[bytes] | None = None
+        self._order: Reorder[Command] = Reorder()
+        self._ready: deque[Command] = deque()  # taken in order, not handled yet
+        self._in_export = False  # inside an export's ``between``: no nesting
         self.last_stats = last_stats
         self.forwarded = 0
         self.applied = 0
@@ -221,14 +239,14 @@ class TransferThread:
         self._channel = self._connect()
         if self._channel is not None:
             poller.register(self._channel.fileno(), zmq.POLLIN)
-        order: Reorder[tuple[list[bytes], dict[str, Any], float]] = Reorder()
+        self._poller, self._forward_sock = poller, forward
         try:
             while not self._stop.is_set():
-                if not poller.poll(POLL_MS):
+                if not self._ready and not poller.poll(POLL_MS):
                     continue
-                for frames, header, received in self._arrived(poller):
-                    for item in order.push(header_seq(header), (frames, header, received)):
-                        self._handle(forward, *item)
+                self._take()
+                while self._ready and not self._stop.is_set():
+                    self._handle(*self._ready.popleft())
         except Exception as exc:  # noqa: BLE001 - handed to the loop thread, which fails the rank
             log.error("transfer thread failed: %s", traceback.format_exc())
             self.error = f"{type(exc).__name__}: {exc}"
@@ -249,11 +267,33 @@ class TransferThread:
             log.warning("no transfer channel (%s): transfers stay on zmq", exc)
             return None
 
-    def _arrived(self, poller: zmq.Poller) -> list[tuple[list[bytes], dict[str, Any], float]]:
+    def _take(self) -> None:
+        """Every command waiting on either socket into ``_ready``, in the backend's order."""
+        for command in self._arrived():
+            self._ready.extend(self._order.push(header_seq(command[1]), command))
+
+    def _between_parts(self) -> None:
+        """An export's ``between`` (``Engine.export_blocks``): run the commands that are ready now,
+        in order, up to the next export (which waits for this one). They commute with the export
+        in progress: its blocks are pinned, imports take free blocks, adds reference held ones."""
+        if self._in_export:
+            return
+        self._in_export = True
+        try:
+            hold_at_gate("part")
+            self._take()
+            while self._ready and self._ready[0][1].get("op") != "export" and not self._stop.is_set():
+                self._handle(*self._ready.popleft())
+        finally:
+            self._in_export = False
+
+    def _arrived(self) -> list[Command]:
         """Every command waiting on either socket, as (frames, header, when taken off)."""
         import zmq
 
         arrived = []
+        poller = self._poller
+        assert poller is not None  # set by ``_run``
         channel = self._channel
         if channel is not None:
             try:
@@ -273,9 +313,10 @@ class TransferThread:
             arrived.append((frames, wire.unpack_header(frames[0]), time.monotonic()))
         return arrived
 
-    def _handle(self, forward: zmq.Socket[bytes], frames: list[bytes], header: dict[str, Any],
-                received: float) -> None:
+    def _handle(self, frames: list[bytes], header: dict[str, Any], received: float) -> None:
         """One command, in the backend's order: run here or forwarded (module docstring)."""
+        forward = self._forward_sock
+        assert forward is not None  # set by ``_run``
         op = header.get("op")
         if op not in THREAD_OPS or (op == "release" and self._held_back(header)):
             self._forward(forward, frames, header)
@@ -334,7 +375,7 @@ class TransferThread:
             return None  # an import forwarded before this one is not applied yet: keep their order
         unapplied = self.applied < self.forwarded
         hold_at_gate("transfer")
-        reply = run_command(self.engine, header, received)
+        reply = run_command(self.engine, header, received, self._between_parts)
         if not reply["ok"] and reply["etype"] == "CapacityExhausted" and unapplied:
             return None
         return reply

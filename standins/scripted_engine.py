@@ -372,7 +372,7 @@ class ScriptedEngine(Engine):
     def release(self, block_ids: Sequence[int]) -> None:
         self._pool.release(list(block_ids))
 
-    def export_blocks(self, block_ids: Sequence[int], host_slot: int) -> None:
+    def export_blocks(self, block_ids: Sequence[int], host_slot: int, between: object = None) -> None:
         self._pool.export_blocks(list(block_ids), host_slot)
 
     def import_blocks(self, host_slot: int, num_blocks: int) -> list[BlockId]:

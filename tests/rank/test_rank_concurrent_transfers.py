@@ -256,3 +256,37 @@ def test_failed_import_copy_gives_its_blocks_back(engine: ReferenceEngine,
         engine.import_blocks(0, 3)
     engine.check_accounting()
     assert engine.stats().num_free_blocks == engine.num_blocks - 1
+
+
+def test_an_export_in_parts_lets_commands_run_between_them_with_its_blocks_pinned(
+        engine: ReferenceEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``export_blocks(..., between)``: parts of at most ``DIB_EXPORT_PART_BYTES``; between them
+    an import runs and a release of one of the export's blocks lands, which frees it only after
+    the export; the slots hold the blocks' bytes as they were."""
+    from rank.pool_transfers import EXPORT_PART_ENV
+
+    monkeypatch.setenv(EXPORT_PART_ENV, str(2 * engine.bytes_per_block))
+    kept = cached_blocks(engine, "src", 5 * BLOCK + 3)  # 5 full blocks: parts of 2, 2, 1
+    engine.export_blocks(kept, 0)
+    before = engine.pool[kept].clone()
+    calls: list[int] = []
+    imported: list[int] = []
+
+    def between() -> None:
+        calls.append(engine.stats().num_free_blocks)
+        if len(calls) == 1:
+            imported.extend(engine.import_blocks(0, 2))
+            engine.release([kept[4]])  # its part is not copied yet: pinned, not freed
+
+    free = engine.stats().num_free_blocks
+    engine.export_blocks(kept, 20, between)
+    assert len(calls) == 2  # after parts 1 and 2, not after the last
+    assert calls == [free, free - 2]  # the release freed nothing while the export ran
+    assert engine.stats().num_free_blocks == free - 2 + 1  # kept[4] free once unpinned
+    assert engine.host_pool is not None
+    slots = engine.host_pool.tensor[20:25]
+    assert torch.equal(slots.to(before.device), before)
+    assert torch.equal(engine.pool[imported], engine.pool[kept[:2]])
+    engine.release([*kept[:4], *imported])
+    engine.check_accounting()
+    assert engine.stats().num_free_blocks == engine.num_blocks - 1

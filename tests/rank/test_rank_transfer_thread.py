@@ -23,6 +23,7 @@ from rank.client import RequestStream
 from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, SamplingParams
 from rank.errors import RankFailed
 from rank.group import RankGroup
+from rank.link import TransferTiming
 from rank.transfers import GATE_ENV
 from server.config import WorkloadConfig
 from tests.rank.rank_stream_helpers import collect
@@ -310,6 +311,41 @@ def test_a_transfer_on_the_channel_waits_for_the_zmq_command_numbered_before_it(
             await asyncio.wait_for(group.export_blocks(0, back, 8), WAIT_S)
             assert n and _slots(group, 4, n) == _slots(group, 8, n)  # byte-exact, by zmq
             await group.release(0, [*d.kept_blocks, *back])
+            await _idle(group)
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(180)
+def test_an_import_sent_during_a_long_export_runs_between_its_parts(tmp_path: Path) -> None:
+    """A restore does not wait for a write in progress: the export copies in parts
+    (``DIB_EXPORT_PART_BYTES``: one block here) and the transfer thread runs the import that came
+    meanwhile between two of them, so on the rank's clock the import ends before the export."""
+    async def scenario() -> None:
+        group = _group(tmp_path)
+        group._base_env["DIB_EXPORT_PART_BYTES"] = "1"  # one block per part
+        await group.start()
+        try:
+            kept = await _cached_turn(group)
+            await group.export_blocks(0, kept, 0)
+            (tmp_path / "hold-part").touch()
+            export = asyncio.ensure_future(group.export_blocks(0, kept, 10))
+            await _until(tmp_path / "held-part")  # after its first part
+            restore = asyncio.ensure_future(group.import_blocks(0, 0, len(kept)))
+            await asyncio.sleep(0.5)  # room for the import to reach the rank
+            (tmp_path / "hold-part").unlink()
+            restored = await asyncio.wait_for(restore, WAIT_S)
+            await asyncio.wait_for(export, WAIT_S)
+            timings = {t.op: t for t in list(group.transfer_log)[-2:]}
+
+            def done(t: TransferTiming) -> float:  # the rank's clock: when the engine call returned
+                return t.sent + t.to_rank_s + t.wait_s + t.engine_s
+
+            assert done(timings["import"]) < done(timings["export"])
+            assert _slots(group, 0, len(kept)) == _slots(group, 10, len(kept))
+            await group.release(0, [*kept, *restored])
             await _idle(group)
         finally:
             await group.close()

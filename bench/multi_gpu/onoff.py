@@ -82,6 +82,10 @@ def measured(doc: dict[str, Any]) -> dict[str, float]:
         "restore_wall_p95_ms": _num(restores.get("wall_p95_s")) * 1e3,
         "restore_ratio_p50": _num(restores.get("ratio_p50")),
         "restore_ratio_p95": _num(restores.get("ratio_p95")),
+        "restores_small": _num(restores.get("num_small")),
+        "restore_small_wall_p50_ms": _num(restores.get("small_wall_p50_s")) * 1e3,
+        "restore_ratio_p50_large": _num(restores.get("ratio_p50_large")),
+        "restore_ratio_p95_large": _num(restores.get("ratio_p95_large")),
     }
 
 
@@ -194,6 +198,10 @@ ROWS = (
     ("restore wall p95 ms", "restore_wall_p95_ms", ".1f"),
     ("restore wall / copy p50 (<= 1.5)", "restore_ratio_p50", ".2f"),
     ("restore wall / copy p95 (<= 3)", "restore_ratio_p95", ".2f"),
+    ("restores with a copy < 0.5 ms", "restores_small", ".0f"),
+    ("their wall p50 ms", "restore_small_wall_p50_ms", ".2f"),
+    ("restore wall / copy p50, copy >= 0.5 ms", "restore_ratio_p50_large", ".2f"),
+    ("restore wall / copy p95, copy >= 0.5 ms", "restore_ratio_p95_large", ".2f"),
 )
 
 

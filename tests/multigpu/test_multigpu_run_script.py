@@ -87,6 +87,22 @@ def test_restore_table_against_the_limit_of_the_restoring_rank() -> None:
     assert restore_table([], limits, 100)["num"] == 0
 
 
+def test_restores_whose_copy_is_short_are_also_counted_apart() -> None:
+    """A 1-block restore's ratio is its round trip's floor; the others' ratios are given alone."""
+    limits = {0: CopyLimit([1, 100], [0.0001, 0.01])}  # 0.1 ms for one block, 10 ms for 100
+    restores = [
+        {"t": 0.0, "rank": 0, "num_blocks": 1, "wall_s": 0.001, "ok": True},  # 10x
+        {"t": 1.0, "rank": 0, "num_blocks": 100, "wall_s": 0.012, "ok": True},  # 1.2x
+        {"t": 2.0, "rank": 0, "num_blocks": 100, "wall_s": 0.014, "ok": True},  # 1.4x
+    ]
+    table = restore_table(restores, limits, bytes_per_block=1)
+    assert table["num"] == 3 and table["num_small"] == 1
+    assert table["small_wall_p50_s"] == pytest.approx(0.001)
+    assert table["ratio_p95"] > 8  # the 10x one is in the whole table's tail
+    assert table["ratio_p50_large"] == pytest.approx(1.3)
+    assert table["ratio_p95_large"] == pytest.approx(1.39)
+
+
 def test_phase_table_splits_one_ops_round_trips_in_the_window() -> None:
     def timing(op: str, sent: float, engine_s: float) -> TransferTiming:
         return TransferTiming(op, 0, sent, to_rank_s=0.001, wait_s=0.0, engine_s=engine_s, back_s=0.002,

@@ -40,6 +40,11 @@ CHANNEL_OPS = frozenset({"import", "export", "release"})  # what the backend sen
 T = TypeVar("T")
 
 
+class ChannelError(RuntimeError):
+    """A broken command stream (a length or a number that cannot be). Not a ValueError: a command
+    refused for bad arguments is one, and is answered; this one fails the rank."""
+
+
 def encode(payload: bytes) -> bytes:
     return LENGTH.pack(len(payload)) + payload
 
@@ -58,7 +63,7 @@ class FrameReader:
         while len(buf) - start >= LENGTH.size:
             (n,) = LENGTH.unpack_from(buf, start)
             if n > MAX_MESSAGE:
-                raise ValueError(f"transfer channel: a {n}-byte message")
+                raise ChannelError(f"transfer channel: a {n}-byte message")
             if len(buf) - start - LENGTH.size < n:
                 break
             messages.append(bytes(buf[start + LENGTH.size : start + LENGTH.size + n]))
@@ -81,7 +86,7 @@ class Reorder(Generic[T]):
             return
         if seq != self.expected:
             if seq < self.expected or seq in self._early:
-                raise ValueError(f"command {seq} arrived twice (expected {self.expected})")
+                raise ChannelError(f"command {seq} arrived twice (expected {self.expected})")
             self._early[seq] = item
             return
         yield item

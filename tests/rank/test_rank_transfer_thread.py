@@ -6,6 +6,9 @@ while a step is held, and so does an import that needs the blocks of the release
 release of a block that an add still queued for the loop names is applied after that add, an
 import that needs such a release runs after it, and imports keep their order; a rank SIGKILLed
 mid-transfer (an import or a release) fails it with RankFailed and the group serves again.
+Transfers take the transfer channel (rank/transfer_channel.py): a release on it still waits for
+the add numbered before it on zmq, and after the channel is lost both ways fall back to zmq; an
+import sent during an export held between its parts runs before the export ends.
 """
 
 from __future__ import annotations

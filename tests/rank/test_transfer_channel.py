@@ -8,7 +8,15 @@ import socket
 
 import pytest
 
-from rank.transfer_channel import LENGTH, MAX_MESSAGE, ChannelWriter, FrameReader, Reorder, encode
+from rank.transfer_channel import (
+    LENGTH,
+    MAX_MESSAGE,
+    ChannelError,
+    ChannelWriter,
+    FrameReader,
+    Reorder,
+    encode,
+)
 
 
 def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
@@ -22,7 +30,7 @@ def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
 
 
 def test_an_impossible_length_is_an_error_not_a_wait() -> None:
-    with pytest.raises(ValueError, match="message"):
+    with pytest.raises(ChannelError, match="message"):
         FrameReader().feed(LENGTH.pack(MAX_MESSAGE + 1) + b"x")
 
 
@@ -34,9 +42,9 @@ def test_commands_come_out_in_number_order_and_unnumbered_ones_at_once() -> None
     assert out == ["free", "a", "b", "c", "d", "e"]
     assert order.expected == 5 and order.num_waiting == 0
     assert list(order.push(6, "g")) == [] and order.num_waiting == 1
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ChannelError, match="twice"):
         list(order.push(6, "g again"))
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ChannelError, match="twice"):
         list(order.push(1, "b again"))
 
 

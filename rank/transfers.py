@@ -242,9 +242,9 @@ class TransferThread:
         self._poller, self._forward_sock = poller, forward
         try:
             while not self._stop.is_set():
-                if not self._ready and not poller.poll(POLL_MS):
-                    continue
-                self._take()
+                readable = dict(poller.poll(0 if self._ready else POLL_MS))
+                if readable:
+                    self._take(readable)
                 while self._ready and not self._stop.is_set():
                     self._handle(*self._ready.popleft())
         except Exception as exc:  # noqa: BLE001 - handed to the loop thread, which fails the rank
@@ -267,9 +267,13 @@ class TransferThread:
             log.warning("no transfer channel (%s): transfers stay on zmq", exc)
             return None
 
-    def _take(self) -> None:
-        """Every command waiting on either socket into ``_ready``, in the backend's order."""
-        for command in self._arrived():
+    def _take(self, readable: dict[Any, int] | None = None) -> None:
+        """Every command waiting on the sockets that ``readable`` (a poll's result; polled now if
+        None) names into ``_ready``, in the backend's order."""
+        if readable is None:
+            assert self._poller is not None  # set by ``_run``
+            readable = dict(self._poller.poll(0))
+        for command in self._arrived(readable):
             self._ready.extend(self._order.push(header_seq(command[1]), command))
 
     def _between_parts(self) -> None:
@@ -287,15 +291,16 @@ class TransferThread:
         finally:
             self._in_export = False
 
-    def _arrived(self) -> list[Command]:
-        """Every command waiting on either socket, as (frames, header, when taken off)."""
+    def _arrived(self, readable: dict[Any, int]) -> list[Command]:
+        """Every command waiting on the sockets in ``readable``, as (frames, header, when taken
+        off). Only those: a transfer read off the channel costs no zmq call before it runs."""
         import zmq
 
         arrived = []
         poller = self._poller
         assert poller is not None  # set by ``_run``
         channel = self._channel
-        if channel is not None:
+        if channel is not None and channel.fileno() in readable:
             try:
                 data = channel.recv(1 << 20, socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -308,7 +313,7 @@ class TransferThread:
                 now = time.monotonic()
                 arrived += [([m], wire.unpack_header(m), now) for m in self._reader.feed(data)]
         cmd = self.cmd
-        while cast(int, cmd.get(zmq.EVENTS)) & zmq.POLLIN and not self._stop.is_set():
+        while cmd in readable and cast(int, cmd.get(zmq.EVENTS)) & zmq.POLLIN and not self._stop.is_set():
             frames = cmd.recv_multipart(zmq.NOBLOCK)
             arrived.append((frames, wire.unpack_header(frames[0]), time.monotonic()))
         return arrived

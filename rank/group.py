@@ -24,7 +24,6 @@ import itertools
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, EngineSt
 from rank.errors import RankFailed, RankUnavailable
 from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
 from rank.ids import BlockId, Epoch, HostSlot, Rank
-from rank.launch import BACKEND_ROOT, master_port_for, rank_env, rank_python, worker_argv
+from rank.launch import BACKEND_ROOT, make_run_dir, master_port_for, rank_env, rank_python, worker_argv
 from rank.link import RankLink, Tracked, TransferTiming, describe_exit, prefix_cache_support
 
 log = logging.getLogger(__name__)
@@ -120,6 +119,7 @@ class RankGroup:
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
         self._tmpdir: str | None = None
+        self._run_lock = -1
         self._sync_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self.host_pool_path = host_pool_path(self.name)
         if config.l1_cache and config.l1_host_gb > 0:
@@ -142,7 +142,7 @@ class RankGroup:
             raise RankFailed(self.last_failure)
         self._closing = False
         unlink_host_pool(self.host_pool_path)  # a stale file of the same name: L1 starts empty
-        self._tmpdir = tempfile.mkdtemp(prefix="dib-ranks-")
+        self._tmpdir, self._run_lock = make_run_dir()  # the lock: rank/launch.py
         self._sync_ctx = zmq.Context()
         self.epoch = Epoch(1)
         self._set_state(GroupState.STARTING)
@@ -186,6 +186,7 @@ class RankGroup:
             self._sync_ctx.term()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+            os.close(self._run_lock)
         self._set_state(GroupState.STOPPED)
 
     def _set_state(self, state: GroupState) -> None:

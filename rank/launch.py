@@ -8,9 +8,13 @@ may import).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +28,45 @@ ENV_PREFIXES = ("NCCL_", "DEEPINFER_")  # engine knobs an operator may set; neve
 # on when the backend's own environment sets them (the worker stand-in does; a rank logs a warning).
 TEST_ENV_PREFIX = "DIB_"
 DEEPINFER_PORT_OFFSET = 50  # DeepInfer's rendezvous: tcp://MASTER_ADDR:(MASTER_PORT-50+engine_group_rank)
+
+
+RUN_DIR_PREFIX = "dib-ranks-"
+RUN_DIR_LOCK = ".lock"
+
+
+def make_run_dir() -> tuple[str, int]:
+    """A private directory for one rank group's sockets and config (``dib-ranks-*`` under the
+    temp dir), and the descriptor of the lock its backend holds on it for as long as it runs.
+
+    A backend killed outright cannot remove its directory, so this first removes every other one
+    whose lock nobody holds: the kernel drops a dead process's ``flock``, whatever its pid
+    namespace, so a live backend's directory is never taken for a stale one."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        path = os.path.join(base, name)
+        if name.startswith(RUN_DIR_PREFIX) and _unlocked(os.path.join(path, RUN_DIR_LOCK)):
+            with contextlib.suppress(OSError):  # another backend may be removing it too
+                shutil.rmtree(path)
+    path = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
+    fd = os.open(os.path.join(path, RUN_DIR_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can hold it
+    return path, fd
+
+
+def _unlocked(lock_path: str) -> bool:
+    """Whether ``lock_path`` exists and no process holds its lock (a directory without one, as
+    before this lock existed, is left alone)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def free_port() -> int:

@@ -76,6 +76,11 @@ def format_engine(context: int, agents: int, s: StepStats, engine: dict[str, flo
                      f"lockstep: decode steps {100 * lockstep:.0f}% longer than at the ranks' mean load "
                      f"(running per rank {engine['min_running']:.1f} lowest, {engine['max_running']:.1f} "
                      "highest, time-weighted)")
+    if engine.get("transfer_stall_s"):
+        busy = engine["decode_s"] + engine["prefill_s"] + engine["transfer_stall_s"]
+        lines.append(f"{'':>13}L1 copies at step boundaries stalled the group "
+                     f"{engine['transfer_stall_s']:.1f} s ({100 * engine['transfer_stall_s'] / busy:.0f}% "
+                     "of its busy time)")
     return "\n".join(lines)
 
 
@@ -257,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
     p.add_argument("--prompt-step-overhead", type=float, default=0.0, metavar="S",
                    help="sensitivity: a fixed cost per prompt step (EngineModel.prompt_step_overhead_s)")
+    p.add_argument("--transfers", default="beside",
+                   choices=["beside", "boundary", "imports-at-boundary", "exports-at-boundary"],
+                   help="L1 copies beside the step (the reference engine's transfer thread), or at "
+                   "step boundaries, stalling the group (DeepInfer through the adapter today: both)")
     p.add_argument("--pool-probe", type=float, default=0.0, metavar="S",
                    help="ours: sample where each rank's pool goes every S simulated seconds of the "
                    "measured window and print the means (bench/simulator/pool_probe.py)")
@@ -302,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt_step_overhead:
             stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
                 "prompt_step_overhead_s": args.prompt_step_overhead})})
+        if args.transfers != "beside":
+            stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
+                "imports_at_boundary": args.transfers in ("boundary", "imports-at-boundary"),
+                "exports_at_boundary": args.transfers in ("boundary", "exports-at-boundary")})})
         print(f"ours: {stepped.ours.model_dump()}" if args.policy == "ours" else "", file=sys.stderr)
         s, engine = run_detail(stepped, args.context, args.agents, args.pool_probe)
         print(format_table([s]))

@@ -119,6 +119,7 @@ class EngineCounters:
     filler_votes: int = 0  # vote points that passed only because of the vote filler
     max_seq_s: float = 0.0  # decode-time integral of the largest rank's running sequences
     min_seq_s: float = 0.0
+    transfer_stall_s: float = 0.0  # the group stood for copies at step boundaries (*_at_boundary)
 
     def mean_running(self) -> float:
         return self.seq_s / self.decode_s if self.decode_s else 0.0
@@ -140,7 +141,8 @@ class EngineCounters:
                 "max_running": round(self.max_seq_s / self.decode_s if self.decode_s else 0, 2),
                 "min_running": round(self.min_seq_s / self.decode_s if self.decode_s else 0, 2),
                 "prefill_mean_s": round(self.prefill_mean_s, 1),
-                "decode_mean_s": round(self.decode_mean_s, 1)}
+                "decode_mean_s": round(self.decode_mean_s, 1),
+                "transfer_stall_s": round(self.transfer_stall_s, 1)}
 
 
 class SimGroup:
@@ -175,6 +177,10 @@ class SimGroup:
         self.vote_filler = vote_filler
         self._prompt_streak = 0  # prompt steps in a row (the filler's cap)
         self._task: asyncio.Task[None] | None = None
+        # EngineModel.imports_at_boundary / exports_at_boundary: the steps in progress (start,
+        # length of one step, how many) and, per step boundary within them, each rank's copy time.
+        self._steps_at: tuple[float, float, int] | None = None
+        self._stalls: dict[int, list[float]] = {}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -248,14 +254,49 @@ class SimGroup:
     def _copy_s(self, num_blocks: int) -> float:
         return num_blocks * self.block_size / self.deployment.restore_tokens_per_s
 
+    async def _copy(self, rank: int, num_blocks: int, at_boundary: bool) -> None:
+        """A transfer's copy: beside the step, or (``at_boundary``: ``EngineModel.imports_at_boundary``
+        / ``exports_at_boundary``) at the rank's next step boundary, where it stalls the group:
+        lockstep waits for the slowest rank there."""
+        copy_s = self._copy_s(num_blocks)
+        if at_boundary and self._steps_at is not None:
+            start, step_s, steps = self._steps_at
+            elapsed = asyncio.get_running_loop().time() - start
+            boundary, wait = None, 0.0
+            if steps == 0:  # the group stands at a boundary, draining commands: this one joins
+                boundary = 0
+            elif elapsed < steps * step_s:
+                boundary = int(elapsed // step_s) + 1  # steps in progress end at boundary * step_s
+                wait = boundary * step_s - elapsed
+            if boundary is not None:
+                self._stalls.setdefault(boundary, [0.0] * self.num_ranks)[rank] += copy_s
+                await asyncio.sleep(wait)
+        async with self._copy_locks[rank]:
+            await asyncio.sleep(copy_s)
+
+    async def _steps(self, step_s: float, steps: int) -> float:
+        """Sleep through ``steps`` lockstep steps of ``step_s`` each, plus the stalls of the
+        transfers that came to their boundaries (``_copy``); returns the stall time."""
+        self._steps_at = (asyncio.get_running_loop().time(), step_s, steps)
+        await asyncio.sleep(step_s * steps)
+        stalled = 0.0
+        while self._stalls:  # transfers during a stall wait for the boundary after it
+            stalls, self._stalls = self._stalls, {}
+            self._steps_at = (asyncio.get_running_loop().time(), 0.0, 0)
+            wait = sum(max(s) for s in stalls.values())
+            stalled += wait
+            await asyncio.sleep(wait)
+        self._steps_at = None
+        self.counters.transfer_stall_s += stalled
+        return stalled
+
     async def export_blocks(self, rank: int, block_ids: list[int], host_slot: int) -> None:
         r = self.ranks[rank]
         if host_slot < 0 or host_slot + len(block_ids) > self.num_host_slots:
             raise EngineMisuse("host slots out of range")
         if any(r.cache_refs[b] + r.seq_refs[b] <= 0 for b in block_ids):
             raise EngineMisuse("export of a free block")
-        async with self._copy_locks[rank]:
-            await asyncio.sleep(self._copy_s(len(block_ids)))
+        await self._copy(rank, len(block_ids), self.model.exports_at_boundary)
 
     async def import_blocks(self, rank: int, host_slot: int, num_blocks: int) -> list[int]:
         r = self.ranks[rank]
@@ -266,8 +307,7 @@ class SimGroup:
         ids = r.take(num_blocks)
         for b in ids:
             r.cache_refs[b] += 1
-        async with self._copy_locks[rank]:
-            await asyncio.sleep(self._copy_s(num_blocks))
+        await self._copy(rank, num_blocks, self.model.imports_at_boundary)
         return ids
 
     def stats(self, rank: int) -> EngineStats:
@@ -490,7 +530,7 @@ class SimGroup:
             # Nothing decodes: the group runs placeholder steps up to the next passing vote.
             k = self._steps_to_next_vote(all(wants) or self._filler_ok(wants))
             if k:
-                await asyncio.sleep(k * self.model.placeholder_step_s)
+                await self._steps(self.model.placeholder_step_s, k)
                 self._prompt_streak = 0
                 self._decode_step += k
                 self.num_steps += k
@@ -519,7 +559,7 @@ class SimGroup:
         step_s = max(self.model.placeholder_step_s, max(d for d, _ in results))
         self.counters.prefill_mean_s += max(self.model.placeholder_step_s,
                                             sum(d for d, _ in results) / len(results))
-        await asyncio.sleep(step_s)
+        await self._steps(step_s, 1)
         self.counters.prefill_s += step_s
         for r in self.ranks:
             r.in_step = []
@@ -568,7 +608,7 @@ class SimGroup:
         c.max_seq_s += dt * max(running)
         c.min_seq_s += dt * min(running)
         c.kv_token_s += dt * sum(kv_tokens) / self.num_ranks
-        await asyncio.sleep(dt)
+        await self._steps(step_s, steps)
         self.num_steps += steps
         self._prompt_streak = 0
         self._decode_step += steps

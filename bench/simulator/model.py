@@ -84,6 +84,11 @@ class EngineModel(BaseModel):
     prompt_step_overhead_s: float = Field(
         0.0, ge=0, description="sensitivity only: a fixed cost added to every prompt step a rank works in "
         "(unmeasured; 0 in the fit, whose prefill rates came from long prompts)")
+    imports_at_boundary: bool = Field(
+        False, description="L1 imports run on the rank's loop between steps and stall the group for "
+        "their copy (DeepInfer through our adapter: rank/worker.py drains commands between steps), "
+        "instead of beside the step (the reference engine's transfer thread)")
+    exports_at_boundary: bool = Field(False, description="the same for L1 exports (writes)")
     placeholder_step_s: float = Field(0.010, ge=0,
                                       description="a step with nothing scheduled (1-token forward)")
     max_num_seqs: int = Field(128, ge=1)

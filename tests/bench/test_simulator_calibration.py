@@ -3,6 +3,7 @@ acceptance, and multi-node routing, on tiny fixtures (no timings asserted)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
@@ -180,3 +181,44 @@ def test_sticky_routing_keeps_each_session_on_one_worker_and_caches_better(polic
         assert sum(r.requests_per_node) == len(r.records)
     assert sticky.nodes_per_session == 1.0 < rand.nodes_per_session
     assert sticky.stats.cache_hit > rand.stats.cache_hit
+
+
+@pytest.mark.parametrize("at_boundary", [False, True])
+def test_copies_at_step_boundaries_wait_for_one_and_stall_the_group(at_boundary: bool) -> None:
+    """``EngineModel.imports_at_boundary`` (DeepInfer through the adapter): an import waits for
+    its rank's next step boundary, and the group stands there for the longest copy of any rank at
+    that boundary (lockstep); one that comes while the group stands joins the stall. Beside the
+    step (the reference engine), it copies at once and the steps do not wait."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        group = SimGroup(Deployment(num_ranks=2, gpu_kv_tokens_per_rank=100 * 100, l1_tokens_per_rank=10_000,
+                                    block_tokens=100, restore_tokens_per_s=10_000),  # 10 ms per block
+                         EngineModel(imports_at_boundary=at_boundary))
+        t0 = loop.time()
+        done: dict[str, float] = {}
+
+        async def restore(name: str, at: float, rank: int, blocks: int) -> None:
+            await asyncio.sleep(at)
+            ids = await group.import_blocks(rank, 0, blocks)
+            done[name] = round(loop.time() - t0, 6)
+            await group.release(rank, ids)
+
+        async def steps() -> float:
+            stalled = await group._steps(0.1, 5)  # 5 steps of 100 ms
+            done["steps"] = round(loop.time() - t0, 6)
+            return stalled
+
+        stalled, *_ = await asyncio.gather(steps(), restore("a", 0.25, 0, 3), restore("b", 0.26, 1, 5),
+                                           restore("c", 0.52, 0, 3))
+        ended = done.pop("steps")
+        if at_boundary:
+            # a and b reach boundary 3 (0.3 s); the group stands 50 ms there (b's copy), counted at
+            # the end of the steps (0.5 s); c comes while it stands and adds its 30 ms.
+            assert done == {"a": 0.33, "b": 0.35, "c": 0.55} and stalled == pytest.approx(0.08)
+            assert ended == pytest.approx(0.58)
+        else:
+            assert done == {"a": 0.28, "b": 0.31, "c": 0.55} and stalled == 0.0 and ended == 0.5
+        assert group.counters.transfer_stall_s == pytest.approx(stalled)
+
+    run_virtual(run())

@@ -48,8 +48,10 @@ def make_run_dir() -> tuple[str, int]:
             with contextlib.suppress(OSError):  # another backend may be removing it too
                 shutil.rmtree(path)
     path = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
-    fd = os.open(os.path.join(path, RUN_DIR_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    # Locked before it takes its name: another backend's scan never finds it unlocked.
+    fd = os.open(os.path.join(path, RUN_DIR_LOCK + ".new"), os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can hold it
+    os.rename(os.path.join(path, RUN_DIR_LOCK + ".new"), os.path.join(path, RUN_DIR_LOCK))
     return path, fd
 
 

@@ -253,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-tokens", type=int, default=0,
                         help="simulated KV block (tokens); 0: context / 256 within 128..2048 (faster); "
                         "DeepInfer's is 128")
+    parser.add_argument("--transfers", default="beside",
+                        choices=["beside", "boundary", "imports-at-boundary", "exports-at-boundary"],
+                        help="L1 copies beside the step (the reference engine's transfer thread), or at "
+                        "step boundaries, stalling the group (DeepInfer through the adapter today: both)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("seed-table", help="calibration: seed model vs the seed's published rows")
     p.add_argument("--out", default=None)
@@ -262,10 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
     p.add_argument("--prompt-step-overhead", type=float, default=0.0, metavar="S",
                    help="sensitivity: a fixed cost per prompt step (EngineModel.prompt_step_overhead_s)")
-    p.add_argument("--transfers", default="beside",
-                   choices=["beside", "boundary", "imports-at-boundary", "exports-at-boundary"],
-                   help="L1 copies beside the step (the reference engine's transfer thread), or at "
-                   "step boundaries, stalling the group (DeepInfer through the adapter today: both)")
     p.add_argument("--pool-probe", type=float, default=0.0, metavar="S",
                    help="ours: sample where each rank's pool goes every S simulated seconds of the "
                    "measured window and print the means (bench/simulator/pool_probe.py)")
@@ -299,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                        arrivals=ARRIVALS[args.arrivals], pacing=args.pacing,
                        deployment=Deployment(block_tokens=args.block_tokens))
+    if args.transfers != "beside":  # the seed model's rows too: its restores are L1 copies as well
+        config = config.model_copy(update={"engine": config.engine.model_copy(update={
+            "imports_at_boundary": args.transfers in ("boundary", "imports-at-boundary"),
+            "exports_at_boundary": args.transfers in ("boundary", "exports-at-boundary")})})
     doc: dict[str, Any] = {"config": config.model_dump(), "command": " ".join(sys.argv)}
     if args.cmd in ("seed-table", "all"):
         doc["seed_table"] = seed_table(config, args.jobs)
@@ -311,10 +315,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt_step_overhead:
             stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
                 "prompt_step_overhead_s": args.prompt_step_overhead})})
-        if args.transfers != "beside":
-            stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
-                "imports_at_boundary": args.transfers in ("boundary", "imports-at-boundary"),
-                "exports_at_boundary": args.transfers in ("boundary", "exports-at-boundary")})})
         print(f"ours: {stepped.ours.model_dump()}" if args.policy == "ours" else "", file=sys.stderr)
         s, engine = run_detail(stepped, args.context, args.agents, args.pool_probe)
         print(format_table([s]))

@@ -344,6 +344,17 @@ def main(argv: list[str] | None = None) -> int:
         doc["ours_500k_200_tuned_votes"] = {"prefill_attempt_interval": all_steps,
                                             "prefill_any_attempt_interval": any_steps,
                                             "stats": t.model_dump(exclude={"timeline"}), "verdict": t.verdict}
+        if not (ours.engine.imports_at_boundary or ours.engine.exports_at_boundary):
+            # What the DeepInfer path does today (docs/loadtest.md, "L1 copies at DeepInfer's step
+            # boundaries"): the verdict above assumes restores beside the step.
+            at_boundary = ours.model_copy(update={"engine": ours.engine.model_copy(update={
+                "imports_at_boundary": True, "exports_at_boundary": True})})
+            b = run_one(at_boundary, 500_000, 200)
+            print("\nours with L1 copies at step boundaries (DeepInfer through the adapter today; the "
+                  "verdict above assumes them beside the step):")
+            print(format_table([b]))
+            doc["ours_500k_200_copies_at_boundaries"] = {"stats": b.model_dump(exclude={"timeline"}),
+                                                         "verdict": b.verdict}
     if args.cmd in ("capacity", "all"):
         policy = getattr(args, "policy", "ours")
         ctx = getattr(args, "context", 500_000)

@@ -78,7 +78,7 @@ fails gives its blocks back, and an export unpins its blocks (``rank/pool_transf
 TESTS ONLY: ``DIB_TEST_TRANSFER_GATE=<dir>`` (``GATE_ENV``) holds a step (the file ``hold-step``),
 a transfer (``hold-transfer``) or an export between its parts (``hold-part``) for as long as that
 file exists in ``<dir>``. Meanwhile the
-marker ``held-step``/``held-transfer`` is there. This lets a test order events without a clock.
+marker ``held-step``/``held-transfer``/``held-part`` is there. This lets a test order events without a clock.
 """
 
 from __future__ import annotations
@@ -297,8 +297,6 @@ class TransferThread:
         import zmq
 
         arrived = []
-        poller = self._poller
-        assert poller is not None  # set by ``_run``
         channel = self._channel
         if channel is not None and channel.fileno() in readable:
             try:
@@ -306,9 +304,7 @@ class TransferThread:
             except BlockingIOError:
                 data = None
             if data == b"":  # the backend closed it; a partial message is dropped (it resends it)
-                poller.unregister(channel.fileno())
-                channel.close()
-                self._channel = None
+                self._drop_channel()
             elif data:
                 now = time.monotonic()
                 arrived += [([m], wire.unpack_header(m), now) for m in self._reader.feed(data)]
@@ -320,15 +316,13 @@ class TransferThread:
 
     def _handle(self, frames: list[bytes], header: dict[str, Any], received: float) -> None:
         """One command, in the backend's order: run here or forwarded (module docstring)."""
-        forward = self._forward_sock
-        assert forward is not None  # set by ``_run``
         op = header.get("op")
         if op not in THREAD_OPS or (op == "release" and self._held_back(header)):
-            self._forward(forward, frames, header)
+            self._forward(frames, header)
             return
         reply = self._transfer(header, received)
         if reply is None:  # an import the loop thread runs after what is queued before it
-            self._forward(forward, frames, header)
+            self._forward(frames, header)
             self._import_queued_at = self.forwarded
             return
         reply["stats"] = wire.stats_list(self.engine.transfer_stats(self.last_stats))
@@ -343,12 +337,21 @@ class TransferThread:
                 return
             except OSError as exc:
                 log.warning("transfer channel lost (%s): replies go by zmq", exc)
-                self._channel.close()
-                self._channel = None
+                self._drop_channel()
         assert self._out is not None  # set by ``_run`` before any command
         self._out.send_multipart(wire.pack(reply))
 
-    def _forward(self, forward: zmq.Socket[bytes], frames: list[bytes], header: dict[str, Any]) -> None:
+    def _drop_channel(self) -> None:
+        """The channel is gone (the backend closed it, or a reply could not be written): out of
+        the poll, closed; commands and replies go by zmq from here."""
+        assert self._channel is not None and self._poller is not None
+        self._poller.unregister(self._channel.fileno())
+        self._channel.close()
+        self._channel = None
+
+    def _forward(self, frames: list[bytes], header: dict[str, Any]) -> None:
+        forward = self._forward_sock
+        assert forward is not None  # set by ``_run``
         self.forwarded += 1
         if header.get("op") == "add":
             prefix = header.get("pb")

@@ -354,3 +354,33 @@ def test_an_import_sent_during_a_long_export_runs_between_its_parts(tmp_path: Pa
             await group.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(180)
+def test_a_reply_the_channel_cannot_take_goes_by_zmq_and_the_rank_serves_on(tmp_path: Path) -> None:
+    """The backend drops the channel while a transfer is held on the rank: the reply's write fails,
+    the thread takes the channel out of its poll and replies by zmq, and later transfers work
+    in the same epoch (no restart)."""
+    async def scenario() -> None:
+        group = _group(tmp_path)
+        await group.start()
+        try:
+            r = group._ranks[0]
+            kept = await _cached_turn(group)
+            assert r.channel is not None
+            (tmp_path / "hold-transfer").touch()
+            export = asyncio.ensure_future(group.export_blocks(0, kept, 0))
+            await _until(tmp_path / "held-transfer")
+            r.channel.close()
+            (tmp_path / "hold-transfer").unlink()
+            await asyncio.wait_for(export, WAIT_S)
+            restored = await asyncio.wait_for(group.import_blocks(0, 0, len(kept)), WAIT_S)
+            await asyncio.wait_for(group.export_blocks(0, restored, 10), WAIT_S)
+            assert _slots(group, 0, len(kept)) == _slots(group, 10, len(kept))
+            await group.release(0, [*kept, *restored])
+            await _idle(group)
+            assert group.epoch == 1 and group.restarts == 0
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import orjson
 import pytest
 
 from rank.transfer_channel import (
@@ -100,3 +101,36 @@ def test_a_lost_channel_hands_back_every_message_not_fully_written() -> None:
         assert not writer.send(b"later")  # the caller sends it another way
 
     asyncio.run(scenario())
+
+
+def test_a_reply_the_channel_cannot_take_leaves_the_poll_and_goes_by_zmq() -> None:
+    """rank/transfers.py: once the backend has closed its end, the reply's write fails; the
+    thread takes the channel's fd out of its poll (a closed fd would make every poll return at
+    once: a busy loop) and sends the reply on its zmq output."""
+    import zmq
+
+    from rank.transfers import TransferThread
+
+    ctx = zmq.Context()
+    try:
+        cmd = ctx.socket(zmq.PULL)
+        backend_out = ctx.socket(zmq.PULL)
+        backend_out.bind("inproc://replies")
+        thread = TransferThread(ctx, cmd, "inproc://replies", engine=None, last_stats=None)  # type: ignore[arg-type]
+        thread._out = ctx.socket(zmq.PUSH)
+        thread._out.connect("inproc://replies")
+        ours, backend = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        thread._channel = ours
+        thread._poller = zmq.Poller()
+        thread._poller.register(cmd, zmq.POLLIN)
+        thread._poller.register(ours.fileno(), zmq.POLLIN)
+        backend.close()
+        thread._reply({"t": "reply", "cid": 7, "ok": True})
+        assert thread._channel is None
+        assert [s for s, _ in thread._poller.sockets] == [cmd]
+        assert backend_out.poll(5000)
+        assert orjson.loads(backend_out.recv_multipart()[0])["cid"] == 7
+        for sock in (cmd, backend_out, thread._out):
+            sock.close(0)
+    finally:
+        ctx.term()

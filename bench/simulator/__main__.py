@@ -300,9 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                        arrivals=ARRIVALS[args.arrivals], pacing=args.pacing,
                        deployment=Deployment(block_tokens=args.block_tokens))
     if args.transfers != "beside":  # the seed model's rows too: its restores are L1 copies as well
-        config = config.model_copy(update={"engine": config.engine.model_copy(update={
-            "imports_at_boundary": args.transfers in ("boundary", "imports-at-boundary"),
-            "exports_at_boundary": args.transfers in ("boundary", "exports-at-boundary")})})
+        config = config.with_engine(imports_at_boundary=args.transfers in ("boundary", "imports-at-boundary"),
+                                    exports_at_boundary=args.transfers in ("boundary", "exports-at-boundary"))
     doc: dict[str, Any] = {"config": config.model_dump(), "command": " ".join(sys.argv)}
     if args.cmd in ("seed-table", "all"):
         doc["seed_table"] = seed_table(config, args.jobs)
@@ -310,11 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         stepped = config.model_copy(update={"policy": args.policy, "ours": ours_policy(args)})
         if args.votes:
             all_steps, any_steps = (int(v) for v in args.votes.split(","))
-            stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
-                "prefill_all_interval_steps": all_steps, "prefill_any_interval_steps": any_steps})})
+            stepped = stepped.with_engine(prefill_all_interval_steps=all_steps,
+                                          prefill_any_interval_steps=any_steps)
         if args.prompt_step_overhead:
-            stepped = stepped.model_copy(update={"engine": stepped.engine.model_copy(update={
-                "prompt_step_overhead_s": args.prompt_step_overhead})})
+            stepped = stepped.with_engine(prompt_step_overhead_s=args.prompt_step_overhead)
         print(f"ours: {stepped.ours.model_dump()}" if args.policy == "ours" else "", file=sys.stderr)
         s, engine = run_detail(stepped, args.context, args.agents, args.pool_probe)
         print(format_table([s]))
@@ -336,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         # Chunked prompts advance only at prefill vote points, so the TTFT tail depends on the
         # vote intervals; the backend exposes them as workload keys.
         all_steps, any_steps = (int(v) for v in args.tuned_votes.split(","))
-        tuned = ours.model_copy(update={"engine": ours.engine.model_copy(update={
-            "prefill_all_interval_steps": all_steps, "prefill_any_interval_steps": any_steps})})
+        tuned = ours.with_engine(prefill_all_interval_steps=all_steps, prefill_any_interval_steps=any_steps)
         t = run_one(tuned, 500_000, 200)
         print(f"\nours with prefill_attempt_interval={all_steps}, prefill_any_attempt_interval={any_steps}:")
         print(format_table([t]))
@@ -347,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (ours.engine.imports_at_boundary or ours.engine.exports_at_boundary):
             # What the DeepInfer path does today (docs/loadtest.md, "L1 copies at DeepInfer's step
             # boundaries"): the verdict above assumes restores beside the step.
-            at_boundary = ours.model_copy(update={"engine": ours.engine.model_copy(update={
-                "imports_at_boundary": True, "exports_at_boundary": True})})
+            at_boundary = ours.with_engine(imports_at_boundary=True, exports_at_boundary=True)
             b = run_one(at_boundary, 500_000, 200)
             print("\nours with L1 copies at step boundaries (DeepInfer through the adapter today; the "
                   "verdict above assumes them beside the step):")

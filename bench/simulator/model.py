@@ -46,7 +46,7 @@ Sessions are simulated at ``block_tokens`` per block (default: context / 256, e.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -246,3 +246,7 @@ class SimConfig(BaseModel):
 
     def uses_vote_filler(self) -> bool:
         return self.policy == "ours" and self.ours.vote_filler
+
+    def with_engine(self, **fields: Any) -> SimConfig:
+        """This config with some ``EngineModel`` fields changed."""
+        return self.model_copy(update={"engine": self.engine.model_copy(update=fields)})

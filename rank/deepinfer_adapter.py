@@ -40,6 +40,9 @@ Semantics the adapter papers over
   terminal output is read. Under ZOS DeepInfer frees the sequence one step later
   (``finalize_seq`` in ``pre_sampler_sync``); the pin turns the sequence's ref into the cache's.
   ``release`` is ``unpin_blocks``. Block 0 and state slot 0 are DeepInfer's scratch.
+* L1 copies and releases run on the worker's transfer thread, beside ``llm.step()``
+  (``concurrent_transfers``): the cache refs, the locking and the CUDA fence that make that safe
+  are in ``rank/deepinfer_transfers.py``; ``step`` records the fence after every DeepInfer call.
 * Prefix start: ``LLMEngine.enqueue_with_prefix(seq, blocks, num_cached, swa_valid_start)``
   with ``num_cached = 128 * len(blocks) <= len(prompt) - 1`` and ``swa_valid_start =
   num_cached`` (the last matched block is replayed: ``usable_prefix_blocks`` in rank/engine.py).
@@ -60,8 +63,9 @@ Semantics the adapter papers over
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -75,15 +79,14 @@ from rank.deepinfer_settings import (
     import_deepinfer,
     patch_missing_reason,
 )
+from rank.deepinfer_transfers import DeepInferTransfers
 from rank.engine import (
-    CapacityExhausted,
     Engine,
     EngineMisuse,
     EngineRequest,
     EngineStats,
     FinishReason,
     RequestOutput,
-    checked_host_pool,
 )
 from rank.ids import BlockId
 from rank.vote_filler import VoteFiller
@@ -126,15 +129,17 @@ class _StepOutputs:
 class DeepInferEngine(Engine):
     """One rank's DeepInfer ``LLMEngine`` behind the ``Engine`` interface (module docstring).
 
-    Invariants (``check_accounting``): every block with a cache ref is in ``_cache_refs`` with
-    the number of pins the adapter holds on it; every sequence DeepInfer may still hold blocks
-    for is in ``_live_seqs()`` (an active request's, or one in ``_releasing``); free blocks =
+    Invariants (``check_accounting``, between transfers): every block with a cache ref is in
+    ``transfers.refs`` with the number of pins the adapter holds on it; every sequence DeepInfer
+    may still hold blocks for is in ``_live_seqs()`` (an active request's, or one in
+    ``_releasing``); free blocks =
     ``num_blocks - 1`` - |cache blocks U live tables|, and free state slots = slots - 1 - |live
     sequences holding a slot|. A request is in ``_active`` from ``add`` until the step that
     returns its terminal output, never after.
     """
 
     owns_lockstep = True
+    concurrent_transfers = True  # rank/deepinfer_transfers.py
 
     def __init__(self, settings: DeepInferSettings, host_pool: HostPool | None = None,
                  api: Any = None) -> None:
@@ -173,12 +178,12 @@ class DeepInferEngine(Engine):
         self.host_pool = host_pool
         if host_pool is not None:
             host_pool.open(self.bytes_per_block)
+        self.transfers = DeepInferTransfers(self._bm, self._gpu_blocks, self.num_blocks, host_pool)
         self._active: dict[str, _Req] = {}
         self._aborting: list[str] = []
         self._owed: list[RequestOutput] = []  # terminal outputs the adapter emits next step
         self._stash: list[RequestOutput] = []  # outputs of placeholder_step(), returned next step
         self._releasing: list[Any] = []  # sequences of ended requests that DeepInfer may still hold
-        self._cache_refs: dict[int, int] = {}
         self._vote: bool | None = None
         self.group_had_work = False  # the last collective vote (the same on every rank)
         self._inflight = False
@@ -246,28 +251,9 @@ class DeepInferEngine(Engine):
             if num_cached > prompt.size - 1:
                 raise EngineMisuse(f"request {rid!r}: num_cached_tokens {num_cached} leaves nothing "
                                    f"to compute of a {prompt.size}-token prompt")
-            self._check_ids(prefix, f"request {rid!r} prefix", need_cache_ref=True)
+            # (a release of these blocks on the transfer thread waits for this add: rank/transfers.py)
+            self.transfers.check_held(prefix, f"request {rid!r} prefix")
         return np.ascontiguousarray(prompt, dtype=np.int32)
-
-    def _check_ids(self, block_ids: Sequence[object], what: str, need_cache_ref: bool) -> None:
-        seen: set[int] = set()
-        live: set[int] | None = None
-        for b in block_ids:
-            if not isinstance(b, (int, np.integer)) or isinstance(b, bool):
-                raise EngineMisuse(f"{what}: block id {b!r} is not an int")
-            if not 1 <= b < self.num_blocks:
-                raise EngineMisuse(f"{what}: block id {b} outside 1..{self.num_blocks - 1}")
-            if b in seen:
-                raise EngineMisuse(f"{what}: block id {b} given twice")
-            seen.add(int(b))
-            if self._cache_refs.get(int(b), 0) > 0:
-                continue
-            if need_cache_ref:
-                raise EngineMisuse(f"{what}: block {b} holds no cache reference")
-            if live is None:
-                live = self._live_blocks()
-            if int(b) not in live:
-                raise EngineMisuse(f"{what}: block {b} is not allocated")
 
     def abort(self, request_ids: Sequence[str]) -> None:
         to_abort = [rid
@@ -292,6 +278,7 @@ class DeepInferEngine(Engine):
         if vote is False:
             ptrs = self.llm.flush_inflight_reqs() if self._inflight else np.empty(0, dtype=np.uint64)
             self._inflight = False
+            self.transfers.fence()
         else:
             filler, group_min = self._filler, self.group_min
             if filler is not None and group_min is not None:
@@ -299,6 +286,7 @@ class DeepInferEngine(Engine):
                 if seq is not None:  # never active: its outputs are dropped, its blocks tracked
                     self._releasing.append(seq)
             ptrs = self.llm.step()
+            self.transfers.fence()
             if filler is not None and group_min is not None:
                 filler.after_step()
             self._inflight = True
@@ -381,9 +369,7 @@ class DeepInferEngine(Engine):
         table = list(req.seq.block_table)
         assert len(table) >= num_full and 0 not in table[:num_full], (req.request_id, table, num_full)
         kept = [int(b) for b in table[:num_full]]
-        self._bm.pin_blocks(kept)
-        for b in kept:
-            self._cache_refs[b] = self._cache_refs.get(b, 0) + 1
+        self.transfers.pin_kept(kept)
         return cast("list[BlockId]", kept)
 
     def _owe_terminal(self, req: _Req, reason: FinishReason, error: str | None = None) -> None:
@@ -410,44 +396,17 @@ class DeepInferEngine(Engine):
     # ------------------------------------------------------------------ cache side
 
     def release(self, block_ids: Sequence[int]) -> None:
-        ids = list(block_ids)
-        self._check_ids(ids, "release", need_cache_ref=True)
-        self._bm.unpin_blocks([int(b) for b in ids])
-        for b in ids:
-            left = self._cache_refs[int(b)] - 1
-            if left:
-                self._cache_refs[int(b)] = left
-            else:
-                del self._cache_refs[int(b)]
+        self.transfers.release(block_ids)
 
     def _gpu_blocks(self) -> torch.Tensor:
         return cast("torch.Tensor", self.llm.driver_worker.cache_engine.gpu_blocks)  # [blocks, bpb] uint8
 
-    def export_blocks(self, block_ids: Sequence[int], host_slot: int, between: object = None) -> None:
-        # One copy at the step boundary (``between`` unused); KV writes and it share one stream.
-        ids = list(block_ids)
-        pool = checked_host_pool(self.host_pool, host_slot, len(ids))
-        self._check_ids(ids, "export", need_cache_ref=False)
-        pool.copy_from_device(self._gpu_blocks(), [int(b) for b in ids], host_slot)
+    def export_blocks(self, block_ids: Sequence[int], host_slot: int,
+                      between: Callable[[], None] | None = None) -> None:
+        self.transfers.export(block_ids, host_slot, between)
 
     def import_blocks(self, host_slot: int, num_blocks: int) -> list[BlockId]:
-        pool = checked_host_pool(self.host_pool, host_slot, num_blocks)
-        self._bm.lock()  # allocate_nolock throws part-way when short: check under the same lock
-        try:
-            free = int(self._bm.get_num_free_blocks())
-            if free < num_blocks:
-                raise CapacityExhausted(f"import of {num_blocks} blocks: {free} free")
-            ids = [int(b) for b in self._bm.allocate_nolock(num_blocks)]
-        finally:
-            self._bm.unlock()
-        try:
-            pool.copy_to_device(self._gpu_blocks(), ids, host_slot)
-        except BaseException:
-            self._bm.unpin_blocks(ids)
-            raise
-        for b in ids:
-            self._cache_refs[b] = 1
-        return cast("list[BlockId]", ids)
+        return self.transfers.import_(host_slot, num_blocks)
 
     # ------------------------------------------------------------------ stats
 
@@ -463,12 +422,16 @@ class DeepInferEngine(Engine):
                 waiting_tokens += req.num_prompt_tokens - req.num_cached_tokens
         return EngineStats(
             num_blocks=self.num_blocks, num_free_blocks=int(self._bm.get_num_free_blocks()),
-            num_cached_blocks=len(self._cache_refs), num_running=int(num_running),
+            num_cached_blocks=len(self.transfers.refs), num_running=int(num_running),
             num_waiting=int(num_waiting),
             running_tokens=running_tokens, waiting_tokens=waiting_tokens,
             num_cached_tokens_total=self._num_cached_tokens_total,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
             num_vote_fillers_total=self._filler.counts.added if self._filler is not None else 0)
+
+    def transfer_stats(self, last: EngineStats) -> EngineStats:
+        return dataclasses.replace(last, num_free_blocks=int(self._bm.get_num_free_blocks()),
+                                   num_cached_blocks=len(self.transfers.refs))
 
     def _live_blocks(self) -> set[int]:
         held: set[int] = set()
@@ -479,9 +442,10 @@ class DeepInferEngine(Engine):
 
     def check_accounting(self) -> None:
         free = int(self._bm.get_num_free_blocks())
-        assert all(n > 0 for n in self._cache_refs.values()), self._cache_refs
+        refs = dict(self.transfers.refs)
+        assert all(n > 0 for n in refs.values()), refs
         if self.patch_present:
-            held = self._live_blocks() | set(self._cache_refs)
+            held = self._live_blocks() | set(refs)
             assert 0 not in held, "block 0 handed out"
             assert free == self.num_blocks - 1 - len(held), (free, self.num_blocks, sorted(held))
             if self._sm is not None:
@@ -490,7 +454,7 @@ class DeepInferEngine(Engine):
                 sm_free = int(self._sm.get_num_free_blocks())
                 assert sm_free == self._num_states - 1 - len(slots), (sm_free, self._num_states, slots)
         elif not self.llm.scheduler.has_unfinished_seqs():
-            assert free == self.num_blocks - 1 - len(self._cache_refs), (free, self.num_blocks)
+            assert free == self.num_blocks - 1 - len(refs), (free, self.num_blocks)
 
     def close(self) -> None:
         try:

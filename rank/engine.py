@@ -172,10 +172,11 @@ class Engine(abc.ABC):
     # Engines that own the lockstep: whether any rank had work at the last ``lockstep_has_work``
     # vote (the worker runs its idle-time shutdown vote only when no rank had).
     group_had_work: bool = False
-    # True when ``import_blocks``/``export_blocks`` (and ``transfer_stats``) may run on a second
-    # thread while ``step`` runs, so the worker's transfer thread (rank/transfers.py) overlaps L1
-    # restores and writes with the step in progress. False (DeepInfer): every call comes from the
-    # loop thread, between steps.
+    # True when ``import_blocks``/``export_blocks``/``release`` (and ``transfer_stats``) may run on a
+    # second thread while ``step`` runs, so the worker's transfer thread (rank/transfers.py)
+    # overlaps L1 restores and writes with the step in progress (both real engines:
+    # rank/pool_transfers.py, rank/deepinfer_transfers.py). False: every call comes from the loop
+    # thread, between steps.
     concurrent_transfers: bool = False
 
     @abc.abstractmethod
@@ -209,7 +210,7 @@ class Engine(abc.ABC):
         copies in parts (``concurrent_transfers``) calls ``between`` after each part but the
         last, with the blocks still pinned: the transfer thread runs the commands that came
         meanwhile, so a restore does not wait for a long write (``rank/transfers.py``). Others
-        may ignore it."""
+        may ignore it. (DeepInfer exports cache-held blocks only: what the cache ever exports.)"""
 
     @abc.abstractmethod
     def import_blocks(self, host_slot: HostSlot, num_blocks: int) -> list[BlockId]:

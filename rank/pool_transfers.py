@@ -67,6 +67,18 @@ def export_part_bytes() -> int:
     return int(os.environ.get(EXPORT_PART_ENV, EXPORT_PART_BYTES))
 
 
+def export_in_parts(host_pool: HostPool, pool: torch.Tensor, block_ids: list[int], host_slot: int,
+                    stream: torch.cuda.Stream | None, between: Callable[[], None] | None) -> None:
+    """Copy ``block_ids`` to consecutive host slots from ``host_slot`` on ``stream``, in parts of at
+    most ``export_part_bytes()`` with ``between`` after each part but the last (one part without
+    ``between``). The caller keeps the blocks pinned."""
+    part = max(1, export_part_bytes() // host_pool.bytes_per_block) if between else len(block_ids)
+    for start in range(0, len(block_ids), part):
+        host_pool.copy_from_device(pool, block_ids[start : start + part], host_slot + start, stream=stream)
+        if between is not None and start + part < len(block_ids):
+            between()
+
+
 class PoolTransfers:
     """Host tier operations of one engine's pool (see the module docstring). Thread-safe for
     one transfer thread beside the loop thread; ``fence`` runs on the loop thread only."""
@@ -105,14 +117,9 @@ class PoolTransfers:
         last (``Engine.export_blocks``); the blocks stay pinned throughout."""
         ids = list(block_ids)
         host_pool = checked_host_pool(self.host_pool, host_slot, len(ids))
-        part = max(1, export_part_bytes() // host_pool.bytes_per_block) if between else len(ids)
         self.blocks.pin_held(ids, what="export")
         try:
-            for start in range(0, len(ids), part):
-                host_pool.copy_from_device(pool, ids[start : start + part], host_slot + start,
-                                           stream=self.stream)
-                if between is not None and start + part < len(ids):
-                    between()
+            export_in_parts(host_pool, pool, ids, host_slot, self.stream, between)
         finally:
             self.blocks.unpin(ids)
 

@@ -7,7 +7,8 @@ p50, 30x at p95, where a decode step takes ~60 ms and the copy ~4 ms. With impor
 releases still at the boundary, the serving run's restores were bimodal (~7 ms, or 50-100 ms
 when an import needed the blocks of a release sent just before it): releases now run here too.
 
-For an engine that declares ``concurrent_transfers``, the worker starts this thread. The thread
+For an engine that declares ``concurrent_transfers`` (the reference engine, and DeepInfer since
+``rank/deepinfer_transfers.py``), the worker starts this thread, in both of its loops. The thread
 owns the command socket from the backend and the transfer channel (``rank/transfer_channel.py``:
 a Unix socket for transfers and their replies, with less latency than zmq), and takes commands
 from both in the backend's order (their ``sq``). It runs ``import`` and ``export`` itself while the loop
@@ -46,14 +47,15 @@ and the order; 3 rests on the CUDA argument there, run by the concurrent tests o
 3. The CUDA fence: a block freed here after the loop dropped a running sequence's ref may have
    a queued read by that sequence (never a write: cache-held blocks are not written). The loop
    records the fence before it drops such refs, whether or not they reach 0 then, and an import
-   waits for the latest record (``rank/pool_transfers.py``).
+   waits for the latest record (``rank/pool_transfers.py``; DeepInfer records it after every
+   step call, which precedes the call that frees the sequence: ``rank/deepinfer_transfers.py``).
 4. Replies: a release's reply leaves from the thread that applied it, with the stats as any
    transfer reply's (above). Replies carry their ``cid``, so their order across the two sockets
    does not matter; the cache awaits each one.
 5. The step allocates under ``BlockManager.lock`` while a release runs here; the release's
    check and change are one critical section, so the step sees it wholly or not at all.
 
-Long writes. The reference engine copies an export in parts (``rank/pool_transfers.py``:
+Long writes. Both engines copy an export in parts (``rank/pool_transfers.py``:
 ``EXPORT_PART_BYTES``, ~0.6 ms of copy on an H200) and, between parts, this thread runs the
 commands that arrived meanwhile, in order, up to the next export (``_between_parts``). So a
 restore, which a turn waits for, waits at most one part of a write-through or spill, which no
@@ -109,6 +111,7 @@ GATE_ENV = "DIB_TEST_TRANSFER_GATE"
 POLL_MS = 50  # how often the thread looks at its stop flag while no command comes
 FORWARD_ADDR = "inproc://rank-commands"  # the loop thread's end binds it
 THREAD_OPS = frozenset({"import", "export", "release"})  # run here (a release: unless held back)
+OS_THREAD_NAME = b"rank-transfers"  # /proc/<pid>/task/<tid>/comm: bench/decode_figures.py counts it as ours
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,8 +120,18 @@ Command = tuple[list[bytes], dict[str, Any], float]  # frames, header, when take
 
 def enabled(engine: Engine) -> bool:
     """Whether the worker runs this thread for ``engine`` (module docstring)."""
-    return (engine.concurrent_transfers and not engine.owns_lockstep
-            and os.environ.get(ENABLE_ENV, "1") != "0")
+    return engine.concurrent_transfers and os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+def _name_os_thread(name: bytes) -> None:
+    """Best effort: the calling thread's name as the OS shows it (Linux ``prctl(PR_SET_NAME)``),
+    so per-thread CPU readings can tell this thread from the loop thread it was started by."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # 15: PR_SET_NAME, at most 15 bytes
+    except (OSError, AttributeError):
+        pass
 
 
 def hold_at_gate(name: str) -> None:
@@ -225,6 +238,7 @@ class TransferThread:
     def _run(self) -> None:
         import zmq
 
+        _name_os_thread(OS_THREAD_NAME)
         forward = self.ctx.socket(zmq.PUSH)
         forward.setsockopt(zmq.SNDHWM, 0)
         forward.setsockopt(zmq.LINGER, 0)

@@ -10,9 +10,9 @@ runs one tiny all_reduce in both, standing in for EP dispatch). A dead or stoppe
 blocks the others in a collective, exactly like production; the supervisor sees the death (exit)
 or the stall (no heartbeats) and replaces the whole group.
 
-Engines that can (``concurrent_transfers``: the reference engine) get a transfer thread
-(``rank/transfers.py``): it takes the command socket, runs L1 imports and exports while the loop
-steps, and forwards every other command to the loop, which drains them at step boundaries.
+Engines that can (``concurrent_transfers``: both real engines) get a transfer thread
+(``rank/transfers.py``): it takes the command socket, runs L1 imports, exports and releases while
+the loop steps, and forwards every other command to the loop, which drains them at step boundaries.
 
 When the whole group is idle, each rank waits up to ``IDLE_POLL_S`` for a command before voting,
 so an idle group costs a few collectives per second, not a spinning core. Heartbeats come from a
@@ -296,7 +296,11 @@ class RankLoop:
         engine, prof = self.engine, self.profile
         flag = self.torch.zeros(1, dtype=self.torch.int32)
         busy = False
+        if self.transfers is not None:
+            self.transfers.start()
         while True:
+            if self.transfers is not None:
+                self.transfers.check()
             idle = not (busy or engine.has_work())
             if idle:
                 self._drain(IDLE_POLL_S)
@@ -312,7 +316,7 @@ class RankLoop:
             if busy:
                 self.status.num_steps += 1
             if outputs and not self.shutdown:  # after shutdown the backend fails its streams itself
-                stats = engine.stats()
+                stats = self._stats()
                 prof.lap(step_profile.STATS)
                 frames = self.wire.encode_step(outputs, self.handles, stats)
                 prof.lap(step_profile.ENCODE)

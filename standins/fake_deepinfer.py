@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence as Seq
@@ -91,16 +92,21 @@ class BlockManager:
         self._num_blocks = num_blocks
         self._refs = [0] * num_blocks
         self._free_list: deque[int] = deque(range(1, num_blocks))
-        self._locked = False
+        self._mutex = threading.Lock()
+        self._owner: int | None = None
         self.corrupted = False
 
-    # The C++ mutex is not recursive: taking it twice deadlocks. Here it raises instead.
+    # The C++ mutex is not recursive: taking it twice on one thread deadlocks; here it raises
+    # instead. Another thread waits for it, as on the C++ mutex (the rank's transfer thread).
     def lock(self) -> None:
-        _check(not self._locked, "failed to lock mutex: Resource deadlock avoided")
-        self._locked = True
+        _check(self._owner != threading.get_ident(), "failed to lock mutex: Resource deadlock avoided")
+        self._mutex.acquire()
+        self._owner = threading.get_ident()
 
     def unlock(self) -> None:
-        self._locked = False
+        if self._owner is not None:
+            self._owner = None
+            self._mutex.release()
 
     def get_num_free_blocks(self) -> int:
         return len(self._free_list)
@@ -320,6 +326,13 @@ class Scheduler:
         del seq
 
     def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.lock()
+        try:
+            self._free_seq_nolock(seq)
+        finally:
+            self.block_manager.unlock()
+
+    def _free_seq_nolock(self, seq: Sequence) -> None:
         if seq.state_id != -1 and self.state_manager is not None:
             self.state_manager.free_blocks_nolock([seq.state_id])
         self.block_manager.free_blocks_nolock(seq._table)
@@ -334,11 +347,17 @@ class Scheduler:
 
     # -- scheduling
     def schedule(self, pool: SequenceMetadataPool) -> tuple[list[SequenceMetadata], SchedulerOutputs]:
-        out = None
-        if self.decode_step % self.prefill_attempt_interval == 0 and self.waiting:
-            out = self._schedule_prefill()
-        if out is None:
-            out = self._schedule_decode()
+        # The C++ holds the block manager's mutex through the whole schedule
+        # (BlockManagerMutexAcquire): allocations, frees and the free counts it reads.
+        self.block_manager.lock()
+        try:
+            out = None
+            if self.decode_step % self.prefill_attempt_interval == 0 and self.waiting:
+                out = self._schedule_prefill()
+            if out is None:
+                out = self._schedule_decode()
+        finally:
+            self.block_manager.unlock()
         if out.prompt_run:
             self.decode_step = 0
         else:
@@ -398,13 +417,9 @@ class Scheduler:
                 num_cached_gpu += seq.num_cached_tokens
                 self._admit_prefix(seq, zero_states)
             elif not seq._table:
-                self.block_manager.lock()
-                try:
-                    seq._table = self.block_manager.allocate_nolock(seq.num_blocks_needed())
-                    if self.state_manager is not None:
-                        seq.state_id = self.state_manager.allocate_nolock(1)[0]
-                finally:
-                    self.block_manager.unlock()
+                seq._table = self.block_manager.allocate_nolock(seq.num_blocks_needed())
+                if self.state_manager is not None:
+                    seq.state_id = self.state_manager.allocate_nolock(1)[0]
             if not chunked:
                 num_seqs += 1
                 seq.status = SequenceStatus.RUNNING
@@ -436,14 +451,10 @@ class Scheduler:
             if len(seq._table) < need:
                 if self.block_manager.get_num_free_blocks() < 1:
                     seq.status = SequenceStatus.FINISHED_PREEMPTED  # stop_preempted_request=True
-                    self.free_seq(seq)
+                    self._free_seq_nolock(seq)
                     ignored.append(seq)
                     continue
-                self.block_manager.lock()
-                try:
-                    seq._table += self.block_manager.allocate_nolock(1)
-                finally:
-                    self.block_manager.unlock()
+                seq._table += self.block_manager.allocate_nolock(1)
             scheduled.append(seq)
         self.running = [s for s in self.running if s.status != SequenceStatus.FINISHED_PREEMPTED]
         return SchedulerOutputs(scheduled, False, len(scheduled), finished, ignored,
@@ -514,20 +525,16 @@ class PatchedScheduler(Scheduler):
         self.add_sequence(seq)
 
     def _admit_prefix(self, seq: Sequence, zero_states: list[int]) -> None:
-        self.block_manager.lock()
-        try:
-            seq._table = seq._table + self.block_manager.allocate_nolock(
-                seq.num_blocks_needed() - len(seq._table))
-            if self.state_manager is not None:
-                seq.state_id = self.state_manager.allocate_nolock(1)[0]
-                zero_states.append(seq.state_id)
-        finally:
-            self.block_manager.unlock()
+        seq._table = seq._table + self.block_manager.allocate_nolock(  # (schedule holds the lock)
+            seq.num_blocks_needed() - len(seq._table))
+        if self.state_manager is not None:
+            seq.state_id = self.state_manager.allocate_nolock(1)[0]
+            zero_states.append(seq.state_id)
         seq.prefix_pending = False
 
     def _release_ignored(self, seq: Sequence) -> None:
         if seq._table or seq.state_id != -1:
-            self.free_seq(seq)
+            self._free_seq_nolock(seq)
             seq.state_id = -1
 
 

@@ -22,17 +22,19 @@ class HostPoolStub:
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
+        self.bytes_per_block = 0
         self.slots: torch.Tensor | None = None
         self.closed = False
 
     def open(self, bytes_per_block: int) -> None:
+        self.bytes_per_block = bytes_per_block
         self.slots = torch.zeros(self.num_slots, bytes_per_block, dtype=torch.uint8)
 
-    def copy_from_device(self, pool: torch.Tensor, block_ids: list[int], host_slot: int) -> None:
+    def copy_from_device(self, pool: torch.Tensor, block_ids: list[int], host_slot: int, **_: Any) -> None:
         assert self.slots is not None
         self.slots[host_slot: host_slot + len(block_ids)] = pool[torch.tensor(block_ids)]
 
-    def copy_to_device(self, pool: torch.Tensor, block_ids: list[int], host_slot: int) -> None:
+    def copy_to_device(self, pool: torch.Tensor, block_ids: list[int], host_slot: int, **_: Any) -> None:
         assert self.slots is not None
         pool[torch.tensor(block_ids)] = self.slots[host_slot: host_slot + len(block_ids)]
 

@@ -25,6 +25,7 @@ import pytest
 
 from rank.deepinfer_settings import patch_missing_reason
 from rank.engine import EngineMisuse, FinishReason, usable_prefix_blocks
+from tests.deepinfer.deepinfer_concurrency import RestoreLoop, fine_switching, spilled_session, tokens_of
 from tests.deepinfer.deepinfer_harness import (
     BS,
     cold_tokens,
@@ -222,3 +223,22 @@ def test_failed_pin_leaves_the_block_mutex_locked(native: dict, bad: int) -> Non
         bm.lock()
     with pytest.raises(EngineMisuse):  # the adapter refuses before touching DeepInfer
         engine.release([bad])
+
+
+def test_restores_beside_the_steps_against_the_real_block_manager(native: dict) -> None:
+    """tests/deepinfer/test_deepinfer_concurrent_transfers.py's first scenario on DeepInfer's
+    compiled BlockManager and Scheduler: the transfer thread's allocate under ``lock()``, pins and
+    unpins (GIL released while they wait) interleave with the real ``schedule`` and ``free_seq``;
+    every request's tokens equal a run without the thread and the blocks balance."""
+    rng = np.random.default_rng(3)
+    prompts = {f"r{i}": prompt(int(rng.integers(50, 700)), i) for i in range(24)}
+    reference = tokens_of(_engine(native, num_gpu_blocks=160), prompts, 8)
+    engine = _engine(native, num_gpu_blocks=160, host_slots=32)
+    kept, expected = spilled_session(engine)
+    with fine_switching(), RestoreLoop(engine, len(kept), expected) as restores:
+        got = tokens_of(engine, prompts, 8, restores)
+    assert restores.error is None, restores.error
+    assert got == reference
+    assert restores.during_steps > 0
+    engine.check_accounting()
+    assert engine.stats().num_free_blocks == engine.num_blocks - 1

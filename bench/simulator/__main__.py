@@ -254,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulated KV block (tokens); 0: context / 256 within 128..2048 (faster); "
                         "DeepInfer's is 128")
     parser.add_argument("--transfers", default="beside",
-                        choices=["beside", "boundary", "imports-at-boundary", "exports-at-boundary"],
-                        help="L1 copies beside the step (the reference engine's transfer thread), or at "
-                        "step boundaries, stalling the group (DeepInfer through the adapter today: both)")
+                        choices=["beside", "boundary", "imports-at-boundary", "exports-at-boundary",
+                                 "fenced"],
+                        help="L1 copies beside the step (the reference engine's transfer thread); at "
+                        "step boundaries, stalling the group (DeepInfer without the transfer thread: both); "
+                        "fenced: beside, imports after the decode step in progress (DeepInfer's path)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("seed-table", help="calibration: seed model vs the seed's published rows")
     p.add_argument("--out", default=None)
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                        deployment=Deployment(block_tokens=args.block_tokens))
     if args.transfers != "beside":  # the seed model's rows too: its restores are L1 copies as well
         config = config.with_engine(imports_at_boundary=args.transfers in ("boundary", "imports-at-boundary"),
-                                    exports_at_boundary=args.transfers in ("boundary", "exports-at-boundary"))
+                                    exports_at_boundary=args.transfers in ("boundary", "exports-at-boundary"),
+                                    imports_wait_decode_step=args.transfers == "fenced")
     doc: dict[str, Any] = {"config": config.model_dump(), "command": " ".join(sys.argv)}
     if args.cmd in ("seed-table", "all"):
         doc["seed_table"] = seed_table(config, args.jobs)
@@ -341,13 +344,21 @@ def main(argv: list[str] | None = None) -> int:
         doc["ours_500k_200_tuned_votes"] = {"prefill_attempt_interval": all_steps,
                                             "prefill_any_attempt_interval": any_steps,
                                             "stats": t.model_dump(exclude={"timeline"}), "verdict": t.verdict}
-        if not (ours.engine.imports_at_boundary or ours.engine.exports_at_boundary):
-            # What the DeepInfer path does today (docs/loadtest.md, "L1 copies at DeepInfer's step
-            # boundaries"): the verdict above assumes restores beside the step.
+        e = ours.engine
+        if not (e.imports_at_boundary or e.exports_at_boundary or e.imports_wait_decode_step):
+            # The DeepInfer path (docs/loadtest.md, "L1 copies on DeepInfer"): copies on the
+            # transfer thread, imports after the fence; and without the thread (the A/B switch
+            # DIB_TRANSFER_THREAD=0, and every DeepInfer deployment before it): at step boundaries.
+            fenced = run_one(ours.with_engine(imports_wait_decode_step=True), 500_000, 200)
+            print("\nours on DeepInfer's path: L1 copies on the transfer thread, each import after the "
+                  "decode step in progress (rank/deepinfer_transfers.py):")
+            print(format_table([fenced]))
+            doc["ours_500k_200_deepinfer_fenced"] = {"stats": fenced.model_dump(exclude={"timeline"}),
+                                                     "verdict": fenced.verdict}
             at_boundary = ours.with_engine(imports_at_boundary=True, exports_at_boundary=True)
             b = run_one(at_boundary, 500_000, 200)
-            print("\nours with L1 copies at step boundaries (DeepInfer through the adapter today; the "
-                  "verdict above assumes them beside the step):")
+            print("\nours with L1 copies at step boundaries (DeepInfer without the transfer thread: "
+                  "DIB_TRANSFER_THREAD=0):")
             print(format_table([b]))
             doc["ours_500k_200_copies_at_boundaries"] = {"stats": b.model_dump(exclude={"timeline"}),
                                                          "verdict": b.verdict}

@@ -181,6 +181,7 @@ class SimGroup:
         # length of one step, how many) and, per step boundary within them, each rank's copy time.
         self._steps_at: tuple[float, float, int] | None = None
         self._stalls: dict[int, list[float]] = {}
+        self._prompt_step = False  # the steps in progress are one prompt step (imports_wait_decode_step)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -254,11 +255,17 @@ class SimGroup:
     def _copy_s(self, num_blocks: int) -> float:
         return num_blocks * self.block_size / self.deployment.restore_tokens_per_s
 
-    async def _copy(self, rank: int, num_blocks: int, at_boundary: bool) -> None:
+    async def _copy(self, rank: int, num_blocks: int, at_boundary: bool, fenced: bool = False) -> None:
         """A transfer's copy: beside the step, or (``at_boundary``: ``EngineModel.imports_at_boundary``
         / ``exports_at_boundary``) at the rank's next step boundary, where it stalls the group:
-        lockstep waits for the slowest rank there."""
+        lockstep waits for the slowest rank there. ``fenced`` (``imports_wait_decode_step``): beside
+        the step, after the decode (or placeholder) step in progress ends; at once in a prompt step."""
         copy_s = self._copy_s(num_blocks)
+        if fenced and not at_boundary and self._steps_at is not None and not self._prompt_step:
+            start, step_s, steps = self._steps_at
+            elapsed = asyncio.get_running_loop().time() - start
+            if step_s > 0 and elapsed < steps * step_s:  # the GPU's step in progress: the next boundary
+                await asyncio.sleep((int(elapsed // step_s) + 1) * step_s - elapsed)
         if at_boundary and self._steps_at is not None:
             start, step_s, steps = self._steps_at
             elapsed = asyncio.get_running_loop().time() - start
@@ -274,11 +281,13 @@ class SimGroup:
         async with self._copy_locks[rank]:
             await asyncio.sleep(copy_s)
 
-    async def _steps(self, step_s: float, steps: int) -> float:
+    async def _steps(self, step_s: float, steps: int, prompt: bool = False) -> float:
         """Sleep through ``steps`` lockstep steps of ``step_s`` each, plus the stalls of the
         transfers that came to their boundaries (``_copy``); returns the stall time."""
         self._steps_at = (asyncio.get_running_loop().time(), step_s, steps)
+        self._prompt_step = prompt
         await asyncio.sleep(step_s * steps)
+        self._prompt_step = False
         stalled = 0.0
         while self._stalls:  # transfers during a stall wait for the boundary after it
             stalls, self._stalls = self._stalls, {}
@@ -307,7 +316,8 @@ class SimGroup:
         ids = r.take(num_blocks)
         for b in ids:
             r.cache_refs[b] += 1
-        await self._copy(rank, num_blocks, self.model.imports_at_boundary)
+        m = self.model
+        await self._copy(rank, num_blocks, m.imports_at_boundary, m.imports_wait_decode_step)
         return ids
 
     def stats(self, rank: int) -> EngineStats:
@@ -559,7 +569,7 @@ class SimGroup:
         step_s = max(self.model.placeholder_step_s, max(d for d, _ in results))
         self.counters.prefill_mean_s += max(self.model.placeholder_step_s,
                                             sum(d for d, _ in results) / len(results))
-        await self._steps(step_s, 1)
+        await self._steps(step_s, 1, prompt=True)
         self.counters.prefill_s += step_s
         for r in self.ranks:
             r.in_step = []

@@ -89,6 +89,12 @@ class EngineModel(BaseModel):
         "their copy (DeepInfer through our adapter: rank/worker.py drains commands between steps), "
         "instead of beside the step (the reference engine's transfer thread)")
     exports_at_boundary: bool = Field(False, description="the same for L1 exports (writes)")
+    imports_wait_decode_step: bool = Field(
+        False, description="L1 imports beside the step, but each first waits for the GPU to finish the "
+        "decode step in progress (DeepInfer through the transfer thread: its import's copy waits on the "
+        "fence recorded after the previous step call, which under zero-overhead scheduling completes "
+        "with the step the GPU is running; a prompt step syncs in place, so there the fence is already "
+        "past: rank/deepinfer_transfers.py). No group stall. Ignored with imports_at_boundary")
     placeholder_step_s: float = Field(0.010, ge=0,
                                       description="a step with nothing scheduled (1-token forward)")
     max_num_seqs: int = Field(128, ge=1)

@@ -222,3 +222,38 @@ def test_copies_at_step_boundaries_wait_for_one_and_stall_the_group(at_boundary:
         assert group.counters.transfer_stall_s == pytest.approx(stalled)
 
     run_virtual(run())
+
+
+def test_fenced_imports_wait_for_the_decode_step_in_progress_only() -> None:
+    """``EngineModel.imports_wait_decode_step`` (DeepInfer through the transfer thread,
+    rank/deepinfer_transfers.py): an import in a decode step copies after that step ends, beside
+    the next one, without stopping the group; in a prompt step (synced in place) it copies at once."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        group = SimGroup(Deployment(num_ranks=2, gpu_kv_tokens_per_rank=100 * 100, l1_tokens_per_rank=10_000,
+                                    block_tokens=100, restore_tokens_per_s=10_000),  # 10 ms per block
+                         EngineModel(imports_wait_decode_step=True))
+        t0 = loop.time()
+        done: dict[str, float] = {}
+
+        async def restore(name: str, at: float, rank: int, blocks: int) -> None:
+            await asyncio.sleep(at)
+            ids = await group.import_blocks(rank, 0, blocks)
+            done[name] = round(loop.time() - t0, 6)
+            await group.release(rank, ids)
+
+        async def steps() -> None:
+            stalled = await group._steps(0.1, 5)  # 5 decode steps of 100 ms
+            stalled += await group._steps(1.0, 1, prompt=True)  # then one prompt step of 1 s
+            assert stalled == 0.0
+            done["steps"] = round(loop.time() - t0, 6)
+
+        await asyncio.gather(steps(), restore("a", 0.25, 0, 3), restore("b", 0.26, 1, 5),
+                             restore("c", 0.52, 0, 3), restore("d", 0.80, 1, 2))
+        # a, b: the step in progress ends at 0.3 s, then they copy (30, 50 ms) beside step 4;
+        # c, d: in the prompt step from 0.5 s, at once.
+        assert done == {"a": 0.33, "b": 0.35, "c": 0.55, "d": 0.82, "steps": 1.5}
+        assert group.counters.transfer_stall_s == 0.0
+
+    run_virtual(run())

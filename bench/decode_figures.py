@@ -3,7 +3,8 @@ backend's CPU split by component (a py-spy sample) and the projection to a quiet
 
 What counts as ours on the rank side (``OURS``): the worker's command drain, the adapter's
 bookkeeping around DeepInfer's step, ``engine.stats()``, ``wire.encode_step``, the zmq send and
-the rest of the loop, plus zmq's I/O thread (``ZMQbg``, which moves our step messages). Not ours:
+the rest of the loop, plus zmq's I/O thread (``ZMQbg``, which moves our step messages) and the
+rank's transfer thread (``rank-transfers``, which takes the commands and forwards the adds). Not ours:
 DeepInfer's step (its scheduler, the forward, ``build_request_outputs``) and DeepInfer's lockstep
 vote (``LLMEngine.has_unfinished_requests``: a one-int ``all_reduce`` MAX over its gloo group
 every step, in the prebuilt package too), whose loop-thread part is the ``vote`` phase and whose
@@ -23,7 +24,7 @@ OURS = ("drain", "adapter", "stats", "encode", "send", "other")
 PHASE_LABELS = {"engine": "DeepInfer step (not ours)", "vote": "DeepInfer's vote (not ours)",
                 "drain": "command drain", "adapter": "adapter bookkeeping", "stats": "engine stats",
                 "encode": "wire encode", "send": "zmq send", "other": "loop rest"}
-OUR_THREADS = ("ZMQbg",)  # zmq's I/O thread: it moves our step messages
+OUR_THREADS = ("ZMQbg", "rank-transfers")  # zmq's I/O thread (our step messages); the transfer thread
 # Backend components, matched on a sample's frames from the innermost out: the first frame that
 # contains one of a component's markers names the sample's component.
 COMPONENTS = (
@@ -107,7 +108,8 @@ def print_rank_table(prof: dict[str, object], threads_us: dict[str, float]) -> d
         figures.update({f"rank_thread_{name}_us_per_step": us for name, us in threads_us.items()})
     io_us = sum(threads_us.get(name, 0.0) for name in OUR_THREADS)
     figures["rank_added_cpu_us"] = ours_cpu + io_us
-    print(f"added per rank step by our code: {ours_cpu:.0f} us loop thread + {io_us:.0f} us zmq I/O thread = "
+    print(f"added per rank step by our code: {ours_cpu:.0f} us loop thread + {io_us:.0f} us zmq I/O and "
+          f"transfer threads = "
           f"{ours_cpu + io_us:.0f} us CPU (DeepInfer's vote: {cpu['vote']:.0f} us loop thread "
           "+ its gloo threads)")
     return figures

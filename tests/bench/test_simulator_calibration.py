@@ -183,43 +183,54 @@ def test_sticky_routing_keeps_each_session_on_one_worker_and_caches_better(polic
     assert sticky.stats.cache_hit > rand.stats.cache_hit
 
 
+class _Restores:
+    """Two ranks, 100-token blocks copying at 10 ms each; ``restore`` imports ``blocks`` at
+    virtual time ``at`` and notes when it returned (s from the start) under ``name``."""
+
+    def __init__(self, model: EngineModel) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.group = SimGroup(Deployment(num_ranks=2, gpu_kv_tokens_per_rank=100 * 100,
+                                         l1_tokens_per_rank=10_000, block_tokens=100,
+                                         restore_tokens_per_s=10_000), model)
+        self.t0 = self.loop.time()
+        self.done: dict[str, float] = {}
+
+    def now(self) -> float:
+        return round(self.loop.time() - self.t0, 6)
+
+    async def restore(self, name: str, at: float, rank: int, blocks: int) -> None:
+        await asyncio.sleep(at)
+        ids = await self.group.import_blocks(rank, 0, blocks)
+        self.done[name] = self.now()
+        await self.group.release(rank, ids)
+
+
 @pytest.mark.parametrize("at_boundary", [False, True])
 def test_copies_at_step_boundaries_wait_for_one_and_stall_the_group(at_boundary: bool) -> None:
-    """``EngineModel.imports_at_boundary`` (DeepInfer through the adapter): an import waits for
-    its rank's next step boundary, and the group stands there for the longest copy of any rank at
-    that boundary (lockstep); one that comes while the group stands joins the stall. Beside the
+    """``EngineModel.imports_at_boundary`` (DeepInfer without the transfer thread): an import waits
+    for its rank's next step boundary, and the group stands there for the longest copy of any rank
+    at that boundary (lockstep); one that comes while the group stands joins the stall. Beside the
     step (the reference engine), it copies at once and the steps do not wait."""
 
     async def run() -> None:
-        loop = asyncio.get_running_loop()
-        group = SimGroup(Deployment(num_ranks=2, gpu_kv_tokens_per_rank=100 * 100, l1_tokens_per_rank=10_000,
-                                    block_tokens=100, restore_tokens_per_s=10_000),  # 10 ms per block
-                         EngineModel(imports_at_boundary=at_boundary))
-        t0 = loop.time()
-        done: dict[str, float] = {}
-
-        async def restore(name: str, at: float, rank: int, blocks: int) -> None:
-            await asyncio.sleep(at)
-            ids = await group.import_blocks(rank, 0, blocks)
-            done[name] = round(loop.time() - t0, 6)
-            await group.release(rank, ids)
+        r = _Restores(EngineModel(imports_at_boundary=at_boundary))
 
         async def steps() -> float:
-            stalled = await group._steps(0.1, 5)  # 5 steps of 100 ms
-            done["steps"] = round(loop.time() - t0, 6)
+            stalled = await r.group._steps(0.1, 5)  # 5 steps of 100 ms
+            r.done["steps"] = r.now()
             return stalled
 
-        stalled, *_ = await asyncio.gather(steps(), restore("a", 0.25, 0, 3), restore("b", 0.26, 1, 5),
-                                           restore("c", 0.52, 0, 3))
-        ended = done.pop("steps")
+        stalled, *_ = await asyncio.gather(steps(), r.restore("a", 0.25, 0, 3), r.restore("b", 0.26, 1, 5),
+                                           r.restore("c", 0.52, 0, 3))
+        ended = r.done.pop("steps")
         if at_boundary:
             # a and b reach boundary 3 (0.3 s); the group stands 50 ms there (b's copy), counted at
             # the end of the steps (0.5 s); c comes while it stands and adds its 30 ms.
-            assert done == {"a": 0.33, "b": 0.35, "c": 0.55} and stalled == pytest.approx(0.08)
+            assert r.done == {"a": 0.33, "b": 0.35, "c": 0.55} and stalled == pytest.approx(0.08)
             assert ended == pytest.approx(0.58)
         else:
-            assert done == {"a": 0.28, "b": 0.31, "c": 0.55} and stalled == 0.0 and ended == 0.5
-        assert group.counters.transfer_stall_s == pytest.approx(stalled)
+            assert r.done == {"a": 0.28, "b": 0.31, "c": 0.55} and stalled == 0.0 and ended == 0.5
+        assert r.group.counters.transfer_stall_s == pytest.approx(stalled)
 
     run_virtual(run())
 
@@ -230,30 +241,19 @@ def test_fenced_imports_wait_for_the_decode_step_in_progress_only() -> None:
     the next one, without stopping the group; in a prompt step (synced in place) it copies at once."""
 
     async def run() -> None:
-        loop = asyncio.get_running_loop()
-        group = SimGroup(Deployment(num_ranks=2, gpu_kv_tokens_per_rank=100 * 100, l1_tokens_per_rank=10_000,
-                                    block_tokens=100, restore_tokens_per_s=10_000),  # 10 ms per block
-                         EngineModel(imports_wait_decode_step=True))
-        t0 = loop.time()
-        done: dict[str, float] = {}
-
-        async def restore(name: str, at: float, rank: int, blocks: int) -> None:
-            await asyncio.sleep(at)
-            ids = await group.import_blocks(rank, 0, blocks)
-            done[name] = round(loop.time() - t0, 6)
-            await group.release(rank, ids)
+        r = _Restores(EngineModel(imports_wait_decode_step=True))
 
         async def steps() -> None:
-            stalled = await group._steps(0.1, 5)  # 5 decode steps of 100 ms
-            stalled += await group._steps(1.0, 1, prompt=True)  # then one prompt step of 1 s
+            stalled = await r.group._steps(0.1, 5)  # 5 decode steps of 100 ms
+            stalled += await r.group._steps(1.0, 1, prompt=True)  # then one prompt step of 1 s
             assert stalled == 0.0
-            done["steps"] = round(loop.time() - t0, 6)
+            r.done["steps"] = r.now()
 
-        await asyncio.gather(steps(), restore("a", 0.25, 0, 3), restore("b", 0.26, 1, 5),
-                             restore("c", 0.52, 0, 3), restore("d", 0.80, 1, 2))
+        await asyncio.gather(steps(), r.restore("a", 0.25, 0, 3), r.restore("b", 0.26, 1, 5),
+                             r.restore("c", 0.52, 0, 3), r.restore("d", 0.80, 1, 2))
         # a, b: the step in progress ends at 0.3 s, then they copy (30, 50 ms) beside step 4;
         # c, d: in the prompt step from 0.5 s, at once.
-        assert done == {"a": 0.33, "b": 0.35, "c": 0.55, "d": 0.82, "steps": 1.5}
-        assert group.counters.transfer_stall_s == 0.0
+        assert r.done == {"a": 0.33, "b": 0.35, "c": 0.55, "d": 0.82, "steps": 1.5}
+        assert r.group.counters.transfer_stall_s == 0.0
 
     run_virtual(run())

@@ -37,7 +37,12 @@ Bytes: the CUDA fence.
   copy waits for the latest record on the device. If the allocation follows a free in call j,
   the latest record at that point is at least the one after call j-1, which follows every kernel
   of call j-1 and earlier. The wait is short: after a prompt step (synced in place) the record is
-  already past; after a decode step it completes with the GPU's step in progress.
+  already past; after a decode step it completes with the GPU's step in progress (measured with
+  stand-in kernels in DeepInfer's call order: ``bench/fence_wait.py``). It is conservative: the
+  common free (``finalize_seq``) comes after the call's host sync with the previous step, so its
+  blocks are idle already; only frees inside ``schedule`` (a preemption, a prompt aborted between
+  chunks) can precede that sync. DeepInfer exposes no per-block free time that would let an
+  import tell them apart, so every import waits for the latest record.
 * A cache-held block is never written again (shared blocks are not written; a finished
   request's kept blocks are full, and the one position its in-flight ZOS step still writes,
   ``len - 1``, lies in the block after them). Its last write was queued before the host sync

@@ -163,3 +163,21 @@ def test_an_import_waits_for_kernels_queued_before_the_fence() -> None:
         pool.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_failed_copy_gives_the_blocks_back_and_changes_nothing() -> None:
+    """An import whose copy fails (a CUDA error, say) returns its blocks to DeepInfer's free list
+    and files no cache ref; the exception goes on to the transfer thread, which fails the rank."""
+    engine = make_engine(host_slots=8, num_gpu_blocks=32)
+    free = engine.stats().num_free_blocks
+    pool = engine.host_pool
+    assert pool is not None
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    pool.copy_to_device = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.import_blocks(0, 4)
+    assert engine.stats().num_free_blocks == free and engine.stats().num_cached_blocks == 0
+    engine.check_accounting()

@@ -17,20 +17,29 @@ changed by both threads: the loop thread pins a finished request's blocks, the t
 releases and imports. Every check-and-change of it runs under ``_lock`` together with the
 ``BlockManager`` call that goes with it, so a release's validate-unpin-decrement cannot
 interleave with the loop's pin of the same block. Lock order: ``_lock``, then the manager's
-mutex; never the reverse. (Upstream's ``pin_blocks`` throws with its mutex held: every id is
-validated against ``refs`` first, so a pin or unpin here never throws.)
+mutex; never the reverse. (Upstream's ``pin_blocks`` throws with its mutex held: a release's
+and an export's ids are validated against ``refs`` first; ``pin_kept`` pins blocks the finished
+sequence still holds, which DeepInfer frees only in a later call; an export's and a failed
+import's unpin give back their own pins.)
+
+Contention. The scheduler holds the manager's mutex through ``schedule``, including its vote
+collective at vote points, so an import that comes then waits for it; after ``lock()`` returns
+it needs the GIL back, so a step can wait up to one switch interval for it in turn. Upstream's
+``lock()`` gives up after 20 s and throws: the transfer thread then fails the rank, as any
+unexpected error there does (a schedule held that long means a peer is already stuck).
 
 Bytes: the CUDA fence.
 
 * An import writes blocks it takes from the free list. A block DeepInfer freed may still be
   used by a kernel the GPU has not run yet: under zero-overhead scheduling the host runs a step
   ahead, so a sequence that finished with step k's token is still in step k+1's batch (scheduled
-  before its token was seen). DeepInfer frees a sequence's blocks only in a later step call than
-  the last one that queued its kernels: a finished sequence in ``pre_sampler_sync`` of the call
-  whose ``schedule`` listed it as finished (``finalize_seq``, engine/llm_engine.py), and so not in
-  that call's batch; an aborted or preempted one likewise in a ``schedule`` that no longer batches
-  it; a clone's source blocks after ``clone_done_evt.synchronize()`` (``DeferredRelease``). So a
-  block freed during step call j was last used by kernels queued in calls before j. ``fence()``
+  before its token was seen). A block DeepInfer frees during step call j was last used by
+  kernels queued before call j, or was synchronized with on the host before the free: a finished
+  sequence is freed in ``pre_sampler_sync`` of the call whose ``schedule`` listed it as finished
+  (``finalize_seq``, engine/llm_engine.py), so not in that call's batch; an aborted or preempted
+  one in a ``schedule`` that no longer batches it; a sequence's surplus blocks leave its table
+  before the call's metadata is built (``_append_slot``); a clone's source blocks are unpinned in
+  the same call, after ``clone_done_evt.synchronize()`` (``DeferredRelease``). ``fence()``
   records an event on the loop thread's stream (DeepInfer's: its CUDA graphs replay on the
   current stream, ``clone_and_zero_states_and_blocks_on_default_stream`` runs there too) after
   every ``llm.step()`` and ``flush_inflight_reqs()``, before the next call starts, and an import's
@@ -61,6 +70,7 @@ argument rests on DeepInfer 0.1.0's source as cited; the bookkeeping runs agains
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -175,6 +185,9 @@ class DeepInferTransfers:
         try:
             pool.copy_to_device(self._gpu_blocks(), ids, host_slot, stream=self._stream, after=self._fence)
         except BaseException:
+            if self._stream is not None:  # a part of the copy may be queued: let it land first
+                with contextlib.suppress(Exception):
+                    self._stream.synchronize()
             self._bm.unpin_blocks(ids)  # nobody learns these ids: give them back
             raise
         with self._lock:

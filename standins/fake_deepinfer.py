@@ -96,17 +96,20 @@ class BlockManager:
         self._owner: int | None = None
         self.corrupted = False
 
-    # The C++ mutex is not recursive: taking it twice on one thread deadlocks; here it raises
-    # instead. Another thread waits for it, as on the C++ mutex (the rank's transfer thread).
+    # Like the C++ error-checking mutex (csrc/utils/lockable.hpp): taking it twice on one thread
+    # raises; another thread (the rank's transfer thread) waits for it, up to 20 s, then raises;
+    # unlocking a mutex this thread does not hold raises.
+    LOCK_TIMEOUT_S = 20.0
+
     def lock(self) -> None:
         _check(self._owner != threading.get_ident(), "failed to lock mutex: Resource deadlock avoided")
-        self._mutex.acquire()
+        _check(self._mutex.acquire(timeout=self.LOCK_TIMEOUT_S), "failed to lock mutex: Connection timed out")
         self._owner = threading.get_ident()
 
     def unlock(self) -> None:
-        if self._owner is not None:
-            self._owner = None
-            self._mutex.release()
+        _check(self._owner == threading.get_ident(), "failed to unlock mutex: Operation not permitted")
+        self._owner = None
+        self._mutex.release()
 
     def get_num_free_blocks(self) -> int:
         return len(self._free_list)

@@ -8,9 +8,11 @@ Ordering is asserted with events, never a clock.
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import final
 
@@ -48,11 +50,13 @@ def spilled_session(engine: DeepInferEngine, slot: int = 0) -> tuple[list[int], 
 
 
 def tokens_of(engine: DeepInferEngine, prompts: dict[str, np.ndarray], max_tokens: int,
-              restores: RestoreLoop | None = None) -> dict[str, list[int]]:
+              restores: RestoreLoop | None = None, keep: bool = False) -> dict[str, list[int]]:
     """Every prompt to its end on the loop thread, as the worker steps (vote, then ``step``);
-    counts the steps during which ``restores`` (running beside) finished one."""
+    counts the steps during which ``restores`` (running beside) finished one. With ``keep``,
+    each finished turn's kept blocks (pinned on this thread) go to ``restores`` to write out and
+    release, as the cache's write-through and eviction do."""
     for rid, ids in prompts.items():
-        engine.add(request(rid, ids, max_tokens, keep=False))
+        engine.add(request(rid, ids, max_tokens, keep=keep))
     out: dict[str, list[int]] = {}
     for _ in range(5000):
         busy = engine.lockstep_has_work()
@@ -64,6 +68,9 @@ def tokens_of(engine: DeepInferEngine, prompts: dict[str, np.ndarray], max_token
             out.setdefault(o.request_id, []).extend(o.token_ids)
             if o.finished:
                 assert o.finish_reason is FinishReason.LENGTH, o
+                if o.kept_blocks:
+                    assert restores is not None
+                    restores.kept.put(list(o.kept_blocks))
         if not busy and not engine.has_work():
             return out
     raise AssertionError("engine did not go idle")
@@ -77,6 +84,8 @@ class RestoreLoop:
     def __init__(self, engine: DeepInferEngine, num_blocks: int, expected: torch.Tensor) -> None:
         self.engine, self.num_blocks, self.expected = engine, num_blocks, expected
         self.stop = threading.Event()
+        self.kept: queue.Queue[list[int]] = queue.Queue()  # finished turns' blocks to write and release
+        self.written = 0
         self.restores = 0
         self.during_steps = 0  # steps during which a restore finished (``tokens_of``)
         self.short = 0
@@ -88,6 +97,7 @@ class RestoreLoop:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.kept.join()  # every finished turn's blocks written and released
         self.stop.set()
         self._thread.join(WAIT_S)
         assert not self._thread.is_alive(), "the restore loop hung"
@@ -98,6 +108,7 @@ class RestoreLoop:
         assert pool is not None
         try:
             while not self.stop.is_set():
+                self._write_kept()
                 try:
                     ids = engine.import_blocks(0, n)
                 except CapacityExhausted:
@@ -111,3 +122,52 @@ class RestoreLoop:
                 self.restores += 1
         except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
             self.error = exc
+            while not self.kept.empty():  # let __exit__ return; the test reports ``error``
+                self.kept.get_nowait()
+                self.kept.task_done()
+
+    def _write_kept(self) -> None:
+        """Write each finished turn's blocks to the slots after the session's, then release them."""
+        while not self.kept.empty():
+            blocks = self.kept.get_nowait()
+            slot = 2 * self.num_blocks
+            self.engine.export_blocks(blocks, slot)
+            rows = self.engine._gpu_blocks()[torch.tensor(blocks)]
+            pool = self.engine.host_pool
+            assert torch.equal(pool.slots[slot : slot + len(blocks)], rows)  # type: ignore[union-attr]
+            self.engine.release(blocks)
+            self.written += 1
+            self.kept.task_done()
+
+
+class WaitRecordingLock:
+    """A lock that sets ``waited`` when an acquire finds it held: put in place of a lock under
+    test, it shows that a thread waited for it without a clock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waited = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        self.waited.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` (a bound on a hang, not a timing assert)."""
+    for _ in range(int(WAIT_S * 1000)):
+        if condition():
+            return
+        time.sleep(0.001)
+    raise AssertionError("condition never held")

@@ -25,9 +25,11 @@ from standins import fake_deepinfer
 from tests.deepinfer.deepinfer_concurrency import (
     WAIT_S,
     RestoreLoop,
+    WaitRecordingLock,
     fine_switching,
     spilled_session,
     tokens_of,
+    wait_until,
 )
 from tests.deepinfer.deepinfer_harness import BS, drive, make_engine, prompt, request
 
@@ -36,23 +38,108 @@ DEVICE = os.environ.get("DIB_TEST_DEVICE", "cpu")
 
 def test_restores_beside_the_steps_leave_every_request_and_block_intact() -> None:
     """The transfer thread restores, checks, writes back and releases a spilled session in a
-    loop while the loop thread serves 24 requests: every request's tokens equal a run without
-    the thread (the stand-in's model reads its context back from the pool, so a block handed to
-    both would change them), every restore reads back its bytes, and the blocks balance."""
+    loop while the loop thread serves 24 requests, and writes out and releases each finished
+    turn's blocks (pinned on the loop thread, so both threads change the cache refs): every
+    request's tokens equal a run without the thread (the stand-in's model reads its context
+    back from the pool, so a block handed to both would change them), every copy reads back its
+    bytes, and the blocks balance."""
     rng = np.random.default_rng(3)
     prompts = {f"r{i}": prompt(int(rng.integers(50, 700)), i) for i in range(24)}
     reference = tokens_of(make_engine(num_gpu_blocks=160), prompts, 8)
 
-    engine = make_engine(host_slots=32, num_gpu_blocks=160)
+    engine = make_engine(host_slots=64, num_gpu_blocks=160)
     kept, expected = spilled_session(engine)
     with fine_switching(), RestoreLoop(engine, len(kept), expected) as restores:
-        got = tokens_of(engine, prompts, 8, restores)
+        got = tokens_of(engine, prompts, 8, restores, keep=True)
     assert restores.error is None, restores.error
     assert got == reference
     assert restores.during_steps > 0  # restores completed while the loop was inside step()
+    assert restores.written == sum(1 for ids in prompts.values() if ids.size + 7 >= BS)
     engine.check_accounting()
     assert engine.stats().num_free_blocks == engine.num_blocks - 1
     assert engine.stats().num_cached_blocks == 0
+
+
+def test_a_release_waits_for_the_loop_s_pin_of_the_same_block() -> None:
+    """The cache refs change under one lock: while the loop thread pins a finished turn's blocks
+    (one of them a prefix block the cache already holds), a release of that block on the
+    transfer thread waits, and unpins only after the pin. Without the lock its check-and-change
+    of the refs would interleave with the pin's."""
+    engine = make_engine(host_slots=8, num_gpu_blocks=64)
+    ids = prompt(3 * BS + 10, 4)
+    engine.add(request("a", ids, 3))
+    first = drive(engine).terminal("a")
+    turn2 = np.concatenate([ids, np.asarray(first.token_ids, np.int32), prompt(40, 5)])
+    engine.add(request("b", turn2, 3, prefix=list(first.kept_blocks[:2])))
+    transfers, bm = engine.transfers, engine.llm.block_manager
+    transfers._lock = lock = WaitRecordingLock()  # type: ignore[assignment]
+    order: list[str] = []
+    real_pin, real_unpin = bm.pin_blocks, bm.unpin_blocks
+
+    def paused_pin(block_ids: list[int]) -> None:
+        order.append("pin")
+        wait_until(lambda: lock.waited.is_set() or "unpin" in order)
+        real_pin(block_ids)
+        order.append("pinned")
+
+    def recorded_unpin(block_ids: list[int]) -> None:
+        order.append("unpin")
+        real_unpin(block_ids)
+
+    bm.pin_blocks, bm.unpin_blocks = paused_pin, recorded_unpin
+    release = threading.Thread(target=lambda: (wait_until(lambda: "pin" in order),
+                                               engine.release([first.kept_blocks[0]])))
+    release.start()
+    outputs = []
+    while engine.has_work():
+        engine.lockstep_has_work()
+        outputs.extend(engine.step())
+    release.join(WAIT_S)
+    assert order == ["pin", "pinned", "unpin"] and lock.waited.is_set()
+    kept_b = next(o for o in outputs if o.finished).kept_blocks
+    assert kept_b[0] == first.kept_blocks[0]
+    engine.release(first.kept_blocks[1:])
+    engine.release(kept_b)
+    drive(engine)
+    engine.check_accounting()
+    assert engine.stats().num_free_blocks == engine.num_blocks - 1
+
+
+def test_an_import_waits_while_schedule_holds_the_block_mutex() -> None:
+    """DeepInfer's schedule holds the BlockManager mutex throughout (the stand-in does too); an
+    import on the transfer thread takes the same mutex before it allocates, so it allocates only
+    after the schedule in progress has finished with the free list."""
+    engine = make_engine(host_slots=8, num_gpu_blocks=64)
+    kept, _ = spilled_session(engine)
+    bm, sched = engine.llm.block_manager, engine.llm.scheduler
+    bm._mutex = mutex = WaitRecordingLock()
+    order: list[str] = []
+    real_decode, real_allocate = sched._schedule_decode, bm.allocate_nolock
+
+    def paused_decode() -> object:
+        if "schedule" not in order:
+            order.append("schedule")
+            wait_until(lambda: mutex.waited.is_set() or "import allocates" in order)
+            order.append("scheduled")
+        return real_decode()
+
+    def recorded_allocate(n: int) -> list[int]:
+        if threading.current_thread().name == "import":
+            order.append("import allocates")
+        return real_allocate(n)
+
+    sched._schedule_decode, bm.allocate_nolock = paused_decode, recorded_allocate
+    restored: list[int] = []
+    thread = threading.Thread(name="import", target=lambda: (
+        wait_until(lambda: "schedule" in order), restored.extend(engine.import_blocks(0, len(kept)))))
+    thread.start()
+    engine.add(request("x", prompt(200, 6), 4, keep=False))
+    drive(engine)
+    thread.join(WAIT_S)
+    assert order == ["schedule", "scheduled", "import allocates"] and mutex.waited.is_set()
+    engine.release(restored)
+    engine.check_accounting()
+    assert engine.stats().num_free_blocks == engine.num_blocks - 1
 
 
 def test_transfers_finish_while_the_forward_is_in_progress() -> None:

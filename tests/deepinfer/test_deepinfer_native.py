@@ -228,17 +228,19 @@ def test_failed_pin_leaves_the_block_mutex_locked(native: dict, bad: int) -> Non
 def test_restores_beside_the_steps_against_the_real_block_manager(native: dict) -> None:
     """tests/deepinfer/test_deepinfer_concurrent_transfers.py's first scenario on DeepInfer's
     compiled BlockManager and Scheduler: the transfer thread's allocate under ``lock()``, pins and
-    unpins (GIL released while they wait) interleave with the real ``schedule`` and ``free_seq``;
-    every request's tokens equal a run without the thread and the blocks balance."""
+    unpins (GIL released while they wait) interleave with the real ``schedule``, ``free_seq`` and
+    the loop's pins of finished turns' blocks, which the thread writes out and releases; every
+    request's tokens equal a run without the thread and the blocks balance."""
     rng = np.random.default_rng(3)
     prompts = {f"r{i}": prompt(int(rng.integers(50, 700)), i) for i in range(24)}
     reference = tokens_of(_engine(native, num_gpu_blocks=160), prompts, 8)
     engine = _engine(native, num_gpu_blocks=160, host_slots=32)
     kept, expected = spilled_session(engine)
     with fine_switching(), RestoreLoop(engine, len(kept), expected) as restores:
-        got = tokens_of(engine, prompts, 8, restores)
+        got = tokens_of(engine, prompts, 8, restores, keep=True)
     assert restores.error is None, restores.error
     assert got == reference
     assert restores.during_steps > 0
+    assert restores.written == sum(1 for ids in prompts.values() if ids.size + 7 >= BS)
     engine.check_accounting()
     assert engine.stats().num_free_blocks == engine.num_blocks - 1

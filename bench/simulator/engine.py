@@ -177,11 +177,11 @@ class SimGroup:
         self.vote_filler = vote_filler
         self._prompt_streak = 0  # prompt steps in a row (the filler's cap)
         self._task: asyncio.Task[None] | None = None
-        # EngineModel.imports_at_boundary / exports_at_boundary: the steps in progress (start,
-        # length of one step, how many) and, per step boundary within them, each rank's copy time.
-        self._steps_at: tuple[float, float, int] | None = None
+        # EngineModel.imports_at_boundary / exports_at_boundary / imports_wait_decode_step: the
+        # steps in progress (start, length of one step, how many, whether a prompt step) and, per
+        # step boundary within them, each rank's copy time.
+        self._steps_at: tuple[float, float, int, bool] | None = None
         self._stalls: dict[int, list[float]] = {}
-        self._prompt_step = False  # the steps in progress are one prompt step (imports_wait_decode_step)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -261,37 +261,40 @@ class SimGroup:
         lockstep waits for the slowest rank there. ``fenced`` (``imports_wait_decode_step``): beside
         the step, after the decode (or placeholder) step in progress ends; at once in a prompt step."""
         copy_s = self._copy_s(num_blocks)
-        if fenced and not at_boundary and self._steps_at is not None and not self._prompt_step:
-            start, step_s, steps = self._steps_at
-            elapsed = asyncio.get_running_loop().time() - start
-            if step_s > 0 and elapsed < steps * step_s:  # the GPU's step in progress: the next boundary
-                await asyncio.sleep((int(elapsed // step_s) + 1) * step_s - elapsed)
-        if at_boundary and self._steps_at is not None:
-            start, step_s, steps = self._steps_at
-            elapsed = asyncio.get_running_loop().time() - start
-            boundary, wait = None, 0.0
-            if steps == 0:  # the group stands at a boundary, draining commands: this one joins
-                boundary = 0
-            elif elapsed < steps * step_s:
-                boundary = int(elapsed // step_s) + 1  # steps in progress end at boundary * step_s
-                wait = boundary * step_s - elapsed
-            if boundary is not None:
-                self._stalls.setdefault(boundary, [0.0] * self.num_ranks)[rank] += copy_s
-                await asyncio.sleep(wait)
+        nxt = self._next_boundary()
+        in_prompt_step = self._steps_at is not None and self._steps_at[3]
+        if at_boundary and nxt is not None:
+            boundary, wait = nxt
+            self._stalls.setdefault(boundary, [0.0] * self.num_ranks)[rank] += copy_s
+            await asyncio.sleep(wait)
+        elif fenced and nxt is not None and nxt[0] > 0 and not in_prompt_step:
+            await asyncio.sleep(nxt[1])  # the GPU's decode step in progress ends there
         async with self._copy_locks[rank]:
             await asyncio.sleep(copy_s)
+
+    def _next_boundary(self) -> tuple[int, float] | None:
+        """The steps in progress: the index of the next step boundary within them and the time
+        until it; (0, 0.0) while the group stands at a boundary (a stall); None between them."""
+        if self._steps_at is None:
+            return None
+        start, step_s, steps, _ = self._steps_at
+        if steps == 0:
+            return 0, 0.0
+        elapsed = asyncio.get_running_loop().time() - start
+        if elapsed >= steps * step_s:
+            return None
+        boundary = int(elapsed // step_s) + 1  # steps in progress end at boundary * step_s
+        return boundary, boundary * step_s - elapsed
 
     async def _steps(self, step_s: float, steps: int, prompt: bool = False) -> float:
         """Sleep through ``steps`` lockstep steps of ``step_s`` each, plus the stalls of the
         transfers that came to their boundaries (``_copy``); returns the stall time."""
-        self._steps_at = (asyncio.get_running_loop().time(), step_s, steps)
-        self._prompt_step = prompt
+        self._steps_at = (asyncio.get_running_loop().time(), step_s, steps, prompt)
         await asyncio.sleep(step_s * steps)
-        self._prompt_step = False
         stalled = 0.0
         while self._stalls:  # transfers during a stall wait for the boundary after it
             stalls, self._stalls = self._stalls, {}
-            self._steps_at = (asyncio.get_running_loop().time(), 0.0, 0)
+            self._steps_at = (asyncio.get_running_loop().time(), 0.0, 0, False)
             wait = sum(max(s) for s in stalls.values())
             stalled += wait
             await asyncio.sleep(wait)

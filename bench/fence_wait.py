@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench.multi_gpu.analysis import nearest_rank
 from rank.deepinfer_transfers import DeepInferTransfers
 from rank.host_budget import SHM_DIR
 from rank.host_pool import HostPool
@@ -46,8 +47,7 @@ MODES = ("fenced", "unfenced", "boundary")
 
 
 def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+    return nearest_rank(values, q) if values else float("nan")  # a step kind may get no import
 
 
 def cycles_per_ms() -> float:

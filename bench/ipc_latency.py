@@ -32,12 +32,9 @@ import threading
 import time
 from typing import Any
 
+from bench.multi_gpu.analysis import nearest_rank
+
 PING = struct.Struct("<dd")  # (sent, child received); the child answers (received, replied)
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 # ------------------------------------------------------------------ child (the rank's side)
@@ -189,9 +186,9 @@ def main() -> None:
     for busy in args.busy.split(","):
         for transport in args.transports.split(","):
             ph = parent(transport, busy, args.pings)
-            cells = [f"{_pct(ph[k], 0.5) * 1e3:5.3f} / {_pct(ph[k], 0.95) * 1e3:5.3f}"
+            cells = [f"{nearest_rank(ph[k], 0.5) * 1e3:5.3f} / {nearest_rank(ph[k], 0.95) * 1e3:5.3f}"
                      for k in ("to", "back", "resume")]
-            total = sum(_pct(ph[k], 0.5) for k in ph) * 1e3
+            total = sum(nearest_rank(ph[k], 0.5) for k in ph) * 1e3
             print(f"{transport:>9} {busy:>7} | {'':12}{cells[0]:>13} {cells[1]:>13} {cells[2]:>13} "
                   f"{total:8.3f}", flush=True)
 

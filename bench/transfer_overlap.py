@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.multi_gpu.analysis import phase_table
+from bench.multi_gpu.analysis import nearest_rank, phase_table
 from rank.client import RequestStream
 from rank.engine import EngineRequest, SamplingParams
 from rank.group import RankGroup
@@ -46,11 +46,6 @@ from rank.transfers import ENABLE_ENV
 from server.config import WorkloadConfig
 
 RANK, SLOT = Rank(0), HostSlot(0)
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def copy_seconds(bytes_per_block: int, num_blocks: int, device: str, repeats: int = 20) -> float:
@@ -124,7 +119,8 @@ async def run_mode(args: argparse.Namespace, thread: bool) -> dict[str, Any]:
         steps = [b - a for a, b in itertools.pairwise(arrivals)]
         phases = phase_table(group.transfer_log, "import", measured_from)
         return {"phases": phases, "blocks": n, "bytes_per_block": group.bytes_per_block,
-                "step_p50": _pct(steps, 0.5), "wall_p50": _pct(walls, 0.5), "wall_p95": _pct(walls, 0.95)}
+                "step_p50": nearest_rank(steps, 0.5), "wall_p50": nearest_rank(walls, 0.5),
+                "wall_p95": nearest_rank(walls, 0.95)}
     finally:
         await group.close()
 

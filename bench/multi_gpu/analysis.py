@@ -96,6 +96,13 @@ class CopyLimit:
         return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile as one of the values (nearest rank, no interpolation): what the
+    transfer benchmarks print for their round trips."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def quantiles(values: Sequence[float], qs: Sequence[float] = (0.5, 0.95)) -> list[float]:
     arr = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=np.float64)
     return [float(np.quantile(arr, q)) if arr.size else float("nan") for q in qs]

@@ -17,6 +17,10 @@ blocks`` fit in the rank's pool without evicting a session that is about to retu
   wait; thrashing is avoided because this is rare and ordered by value).
 * After ``fail_after_s`` (or if the queue already holds ``max_queue_depth`` turns) the turn
   fails with ``Overloaded`` (HTTP 503, retryable) instead of hanging.
+* A session's main thread is not starved by its own branches (subagents, auxiliary requests):
+  its turn queues ahead of its family's waiting branch turns on each rank (``family``/``main``;
+  the parent waits for its subagents, so its turn is what the client waits on), never ahead of
+  other sessions' turns.
 * A turn that may run on several ranks (``enter_any``; ``cache/router.py`` rule 4, late binding)
   holds one ticket in each of their queues and is admitted by whichever rank first has room for
   it while it is that rank's head; it then leaves every queue. FIFO order holds on each rank.
@@ -57,6 +61,8 @@ class AdmissionConfig:
 class _Ticket:
     num_tokens: int
     enqueued_s: float
+    family: str | None = None
+    main: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -89,7 +95,7 @@ class AdmissionQueue:
 
     async def enter_any(
         self, ranks: Sequence[int], num_tokens: int, try_admit: Callable[[int, AdmitLevel], bool],
-        order: Callable[[], Sequence[int]] | None = None,
+        order: Callable[[], Sequence[int]] | None = None, *, family: str | None = None, main: bool = False,
     ) -> tuple[int, float]:
         """Return ``(rank, time queued)`` once ``try_admit(rank, level)`` said yes for this turn
         on one of ``ranks``, tried in the given order (re-read from ``order()`` at each retry
@@ -121,11 +127,15 @@ class AdmissionQueue:
                 "room; retry later",
                 retry_after_s=self.config.recheck_s * 8,
             )
-        ticket = _Ticket(num_tokens, now)
+        ticket = _Ticket(num_tokens, now, family, main)
         joined = [r for r in ranks if len(self._queues[r]) < self.config.max_queue_depth]
         share = num_tokens // len(joined)  # the router's per-rank waiting tokens: split, not counted twice
         for r in joined:
-            self._queues[r].append(ticket)
+            queue = self._queues[r]
+            at = len(queue)
+            if main and family is not None:  # ahead of its own branches' waiting turns
+                at = next((i for i, t in enumerate(queue) if t.family == family and not t.main), at)
+            queue.insert(at, ticket)
             self._waiting_tokens[r] += share
         self.num_queued += 1
         try:

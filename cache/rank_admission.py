@@ -62,7 +62,10 @@ class RankAdmitter:
 
         first_l0 = min(s.l0[ranks[0]].match(hashes), len(hashes))
         try:
-            got, queue_s = await s.queue.enter_any(ranks, num_prompt - first_l0 * bs, try_admit, order)
+            got, queue_s = await s.queue.enter_any(
+                ranks, num_prompt - first_l0 * bs, try_admit, order, family=session.family,
+                main=session.family is not None and session.session_id == session.family,
+            )
         except BaseException:
             if taken and taken[0].victims:
                 self._transfers.retire_later(taken[0].plan.rank, list(taken[0].victims), taken[0].exports)

@@ -28,9 +28,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from cache.sessions import StopKind
+from cache.sessions import SessionHint, StopKind
 from cache.turns import Turn
 from protocol.api_types import ApiName, TurnFinish
 from protocol.errors import (
@@ -110,7 +111,7 @@ class ChatService:
 
     # -- public API --------------------------------------------------------------------------------
     async def stream(self, prepared: PreparedRequest, request_id: str, write: Write,
-                     arrival_s: float) -> None:
+                     arrival_s: float, hint: SessionHint | None = None) -> None:
         """Stream one request as SSE through ``write``. Raises ProtocolError only before the
         first write; afterwards every failure becomes the stream's own error event."""
         flight = _Flight(request_id, prepared.api, arrival_s)
@@ -118,7 +119,7 @@ class ChatService:
         rs = self._protocol.new_stream(prepared, request_id)
         self._metrics.in_flight.inc()
         try:
-            await self._bounded(self._generate(prepared, rs, flight, write))
+            await self._bounded(self._generate(prepared, rs, flight, write, hint))
         except asyncio.CancelledError:
             flight.finish_reason = "cancelled"  # the client went away; _generate cleaned up
             raise
@@ -130,14 +131,15 @@ class ChatService:
         finally:
             self._record(flight)
 
-    async def complete(self, prepared: PreparedRequest, request_id: str, arrival_s: float) -> dict[str, Any]:
+    async def complete(self, prepared: PreparedRequest, request_id: str, arrival_s: float,
+                       hint: SessionHint | None = None) -> dict[str, Any]:
         """Run one request to the end and return the non-streaming response body."""
         flight = _Flight(request_id, prepared.api, arrival_s)
         flight.num_prompt_tokens = prepared.num_prompt_tokens
         rs = self._protocol.new_stream(prepared, request_id)
         self._metrics.in_flight.inc()
         try:
-            await self._bounded(self._generate(prepared, rs, flight, None))
+            await self._bounded(self._generate(prepared, rs, flight, None, hint))
         except asyncio.CancelledError:
             flight.finish_reason = "cancelled"
             raise
@@ -147,7 +149,7 @@ class ChatService:
             self._record(flight)
         return rs.response_body()
 
-    def prefetch(self, session_hint: str | None) -> None:
+    def prefetch(self, session_hint: SessionHint | str | None) -> None:
         """Start an L1 restore for a known session before its prompt is tokenized."""
         if session_hint:
             self._cache.prefetch(session_hint)
@@ -163,12 +165,14 @@ class ChatService:
             ) from None
 
     async def _generate(self, prepared: PreparedRequest, rs: ResponseStream, flight: _Flight,
-                        write: Write | None) -> None:
+                        write: Write | None, hint: SessionHint | None) -> None:
         client = self._client
         if client.state is not GroupState.READY:
             raise Overloaded(f"rank group is {client.state.value}; retry shortly",
                              retry_after_s=RESTART_RETRY_AFTER_S)
-        async with self._cache.turn(prepared.prompt_ids, prepared.session_key, prepared.max_tokens,
+        # the agent headers (server/agent_hints.py) with the protocol layer's session key
+        session_hint = replace(hint or SessionHint(), key=prepared.session_key)
+        async with self._cache.turn(prepared.prompt_ids, session_hint, prepared.max_tokens,
                                     max_tokens_is_default=prepared.max_tokens_is_default) as turn:
             await self._run_turn(turn, prepared, rs, flight, write)
 

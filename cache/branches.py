@@ -1,0 +1,68 @@
+"""Branches of a session and prefixes held elsewhere: the manager's side of the routing rules
+for subagents, new sessions sharing a prefix with another rank, and compaction.
+
+* ``copy_prefix``: rule 3 chose a rank that lacks the prompt's prefix another rank holds
+  (``RouteDecision.copy_from``, ``cache/router.py``); the chain goes from there to L1 as the
+  start of the new session's (or branch's) L1 entry, and the turn's admission restores it
+  (``cache/planner.py`` counts L1 blocks as restorable). While the copy runs, the turn's tokens
+  count as waiting on its rank (``placing``), so turns arriving meanwhile do not all choose it.
+* ``retire``: a compaction replaced a session's prefix; its first turn on the new prefix makes
+  the old chain's blocks ownerless, so eviction takes them first (``cache/eviction.py``), while
+  the blocks the new prompt shares (system prompt, tools) stay.
+* ``held_tokens``: how much of a prompt is resident where a session lives (``SessionTable.
+  resolve`` tells a re-rendered main-thread turn from a fresh branch with it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cache.hashing import BlockHash
+from cache.l1_transfers import L1Transfers
+from cache.router import RouteDecision
+from cache.sessions import Session
+from cache.state import CacheState
+
+log = logging.getLogger(__name__)
+
+
+class Branches:
+    """See the module docstring. One event loop."""
+
+    def __init__(self, state: CacheState, transfers: L1Transfers) -> None:
+        self._s = state
+        self._transfers = transfers
+        self.placing = [0] * state.client.num_ranks  # prompt tokens of turns copying a prefix, per rank
+
+    async def copy_prefix(self, session: Session, decision: RouteDecision, hashes: list[BlockHash],
+                          num_tokens: int) -> bool:
+        """Copy ``hashes[:decision.copy_blocks]`` from ``decision.copy_from`` to L1 under the
+        session's id. A failed copy only costs the prefill it meant to save."""
+        s = self._s
+        assert decision.copy_from is not None
+        dst = decision.rank
+        self.placing[dst] += num_tokens
+        try:
+            ok = await self._transfers.write_through(decision.copy_from, session.session_id,
+                                                     hashes[: decision.copy_blocks], s.epoch)
+        finally:
+            self.placing[dst] -= num_tokens
+        log.info("prefix of %s: %d blocks from rank %d to rank %d through L1 (%s)", session.session_id,
+                 decision.copy_blocks, decision.copy_from, dst, "copied" if ok else "failed")
+        if s.metrics is not None:
+            s.metrics.prefix_copies.labels("copied" if ok else "failed").inc()
+        return ok
+
+    def held_tokens(self, session: Session, hashes: list[BlockHash]) -> int:
+        """The prompt's tokens resident on ``session``'s home rank."""
+        rank = session.home_rank
+        return self._s.l0[rank].match(hashes) * self._s.block_size if rank is not None else 0
+
+    def retire(self, session: Session, tails: list[BlockHash], hashes: list[BlockHash]) -> int:
+        """The chains ending at ``tails`` are dead for ``session``: their blocks the new prompt
+        (``hashes``) does not share lose their owner on every rank. Returns how many."""
+        keep = set(hashes)
+        num = sum(idx.disown(tail, session.session_id, keep) for idx in self._s.l0.ranks for tail in tails)
+        log.info("session %s compacted: %d blocks of its old prefix go first", session.session_id, num)
+        self._s.on_change()
+        return num

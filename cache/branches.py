@@ -9,8 +9,8 @@ for subagents, new sessions sharing a prefix with another rank, and compaction.
 * ``retire``: a compaction replaced a session's prefix; its first turn on the new prefix makes
   the old chain's blocks ownerless, so eviction takes them first (``cache/eviction.py``), while
   the blocks the new prompt shares (system prompt, tools) stay.
-* ``held_tokens``: how much of a prompt is resident where a session lives (``SessionTable.
-  resolve`` tells a re-rendered main-thread turn from a fresh branch with it).
+* ``continues``: whether a prompt holds a session's whole first prompt where it lives
+  (``SessionTable.resolve`` tells a re-rendered main-thread turn from a fresh branch with it).
 """
 
 from __future__ import annotations
@@ -53,10 +53,12 @@ class Branches:
             s.metrics.prefix_copies.labels("copied" if ok else "failed").inc()
         return ok
 
-    def held_tokens(self, session: Session, hashes: list[BlockHash]) -> int:
-        """The prompt's tokens resident on ``session``'s home rank."""
+    def continues(self, session: Session, hashes: list[BlockHash]) -> bool:
+        """The prompt named ``hashes`` holds all of the session's first prompt (its full blocks)
+        on the session's home rank."""
         rank = session.home_rank
-        return self._s.l0[rank].match(hashes) * self._s.block_size if rank is not None else 0
+        first_blocks = session.first_prompt_tokens // self._s.block_size
+        return rank is not None and first_blocks > 0 and self._s.l0[rank].match(hashes) >= first_blocks
 
     def retire(self, session: Session, tails: list[BlockHash], hashes: list[BlockHash]) -> int:
         """The chains ending at ``tails`` are dead for ``session``: their blocks the new prompt

@@ -220,12 +220,12 @@ class CacheManager:
         hint = SessionHint.of(session_hint)
         if not self.config.branch_routing:
             hint = SessionHint(key=hint.key)  # one routing unit per session key
-        session = self.sessions.resolve(hint, hashes, now, lambda s: self.branches.held_tokens(s, hashes),
+        session = self.sessions.resolve(hint, hashes, now, lambda s: self.branches.continues(s, hashes),
                                         detect=self.config.branch_routing)
         retired = self.sessions.take_retired(session, hint)
         if retired:
             self.branches.retire(session, retired, hashes)
-        self.sessions.record_arrival(session, now)
+        self.sessions.record_arrival(session, now, len(tokens))
         s.idle.update(session, now)
         await self.transfers.await_prefetch(session.session_id)
         matches = self.l0.match_all(hashes)

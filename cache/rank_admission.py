@@ -19,7 +19,7 @@ from cache.admission import AdmitLevel
 from cache.hashing import BlockHash
 from cache.l1_transfers import L1Transfers
 from cache.planner import AdmitPlanner, Reservation
-from cache.sessions import Session
+from cache.sessions import RequestClass, Session
 from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens
 from protocol.errors import Overloaded
@@ -65,6 +65,7 @@ class RankAdmitter:
             got, queue_s = await s.queue.enter_any(
                 ranks, num_prompt - first_l0 * bs, try_admit, order, family=session.family,
                 main=session.family is not None and session.session_id == session.family,
+                yields=session.request_class is RequestClass.AUXILIARY,
             )
         except BaseException:
             if taken and taken[0].victims:

@@ -83,7 +83,7 @@ def session_id_for_hint(hint: SessionHint | str) -> SessionId:
     base = _HINT_PREFIX + (h.key or "")
     if h.request_class is RequestClass.AUXILIARY:
         return SessionId(f"{base}/aux:{h.auxiliary_type or h.agent_id or 'auxiliary'}")
-    if h.agent_id and h.request_class is not RequestClass.COMPACTION:
+    if h.agent_id:
         return SessionId(f"{base}/agent:{h.agent_id}")
     return SessionId(base)
 
@@ -147,6 +147,7 @@ class Session:
     last_seen_s: float = 0.0
     moved_at_s: float = float("-inf")
     context_tokens: int = 0  # prompt + output tokens of its last turn
+    first_prompt_tokens: int = 0  # prompt tokens of its first turn
     gaps: GapModel = field(default_factory=GapModel)
     tail_hashes: list[BlockHash] = field(default_factory=list)
     # The main session of a branch's family (itself for a main session; None without a hint).
@@ -226,7 +227,7 @@ class SessionTable:
 
     def resolve(
         self, hint: SessionHint | str | None, prompt_hashes: list[BlockHash], now_s: float,
-        held_tokens: Callable[[Session], int] = lambda _s: 0, detect: bool = True,
+        continues: Callable[[Session], bool] = lambda _s: False, detect: bool = True,
     ) -> Session:
         """The session (routing unit) of a turn, created when new.
 
@@ -234,10 +235,10 @@ class SessionTable:
         deepest (the main thread or a detected branch). One that extends none of them is a new
         *branch* when the family has a turn in flight or its main thread is waiting on a tool
         (subagents under one header, told apart by their prompts); otherwise the main session
-        (its first turn, or a new prefix after a compaction or ``/clear``). ``held_tokens(s)``:
-        the prompt's tokens resident where ``s`` lives; a prompt that shares half of the main
-        thread's last context is the main thread (a client that re-rendered its history), not a
-        fresh branch."""
+        (its first turn, or a new prefix after a compaction or ``/clear``). ``continues(s)``:
+        the prompt holds all of ``s``'s first prompt where ``s`` lives, so it is the main thread
+        whose client re-rendered later history, not a fresh branch (which shares the system
+        prompt and tools at most)."""
         h = SessionHint.of(hint)
         if not h.key or h.agent_id or h.is_auxiliary or not detect:
             return self.find(h, prompt_hashes) or self.create(h, now_s)
@@ -257,7 +258,7 @@ class SessionTable:
             return best[1]
         if h.request_class is RequestClass.COMPACTION or h.context_compacted:
             return main
-        if main.context_tokens and 2 * held_tokens(main) >= main.context_tokens:
+        if continues(main):
             return main
         busy = any(m.num_in_flight for m in members)
         if busy or (main.last_stop is StopKind.TOOL_USE and main.tail_hashes):
@@ -276,7 +277,7 @@ class SessionTable:
             session.compacting = True
             return []
         compacted = session.compacting or hint.context_compacted
-        if not compacted or session.request_class is not RequestClass.MAIN:
+        if not compacted or session.request_class is RequestClass.AUXILIARY:
             return []
         session.compacting = False
         retired = list(session.tail_hashes)
@@ -293,8 +294,10 @@ class SessionTable:
         main = self._sessions.get(session.family)
         return [*([main] if main is not None else []), *self._families.get(session.family, ())]
 
-    def record_arrival(self, session: Session, now_s: float) -> None:
+    def record_arrival(self, session: Session, now_s: float, num_prompt_tokens: int = 0) -> None:
         """A new turn of ``session`` arrived: learn the gap since its last turn ended."""
+        if not session.first_prompt_tokens:
+            session.first_prompt_tokens = num_prompt_tokens
         if session.last_finish_s is not None and session.num_in_flight == 0:
             gap_s = now_s - session.last_finish_s
             session.gaps.observe(session.last_stop, gap_s)

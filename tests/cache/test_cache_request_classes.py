@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cache.admission import AdmissionConfig, AdmissionQueue, AdmitLevel
-from cache.router import RankLoad, RouteReason, Router, RouterConfig
+from cache.router import RankLoad, Router, RouterConfig, RouteReason
 from cache.sessions import RequestClass, SessionHint, SessionTable, StopKind
 from rank.ids import Rank
 from tests.cache.cache_harness import make_group, make_manager, next_prompt, run_turn, settle, tokens
@@ -57,7 +57,8 @@ def test_main_turn_queues_ahead_of_its_own_branches_and_auxiliary_turns_yield() 
 
 def test_auxiliary_request_never_pins_or_follows_a_home_rank() -> None:
     table = SessionTable()
-    aux = table.create(SessionHint(key="s", request_class=RequestClass.AUXILIARY, auxiliary_type="title"), 0.0)
+    hint = SessionHint(key="s", request_class=RequestClass.AUXILIARY, auxiliary_type="title")
+    aux = table.create(hint, 0.0)
     assert aux.session_id == "hint:s/aux:title" and aux.request_class is RequestClass.AUXILIARY
     aux.home_rank = Rank(0)
     aux.num_in_flight = 0

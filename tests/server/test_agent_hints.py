@@ -33,6 +33,7 @@ def test_request_classes_from_headers() -> None:
 
 def test_bad_header_values_fall_back_to_the_main_thread() -> None:
     hint = agent_hint({"x-claude-code-request-class": "no-such-class",
-                       "x-claude-code-agent-type": "x" * (MAX_HEADER_CHARS + 1), "x-claude-code-agent-id": " "})
+                       "x-claude-code-agent-type": "x" * (MAX_HEADER_CHARS + 1),
+                       "x-claude-code-agent-id": " "})
     assert hint == SessionHint()
     assert session_id_for_hint(SessionHint.of("k")) == session_id_for_hint("k") == "hint:k"

@@ -37,7 +37,9 @@ L1 cost ``l1_copy_cost`` of a prefilled token: the turn may run on a less loaded
 them by one copy through L1 (``RouteDecision.copy_from``: the manager writes that chain to L1
 from the rank holding it, and the admission restores it) when that is cheaper than running where
 they are. Auxiliary requests (titles, memory passes: ``RequestClass.AUXILIARY``) have no home:
-every one goes to the cheapest rank by rule 3, with no copy, and never moves anything.
+every one goes to the cheapest rank by rule 3, with no copy, and never moves anything. A new
+branch's rule-3 cost counts the work in flight (running + waiting tokens, as rule 4) instead of
+the whole load: it runs beside its siblings, and in lockstep the busiest rank paces every step.
 
 Load measure (``RankLoad.load_tokens``): running tokens (context of admitted, unfinished turns)
 + waiting tokens (prompt tokens of turns queued for admission) + idle tokens (last context of
@@ -145,8 +147,13 @@ class Router:
         held = max(matched_blocks, default=0)
         copy_ok = can_move and held * self.block_size >= self.config.copy_min_tokens
         copyable = max(held, l1_blocks) if copy_ok else l1_blocks if can_move else 0
-        best = self._by_cost(loads, matched_blocks, num_prompt_tokens, lambda load: load.load_tokens,
-                             copyable)[0]
+        # A branch runs beside its siblings (1-4 at once, short-lived): what it competes with is
+        # the work in flight (lockstep: the busiest rank paces every step), not idle sessions.
+        work: Callable[[RankLoad], int] = (
+            (lambda load: load.running_tokens + load.waiting_tokens)
+            if session.request_class is RequestClass.SUBAGENT else (lambda load: load.load_tokens)
+        )
+        best = self._by_cost(loads, matched_blocks, num_prompt_tokens, work, copyable)[0]
         if copy_ok and held > max(matched_blocks[best], l1_blocks) and (
             (held - matched_blocks[best]) * self.block_size >= self.config.copy_min_tokens
         ):

@@ -78,7 +78,9 @@ class _Flight:
         "num_cached_tokens",
         "num_output_tokens",
         "num_prompt_tokens",
+        "rank",
         "request_id",
+        "session",
         "started",
     )
 
@@ -92,6 +94,8 @@ class _Flight:
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        self.rank = -1  # the rank it ran on (-1: never admitted)
+        self.session = ""  # the cache's session (routing unit) id
         self.finish_reason = "error"
 
 
@@ -318,6 +322,8 @@ class ChatService:
     # -- helpers -------------------------------------------------------------------------------
     def _count_admission(self, admission: Admission, flight: _Flight) -> None:
         flight.num_cached_tokens = admission.num_cached_tokens
+        flight.rank = admission.rank
+        flight.session = admission.session_id
         self._metrics.queue_time.observe(admission.queue_time_s)
         for tier, num_tokens in admission.cached_tokens_by_tier.items():
             if num_tokens:
@@ -348,10 +354,11 @@ class ChatService:
         metrics.finished.labels(flight.finish_reason).inc()
         metrics.request_seconds.labels(flight.api).observe(now - flight.arrival_s)
         ttft_ms = (flight.first_token_s - flight.arrival_s) * 1e3 if flight.first_token_s else -1.0
-        # Never the prompt or the output: sizes and timings only.
-        log.info("request %s api=%s finish=%s cached=%d output=%d ttft_ms=%.1f total_ms=%.1f",
-                 flight.request_id, flight.api, flight.finish_reason, flight.num_cached_tokens,
-                 flight.num_output_tokens, ttft_ms, (now - flight.arrival_s) * 1e3)
+        # Never the prompt or the output: sizes, timings and where it ran only.
+        log.info("request %s api=%s finish=%s rank=%d prompt=%d cached=%d output=%d ttft_ms=%.1f "
+                 "total_ms=%.1f session=%s", flight.request_id, flight.api, flight.finish_reason, flight.rank,
+                 flight.num_prompt_tokens, flight.num_cached_tokens, flight.num_output_tokens, ttft_ms,
+                 (now - flight.arrival_s) * 1e3, flight.session)
 
 
 def _stop_kind(rs: ResponseStream) -> StopKind:

@@ -6,9 +6,11 @@ for subagents, new sessions sharing a prefix with another rank, and compaction.
   start of the new session's (or branch's) L1 entry, and the turn's admission restores it
   (``cache/planner.py`` counts L1 blocks as restorable). While the copy runs, the turn's tokens
   count as waiting on its rank (``placing``), so turns arriving meanwhile do not all choose it.
-* ``retire``: a compaction replaced a session's prefix; its first turn on the new prefix makes
-  the old chain's blocks ownerless, so eviction takes them first (``cache/eviction.py``), while
-  the blocks the new prompt shares (system prompt, tools) stay.
+* ``retire``: a compaction replaced a session's prefix; its first turn on the new prefix (told
+  by the compaction headers, or by its prompt: ``prefix_broken``) makes the old chain's blocks
+  ownerless, so eviction takes them first (``cache/eviction.py``), while the blocks the new
+  prompt shares (system prompt, tools) stay. Until that turn arrives the old prefix is kept as
+  any idle session's (the summary request itself runs on it).
 * ``continues``: whether a prompt holds a session's whole first prompt where it lives
   (``SessionTable.resolve`` tells a re-rendered main-thread turn from a fresh branch with it).
 """
@@ -19,8 +21,9 @@ import logging
 
 from cache.hashing import BlockHash
 from cache.l1_transfers import L1Transfers
+from cache.planner import known_prefix_blocks
 from cache.router import RouteDecision
-from cache.sessions import Session
+from cache.sessions import RequestClass, Session
 from cache.state import CacheState
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,18 @@ class Branches:
         rank = session.home_rank
         first_blocks = session.first_prompt_tokens // self._s.block_size
         return rank is not None and first_blocks > 0 and self._s.l0[rank].match(hashes) >= first_blocks
+
+    def prefix_broken(self, session: Session, hashes: list[BlockHash]) -> bool:
+        """A main session's turn on a new prefix (a compaction's first turn, seen by its
+        prompt): nothing of the session in flight, the prompt extends none of its tails, yet it
+        holds at least half of the session's first prompt where the session lives (the system
+        prompt and tools: a one-off side request with another system prompt does not)."""
+        rank = session.home_rank
+        if (session.request_class is not RequestClass.MAIN or rank is None or session.num_in_flight
+                or not session.tail_hashes or not session.first_prompt_tokens
+                or known_prefix_blocks(session.tail_hashes, hashes)):
+            return False
+        return 2 * self._s.l0[rank].match(hashes) * self._s.block_size >= session.first_prompt_tokens
 
     def retire(self, session: Session, tails: list[BlockHash], hashes: list[BlockHash]) -> int:
         """The chains ending at ``tails`` are dead for ``session``: their blocks the new prompt

@@ -222,7 +222,7 @@ class CacheManager:
             hint = SessionHint(key=hint.key)  # one routing unit per session key
         session = self.sessions.resolve(hint, hashes, now, lambda s: self.branches.continues(s, hashes),
                                         detect=self.config.branch_routing)
-        retired = self.sessions.take_retired(session, hint)
+        retired = self.sessions.take_retired(session, hint, self.branches.prefix_broken(session, hashes))
         if retired:
             self.branches.retire(session, retired, hashes)
         self.sessions.record_arrival(session, now, len(tokens))

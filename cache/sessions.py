@@ -269,14 +269,16 @@ class SessionTable:
                              RequestClass.MAIN, now_s)
         return main
 
-    def take_retired(self, session: Session, hint: SessionHint) -> list[BlockHash]:
+    def take_retired(self, session: Session, hint: SessionHint, broke: bool = False) -> list[BlockHash]:
         """Compaction: the request that summarises a session marks it; the session's next main
-        turn (its compacted context) retires the old prefix. Returns the tails whose chains
-        are dead (the caller lets their blocks go first) and forgets them as tails."""
+        turn (its compacted context) retires the old prefix. ``broke``: the turn is such a turn
+        by its prompt (``Branches.prefix_broken``: Claude Code labels neither request). Returns
+        the tails whose chains are dead (the caller lets their blocks go first, except those the
+        new prompt shares) and forgets them as tails."""
         if hint.request_class is RequestClass.COMPACTION:
             session.compacting = True
             return []
-        compacted = session.compacting or hint.context_compacted
+        compacted = session.compacting or hint.context_compacted or broke
         if not compacted or session.request_class is RequestClass.AUXILIARY:
             return []
         session.compacting = False

@@ -68,15 +68,17 @@ def test_auxiliary_request_never_pins_or_follows_a_home_rank() -> None:
     assert (d.rank, d.reason, d.copy_from) == (1, RouteReason.AUXILIARY, None)
 
 
-def _compaction_run(headers: bool) -> tuple[int, int, int, int]:
-    """Session c: two turns, a compaction request, its first compacted turn (sharing only the
-    system prompt). Session o finished long before. A new turn z then needs 5 blocks evicted.
-    Returns (c's old chain blocks before z, after z, o's blocks before z, after z)."""
+def _compaction_run(mode: str) -> tuple[int, int, int, int]:
+    """Session c: two turns, a compaction request, then (unless ``mode`` is "pending") its first
+    compacted turn, sharing only the system prompt; labelled by Claude Code's headers ("headers")
+    or not ("detected"). Session o finished long before. A new turn z then needs blocks
+    evicted. Returns (c's old chain blocks before z, after z, o's blocks before z, after z)."""
 
     async def main() -> tuple[int, int, int, int]:
         rng = np.random.default_rng(3)
         group = await make_group(num_blocks=40, num_ranks=1, host_slots=0)
         mgr, _ = make_manager(group, protect_s=0.0, l1_cache=False)
+        headers = mode == "headers"
         try:
             o = await run_turn(mgr, group, tokens(rng, 160), "o", stop=StopKind.END_TURN)
             await asyncio.sleep(300.0)  # o waits on a person, long since
@@ -86,13 +88,15 @@ def _compaction_run(headers: bool) -> tuple[int, int, int, int]:
             compaction = SessionHint(key="c", request_class=RequestClass.COMPACTION) if headers else "c"
             cc = await run_turn(mgr, group, next_prompt(c2, tokens(rng, 32)), compaction,
                                 stop=StopKind.END_TURN)
-            compacted = SessionHint(key="c", context_compacted=True) if headers else "c"
-            await run_turn(mgr, group, np.concatenate([system, tokens(rng, 48)]), compacted,
-                           stop=StopKind.END_TURN)
+            if mode != "pending":
+                compacted = SessionHint(key="c", context_compacted=True) if headers else "c"
+                await run_turn(mgr, group, np.concatenate([system, tokens(rng, 48)]), compacted,
+                               stop=StopKind.END_TURN)
             old = mgr.hasher.hashes(cc.prompt)
             o_hashes = mgr.hasher.hashes(o.prompt)
             before = (mgr.l0[0].match(old), mgr.l0[0].match(o_hashes))
-            z = await run_turn(mgr, group, tokens(rng, 240), "z", stop=StopKind.END_TURN)
+            z = await run_turn(mgr, group, tokens(rng, 240 if mode != "pending" else 200), "z",
+                               stop=StopKind.END_TURN)
             assert z.admission.rank == 0
             after = (mgr.l0[0].match(old), mgr.l0[0].match(o_hashes))
             await settle(mgr, group)
@@ -103,18 +107,21 @@ def _compaction_run(headers: bool) -> tuple[int, int, int, int]:
     return asyncio.run(main())
 
 
-def test_compaction_lets_the_old_prefix_go_first_once_the_compacted_turn_arrived() -> None:
-    old_before, old_after, o_before, o_after = _compaction_run(headers=True)
+@pytest.mark.parametrize("mode", ["headers", "detected"])
+def test_compaction_lets_the_old_prefix_go_first_once_the_compacted_turn_arrived(mode: str) -> None:
+    """Labelled (x-claude-code-compaction, -context-compacted) or seen from the prompts (what
+    Claude Code 2.1.197 and 2.1.332 send: no label), the same order."""
+    old_before, old_after, o_before, o_after = _compaction_run(mode)
     assert o_after == o_before == 10  # the other session kept every block
     # the old prefix went first (the compacted turn's own room took one block of it already) down
     # to exactly the 4 blocks of system prompt the compacted context shares
     assert old_before > old_after == 4
 
 
-def test_without_compaction_headers_the_stalest_session_goes_first() -> None:
-    """The check above could fail: without the headers o (idle longest) loses blocks, c's old
-    chain stays whole."""
-    old_before, old_after, o_before, o_after = _compaction_run(headers=False)
+def test_until_the_compacted_turn_arrives_the_old_prefix_is_kept() -> None:
+    """The check above could fail: with the summary done but no compacted turn yet, the old
+    prefix is an idle session like any other, and o (idle longest) loses blocks first."""
+    old_before, old_after, o_before, o_after = _compaction_run("pending")
     assert old_after == old_before == 13
     assert o_after < o_before
 

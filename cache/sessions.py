@@ -161,8 +161,16 @@ class Session:
         if self.num_in_flight > 0 or self.last_finish_s is None:
             return 0.0
         idle_s = max(0.0, now_s - self.last_finish_s)
-        gap_s = self.gaps.expected_gap_s(self.last_stop)
+        gap_s = self.expected_gap_s()
         return max(gap_s - idle_s, idle_s)
+
+    def expected_gap_s(self) -> float:
+        """The expected gap after its last turn. A subagent whose turn ended with an answer
+        has reported to its parent and is done: no next turn is expected (its blocks go before
+        any waiting session's, and it stops counting toward its rank's idle load)."""
+        if self.request_class is RequestClass.SUBAGENT and self.last_stop is StopKind.END_TURN:
+            return _MAX_GAP_S
+        return self.gaps.expected_gap_s(self.last_stop)
 
 
 class SessionTable:

@@ -73,6 +73,10 @@ class RankAdmitter:
             raise
         rank = Rank(got)
         res = taken[0] if taken else None
+        context_tokens = num_prompt + num_output
+        # Counted in the router's load from the commit on, not only once the victims' release
+        # was sent: a turn routed meanwhile must see this rank busy.
+        s.ledgers[rank].running_tokens += context_tokens
         if res is not None and res.victims:  # the release rides with the next command: one boundary
             try:
                 await self._transfers.retire(rank, list(res.victims), epoch, wait_release=False,
@@ -80,20 +84,22 @@ class RankAdmitter:
             except BaseException:  # cancelled (client gone): give back what the commit took
                 if s.epoch == epoch:
                     self._planner.undo(res, hashes)
+                    s.ledgers[rank].running_tokens -= context_tokens
                 raise
         if s.epoch != epoch or res is None:
+            if s.epoch == epoch:
+                s.ledgers[rank].running_tokens -= context_tokens
             raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
         plan = res.plan
         adm = Admission(
             rank=rank, prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier=TierTokens(),
             queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
             keep_blocks=s.config.prefix_cache, num_prompt_tokens=num_prompt, hashes=hashes,
-            num_used_blocks=plan.num_l0, reserved_blocks=plan.need, context_tokens=num_prompt + num_output,
+            num_used_blocks=plan.num_l0, reserved_blocks=plan.need, context_tokens=context_tokens,
             room_blocks=total_blocks,
         )
         ledger = s.ledgers[rank]
         ledger.num_in_flight += 1
-        ledger.running_tokens += adm.context_tokens
         if plan.num_restore:
             await self._restore(adm, hashes, plan.num_l0, plan.num_restore)
         adm.prefix_blocks = s.l0[rank].block_ids(hashes[: adm.num_used_blocks])

@@ -17,6 +17,13 @@ blocks`` fit in the rank's pool without evicting a session that is about to retu
   wait; thrashing is avoided because this is rare and ordered by value).
 * After ``fail_after_s`` (or if the queue already holds ``max_queue_depth`` turns) the turn
   fails with ``Overloaded`` (HTTP 503, retryable) instead of hanging.
+* An auxiliary turn (``yields``: titles, memory passes) is never the head while a session's turn
+  waits: the first turn in the queue that does not yield is (``_head``). An auxiliary turn
+  evicts no session's blocks (``cache/eviction.py``), so at the head it would block the queue.
+* A session's main thread is not starved by its own branches (subagents, auxiliary requests):
+  its turn queues ahead of its family's waiting branch turns on each rank (``family``/``main``;
+  the parent waits for its subagents, so its turn is what the client waits on), never ahead of
+  other sessions' turns.
 * A turn that may run on several ranks (``enter_any``; ``cache/router.py`` rule 4, late binding)
   holds one ticket in each of their queues and is admitted by whichever rank first has room for
   it while it is that rank's head; it then leaves every queue. FIFO order holds on each rank.
@@ -57,6 +64,9 @@ class AdmissionConfig:
 class _Ticket:
     num_tokens: int
     enqueued_s: float
+    family: str | None = None
+    main: bool = False
+    yields: bool = False  # an auxiliary turn: never the head while a session's turn waits
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -89,7 +99,8 @@ class AdmissionQueue:
 
     async def enter_any(
         self, ranks: Sequence[int], num_tokens: int, try_admit: Callable[[int, AdmitLevel], bool],
-        order: Callable[[], Sequence[int]] | None = None,
+        order: Callable[[], Sequence[int]] | None = None, *, family: str | None = None, main: bool = False,
+        yields: bool = False,
     ) -> tuple[int, float]:
         """Return ``(rank, time queued)`` once ``try_admit(rank, level)`` said yes for this turn
         on one of ``ranks``, tried in the given order (re-read from ``order()`` at each retry
@@ -108,7 +119,7 @@ class AdmissionQueue:
                 return rank, 0.0
         for rank in ranks:
             queue = self._queues[rank]
-            within_force = bool(queue) and now - queue[0].enqueued_s < self.config.force_after_s
+            within_force = bool(queue) and now - _head(queue).enqueued_s < self.config.force_after_s
             if within_force and try_admit(rank, AdmitLevel.FREE_ONLY):
                 self.num_overtaken += 1
                 return rank, 0.0
@@ -121,11 +132,15 @@ class AdmissionQueue:
                 "room; retry later",
                 retry_after_s=self.config.recheck_s * 8,
             )
-        ticket = _Ticket(num_tokens, now)
+        ticket = _Ticket(num_tokens, now, family, main, yields)
         joined = [r for r in ranks if len(self._queues[r]) < self.config.max_queue_depth]
         share = num_tokens // len(joined)  # the router's per-rank waiting tokens: split, not counted twice
         for r in joined:
-            self._queues[r].append(ticket)
+            queue = self._queues[r]
+            at = len(queue)
+            if main and family is not None:  # ahead of its own branches' waiting turns
+                at = next((i for i, t in enumerate(queue) if t.family == family and not t.main), at)
+            queue.insert(at, ticket)
             self._waiting_tokens[r] += share
         self.num_queued += 1
         try:
@@ -134,7 +149,7 @@ class AdmissionQueue:
                 force = waited_s >= self.config.force_after_s
                 level = AdmitLevel.FORCE if force else AdmitLevel.NORMAL
                 for r in (order() if order is not None and len(joined) > 1 else joined):
-                    if r in joined and self._queues[r][0] is ticket and try_admit(r, level):
+                    if r in joined and _head(self._queues[r]) is ticket and try_admit(r, level):
                         if force:
                             self.num_forced += 1
                         return r, waited_s
@@ -163,8 +178,13 @@ class AdmissionQueue:
         """Blocks were freed on ``rank`` (or a turn left the queue): retry its head now."""
         queue = self._queues[rank]
         if queue:
-            queue[0].wake.set()
+            _head(queue).wake.set()
 
     def notify_all(self) -> None:
         for rank in range(len(self._queues)):
             self.notify(rank)
+
+
+def _head(queue: deque[_Ticket]) -> _Ticket:
+    """The turn a rank admits next: the first that does not yield, else the first."""
+    return next((t for t in queue if not t.yields), queue[0])

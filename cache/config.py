@@ -71,6 +71,17 @@ class CacheConfig(BaseModel):
         True, description="Late binding: a session with nothing on its home rank that L1 lacks runs on "
         "the first rank with room (cache/router.py rule 4; docs/loadtest.md, \"Late binding\")."
     )
+    branch_routing: bool = Field(
+        True, description="Each branch of a session (a subagent: its agent id header, or detected from "
+        "prompts that extend none of the session's tails while it has a turn in flight) is its own "
+        "routing unit; off: every turn under one session key goes to the session's home rank "
+        "(cache/sessions.py, docs/cache.md \"Routing rules\")."
+    )
+    l1_copy_cost: float = Field(
+        0.1, ge=0, le=1, description="What a prompt token held on another rank (or in L1) costs a rank "
+        "without it in the router's rule 3, in prefilled tokens (one copy through L1 instead of a prefill)."
+    )
+    copy_min_tokens: int = Field(2048, ge=0, description="The least held prefix worth copying through L1.")
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(
@@ -86,4 +97,6 @@ class CacheConfig(BaseModel):
             move_min_tokens=self.move_min_tokens,
             move_cooldown_s=self.move_cooldown_s,
             place_homeless=self.place_homeless,
+            l1_copy_cost=self.l1_copy_cost,
+            copy_min_tokens=self.copy_min_tokens,
         )

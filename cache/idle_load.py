@@ -127,7 +127,7 @@ class IdleLoad:
         if counted:
             flip_s = last_finish + horizon  # idle reaches the horizon
         elif idle_s < horizon:
-            gap_s = session.gaps.expected_gap_s(session.last_stop)
+            gap_s = session.expected_gap_s()
             if gap_s - horizon >= horizon:
                 return  # by the time it is expected within the horizon, it is idle too long
             flip_s = last_finish + (gap_s - horizon)  # expected within the horizon from here on

@@ -116,6 +116,19 @@ class RankIndex:
         assert node.use_count > 0, f"use count underflow on block {node.block_id}"
         node.use_count -= 1
 
+    def disown(self, tail: BlockHash, owner: SessionId, keep: set[BlockHash]) -> int:
+        """The chain ending at ``tail`` is dead for ``owner`` (its prefix was replaced, e.g. by a
+        compaction): its blocks that ``owner`` owns and ``keep`` lacks lose their owner, so they
+        are evicted first (``cache/eviction.py``: no owner, score infinity). Returns how many."""
+        node = self.nodes.get(tail)
+        n = 0
+        while node is not None and node.block_hash not in keep:
+            if node.owner == owner:
+                self._set_owner(node, None)
+                n += 1
+            node = node.parent
+        return n
+
     # ----------------------------------------------------------------- insert
 
     def insert(

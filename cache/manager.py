@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import numpy as np
 
 from cache.admission import AdmissionQueue
+from cache.branches import Branches
 from cache.config import CacheConfig
 from cache.eviction import EvictionPolicy
 from cache.gauges import CacheGauges
@@ -58,7 +59,7 @@ from cache.planner import AdmitPlanner, known_prefix_blocks
 from cache.rank_admission import RankAdmitter
 from cache.restart import RestartSync, sync_l1
 from cache.router import RankLoad, Router
-from cache.sessions import Session, SessionTable, StopKind, session_id_for_hint
+from cache.sessions import Session, SessionHint, SessionTable, StopKind, session_id_for_hint
 from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens, Turn
 from protocol.errors import InvalidRequest, PromptTooLong
@@ -105,6 +106,7 @@ class CacheManager:
         # Admissions that got less of their session's known prefix than it had computed.
         self.num_partial_prefix_admissions = 0
         self.num_lost_prefix_tokens = 0
+        self.branches = Branches(state, self.transfers)
         if metrics is not None:
             state.on_change = CacheGauges(metrics, state, self.loads).changed
         self._restart = RestartSync(state, self.transfers.reset)
@@ -169,7 +171,7 @@ class CacheManager:
 
     @contextlib.asynccontextmanager
     async def turn(
-        self, prompt_ids: np.ndarray | Sequence[int], session_hint: str | None, max_tokens: int,
+        self, prompt_ids: np.ndarray | Sequence[int], session_hint: SessionHint | str | None, max_tokens: int,
         *, max_tokens_is_default: bool = False,
     ) -> AsyncIterator[Turn]:
         """Admit a turn for the ``async with`` block and settle it when the block ends."""
@@ -183,17 +185,18 @@ class CacheManager:
         finally:
             turn.exit(ok)
 
-    def prefetch(self, session_hint: str | None) -> None:
+    def prefetch(self, session_hint: SessionHint | str | None) -> None:
         """Start restoring a known session's blocks from L1 to its rank before its prompt is
         tokenized (the service calls this as soon as it has read the headers)."""
-        if not session_hint or not self.config.prefix_cache or not self.l1_enabled:
+        session_hint = SessionHint.of(session_hint)
+        if not session_hint.key or not self.config.prefix_cache or not self.l1_enabled:
             return
         session = self.sessions.get(session_id_for_hint(session_hint))
         if session is not None:
             self.transfers.start_prefetch(session)
 
     async def admit(
-        self, prompt_ids: np.ndarray | Sequence[int], session_hint: str | None, max_tokens: int,
+        self, prompt_ids: np.ndarray | Sequence[int], session_hint: SessionHint | str | None, max_tokens: int,
         *, max_tokens_is_default: bool = False,
     ) -> Admission:
         """Route, pin, queue if needed, restore; see the module docstring. A turn whose prompt
@@ -214,8 +217,15 @@ class CacheManager:
         now = s.clock()
         sync_l1(s)
         hashes = self.hasher.hashes(tokens) if self.config.prefix_cache else []
-        session = self.sessions.find(session_hint, hashes) or self.sessions.create(session_hint, now)
-        self.sessions.record_arrival(session, now)
+        hint = SessionHint.of(session_hint)
+        if not self.config.branch_routing:
+            hint = SessionHint(key=hint.key)  # one routing unit per session key
+        session = self.sessions.resolve(hint, hashes, now, lambda s: self.branches.continues(s, hashes),
+                                        detect=self.config.branch_routing)
+        retired = self.sessions.take_retired(session, hint, self.branches.prefix_broken(session, hashes))
+        if retired:
+            self.branches.retire(session, retired, hashes)
+        self.sessions.record_arrival(session, now, len(tokens))
         s.idle.update(session, now)
         await self.transfers.await_prefetch(session.session_id)
         matches = self.l0.match_all(hashes)
@@ -231,6 +241,8 @@ class CacheManager:
         session.num_in_flight += 1
         s.idle.update(session, now)
         try:
+            if decision.copy_from is not None:
+                await self.branches.copy_prefix(session, decision, hashes, len(tokens))
             num_reserve = min(max_output, self.config.output_reserve_tokens)
             adm = await self.admitter.admit_on(
                 ranks, session, tokens, hashes, num_reserve,
@@ -250,7 +262,11 @@ class CacheManager:
         self._count_lost_prefix(session, adm, hashes)
         self.admitter.open.add(adm)
         self._observe_admission(adm)
+        if self.metrics is not None:
+            self.metrics.routed_turns.labels(str(adm.rank), decision.reason.value,
+                                             session.request_class.value).inc()
         return adm
+
 
     def finish(
         self,
@@ -322,7 +338,8 @@ class CacheManager:
         s = self.state
         idle = s.idle.tokens(s.clock())
         return [
-            RankLoad(Rank(rank), ledger.running_tokens, self.queue.waiting_tokens(rank), idle[rank],
+            RankLoad(Rank(rank), ledger.running_tokens,
+                     self.queue.waiting_tokens(rank) + self.branches.placing[rank], idle[rank],
                      s.free_blocks(rank))
             for rank, ledger in enumerate(s.ledgers)
         ]

@@ -90,6 +90,15 @@ class CacheMetrics:
         self.admissions = Counter(
             "admissions", "Admission outcomes.", ["outcome"], namespace=ns, registry=registry
         )
+        self.routed_turns = Counter(
+            "routed_turns", "Admitted turns by rank, routing rule (cache/router.py) and request class "
+            "(main, subagent: a branch of a session, auxiliary).", ["rank", "reason", "request_class"],
+            namespace=ns, registry=registry,
+        )
+        self.prefix_copies = Counter(
+            "prefix_copies", "Prefixes held on another rank copied through L1 for a new session or branch, "
+            "by outcome.", ["outcome"], namespace=ns, registry=registry,
+        )
         self.rank_load_tokens = Gauge(
             "rank_load_tokens",
             "Router load measure (running + waiting + idle homed session tokens).",

@@ -22,7 +22,7 @@ from cache.admission import AdmitLevel
 from cache.hashing import BlockHash
 from cache.l0_index import Node
 from cache.l1_transfers import ChainExport, L1Transfers
-from cache.sessions import SessionId
+from cache.sessions import RequestClass, SessionId
 from cache.state import CacheState
 from rank.engine import usable_prefix_blocks
 from rank.ids import Rank
@@ -95,8 +95,10 @@ class AdmitPlanner:
                 idx.release_uses(prefix)
                 return None
             force = level is AdmitLevel.FORCE
+            owner = s.sessions.get(sid)
+            spare = owner is not None and owner.request_class is RequestClass.AUXILIARY
             victims = idx.evict(plan.num_evict, s.policy.scorer(rank, now),
-                                s.policy.chooser(rank, now, force))
+                                s.policy.chooser(rank, now, force, spare_sessions=spare))
             # Releasing (not free) for every other planner until the release lands; this turn may
             # count them because it awaits their release (retire) before it allocates.
             exports = self._transfers.evicted(rank, victims)

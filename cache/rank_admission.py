@@ -19,7 +19,7 @@ from cache.admission import AdmitLevel
 from cache.hashing import BlockHash
 from cache.l1_transfers import L1Transfers
 from cache.planner import AdmitPlanner, Reservation
-from cache.sessions import Session
+from cache.sessions import RequestClass, Session
 from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens
 from protocol.errors import Overloaded
@@ -62,13 +62,21 @@ class RankAdmitter:
 
         first_l0 = min(s.l0[ranks[0]].match(hashes), len(hashes))
         try:
-            got, queue_s = await s.queue.enter_any(ranks, num_prompt - first_l0 * bs, try_admit, order)
+            got, queue_s = await s.queue.enter_any(
+                ranks, num_prompt - first_l0 * bs, try_admit, order, family=session.family,
+                main=session.family is not None and session.session_id == session.family,
+                yields=session.request_class is RequestClass.AUXILIARY,
+            )
         except BaseException:
             if taken and taken[0].victims:
                 self._transfers.retire_later(taken[0].plan.rank, list(taken[0].victims), taken[0].exports)
             raise
         rank = Rank(got)
         res = taken[0] if taken else None
+        context_tokens = num_prompt + num_output
+        # Counted in the router's load from the commit on, not only once the victims' release
+        # was sent: a turn routed meanwhile must see this rank busy.
+        s.ledgers[rank].running_tokens += context_tokens
         if res is not None and res.victims:  # the release rides with the next command: one boundary
             try:
                 await self._transfers.retire(rank, list(res.victims), epoch, wait_release=False,
@@ -76,20 +84,22 @@ class RankAdmitter:
             except BaseException:  # cancelled (client gone): give back what the commit took
                 if s.epoch == epoch:
                     self._planner.undo(res, hashes)
+                    s.ledgers[rank].running_tokens -= context_tokens
                 raise
         if s.epoch != epoch or res is None:
+            if s.epoch == epoch:
+                s.ledgers[rank].running_tokens -= context_tokens
             raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
         plan = res.plan
         adm = Admission(
             rank=rank, prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier=TierTokens(),
             queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
             keep_blocks=s.config.prefix_cache, num_prompt_tokens=num_prompt, hashes=hashes,
-            num_used_blocks=plan.num_l0, reserved_blocks=plan.need, context_tokens=num_prompt + num_output,
+            num_used_blocks=plan.num_l0, reserved_blocks=plan.need, context_tokens=context_tokens,
             room_blocks=total_blocks,
         )
         ledger = s.ledgers[rank]
         ledger.num_in_flight += 1
-        ledger.running_tokens += adm.context_tokens
         if plan.num_restore:
             await self._restore(adm, hashes, plan.num_l0, plan.num_restore)
         adm.prefix_blocks = s.l0[rank].block_ids(hashes[: adm.num_used_blocks])

@@ -28,6 +28,19 @@ Rules, in order:
    evict protected sessions, which bounds that stall. Not within ``move_cooldown_s`` of a move
    (``rebalance``, ``move_session``): the move chose its home.
 
+Branches and prefixes held elsewhere (``cache/sessions.py``): each branch of a session (a
+subagent, keyed by its agent id or detected from its prompts) is a session of its own for rules
+1-4, so concurrent branches spread over the ranks by cost and each one's later turns stay on the
+rank holding its prefix. In rule 3's cost, prefix tokens resident on another rank (the system
+prompt and tools a branch shares with its parent, or any new session of the same client) or in
+L1 cost ``l1_copy_cost`` of a prefilled token: the turn may run on a less loaded rank and get
+them by one copy through L1 (``RouteDecision.copy_from``: the manager writes that chain to L1
+from the rank holding it, and the admission restores it) when that is cheaper than running where
+they are. Auxiliary requests (titles, memory passes: ``RequestClass.AUXILIARY``) have no home:
+every one goes to the cheapest rank by rule 3, with no copy, and never moves anything. A new
+branch's rule-3 cost counts the work in flight (running + waiting tokens, as rule 4) instead of
+the whole load: it runs beside its siblings, and in lockstep the busiest rank paces every step.
+
 Load measure (``RankLoad.load_tokens``): running tokens (context of admitted, unfinished turns)
 + waiting tokens (prompt tokens of turns queued for admission) + idle tokens (last context of
 idle sessions homed on the rank and expected back within ``home_horizon_s``). Idle sessions
@@ -41,7 +54,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cache.sessions import Session
+from cache.sessions import RequestClass, Session
 from rank.ids import Rank
 
 
@@ -52,6 +65,7 @@ class RouteReason(str, enum.Enum):
     MOVE = "move"  # rule 2: the session moves off an overloaded home
     NEW = "new"  # rule 3: a new session, on the cheapest rank
     HOMELESS = "homeless"  # rule 4: nothing on its home rank that L1 lacks: runs where room appears first
+    AUXILIARY = "auxiliary"  # an auxiliary request: the cheapest rank, never a home
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +88,9 @@ class RouteDecision:
     move_from: Rank | None = None
     # Rule 4 only: the other ranks the turn may run on (``rank`` is the one preferred now).
     also: tuple[Rank, ...] = ()
+    # Rule 3: copy the prompt's first ``copy_blocks`` blocks from ``copy_from`` through L1.
+    copy_from: Rank | None = None
+    copy_blocks: int = 0
 
     @property
     def candidates(self) -> tuple[Rank, ...]:
@@ -86,6 +103,10 @@ class RouterConfig:
     move_min_tokens: int = 65_536
     move_cooldown_s: float = 60.0
     place_homeless: bool = True
+    # What a prefix token held on another rank (or in L1) costs on this one, in prefilled tokens:
+    # one GPU -> host -> GPU copy against a prefill; and the least worth copying.
+    l1_copy_cost: float = 0.1
+    copy_min_tokens: int = 2048
 
 
 class Router:
@@ -105,6 +126,9 @@ class Router:
     ) -> RouteDecision:
         """Pick the rank for one turn. ``matched_blocks[r]`` is the L0 prefix match on rank r,
         ``l1_blocks`` the prefix blocks L1 holds (readable)."""
+        if session.request_class is RequestClass.AUXILIARY:
+            best = self._by_cost(loads, matched_blocks, num_prompt_tokens, lambda load: load.load_tokens)[0]
+            return RouteDecision(best, RouteReason.AUXILIARY)
         home = session.home_rank
         homeless = (
             home is not None and self.config.place_homeless and can_move
@@ -120,7 +144,21 @@ class Router:
         if homeless:
             order = self.bind_order(loads, matched_blocks, num_prompt_tokens)
             return RouteDecision(order[0], RouteReason.HOMELESS, also=tuple(order[1:]))
-        best = self._by_cost(loads, matched_blocks, num_prompt_tokens, lambda load: load.load_tokens)[0]
+        held = max(matched_blocks, default=0)
+        copy_ok = can_move and held * self.block_size >= self.config.copy_min_tokens
+        copyable = max(held, l1_blocks) if copy_ok else l1_blocks if can_move else 0
+        # A branch runs beside its siblings (1-4 at once, short-lived): what it competes with is
+        # the work in flight (lockstep: the busiest rank paces every step), not idle sessions.
+        work: Callable[[RankLoad], int] = (
+            (lambda load: load.running_tokens + load.waiting_tokens)
+            if session.request_class is RequestClass.SUBAGENT else (lambda load: load.load_tokens)
+        )
+        best = self._by_cost(loads, matched_blocks, num_prompt_tokens, work, copyable)[0]
+        if copy_ok and held > max(matched_blocks[best], l1_blocks) and (
+            (held - matched_blocks[best]) * self.block_size >= self.config.copy_min_tokens
+        ):
+            src = max(range(len(matched_blocks)), key=lambda r: (matched_blocks[r], -r))
+            return RouteDecision(best, RouteReason.NEW, copy_from=Rank(src), copy_blocks=held)
         return RouteDecision(best, RouteReason.NEW)
 
     def bind_order(
@@ -136,14 +174,19 @@ class Router:
 
     def _by_cost(
         self, loads: Sequence[RankLoad], matched_blocks: Sequence[int], num_prompt_tokens: int,
-        work: Callable[[RankLoad], int],
+        work: Callable[[RankLoad], int], copyable_blocks: int = 0,
     ) -> list[Rank]:
-        """Ranks by ``work(load)`` + the prompt tokens not resident there, then more free
-        blocks, then the lower index (rule 3 with the whole load, rule 4 with the work in flight)."""
+        """Ranks by ``work(load)`` + the prompt tokens not resident there (those another rank or
+        L1 holds, ``copyable_blocks``, at ``l1_copy_cost``), then more free blocks, then the lower
+        index (rule 3 with the whole load, rule 4 with the work in flight)."""
+        bs = self.block_size
+        copy_cost = self.config.l1_copy_cost
 
-        def cost(load: RankLoad) -> tuple[int, int, int]:
-            cached_tokens = min(num_prompt_tokens, matched_blocks[load.rank] * self.block_size)
-            return (work(load) + num_prompt_tokens - cached_tokens, -load.num_free_blocks, load.rank)
+        def cost(load: RankLoad) -> tuple[float, int, int]:
+            cached_tokens = min(num_prompt_tokens, matched_blocks[load.rank] * bs)
+            copied_tokens = max(0, min(num_prompt_tokens, copyable_blocks * bs) - cached_tokens)
+            uncached = num_prompt_tokens - cached_tokens - copied_tokens * (1.0 - copy_cost)
+            return (work(load) + uncached, -load.num_free_blocks, load.rank)
 
         return [load.rank for load in sorted(loads, key=cost)]
 

@@ -5,6 +5,15 @@ A session is the unit the cache routes, evicts and moves. It is recognised by th
 extending the last turn of a known session (the tail hash of that turn appears in the new
 prompt's chain). Turns that match neither start a new anonymous session.
 
+Branches: a session is not always one line of turns. Claude Code runs subagents (1-4 at once,
+each a fresh context) under its parent's session header. Each *branch* is its own routing unit
+(its own ``Session``, with ``family`` naming the main session): keyed by the client's agent id
+when it sends one (``SessionHint.agent_id``: ``x-claude-code-agent-id``), else detected from the
+prompts (``SessionTable.resolve``): a turn under a known header that extends none of the
+family's tails while the family has a turn in flight or the main thread is waiting on a tool is
+a new branch. Auxiliary requests (titles, memory passes) get a session of their own that never
+pins a rank (``cache/router.py``). ``docs/cache.md`` ("Routing rules") has the rules.
+
 Return-time model (what eviction weighs): a session that just ended a turn with a tool call is
 waiting on a tool (next turn in seconds: p50 9 s, p90 74 s in Claude Code traces,
 ``../shared/reference/agent-workload.md``); one that ended its turn is waiting on a person
@@ -19,20 +28,68 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rank.ids import BlockHash, Rank, SessionId
 
-__all__ = ["GapModel", "Session", "SessionId", "SessionTable", "StopKind", "session_id_for_hint"]
+__all__ = ["GapModel", "RequestClass", "Session", "SessionHint", "SessionId", "SessionTable", "StopKind",
+           "session_id_for_hint"]
 
 _HINT_PREFIX = "hint:"
 
 
-def session_id_for_hint(hint: str) -> SessionId:
-    """The session id of a client's session hint (its session header). Sessions without a hint
-    get ``anon:<n>`` ids, so a hint can never collide with one."""
-    return SessionId(_HINT_PREFIX + hint)
+class RequestClass(str, enum.Enum):
+    """What a request is to its client's session (Claude Code's ``x-claude-code-request-class``
+    and friends; ``server/agent_hints.py`` reads them)."""
+
+    MAIN = "main"  # the main thread's turn
+    SUBAGENT = "subagent"  # a turn of a subagent (a branch with a fresh context)
+    COMPACTION = "compaction"  # the summary request: the session's prefix is about to be replaced
+    AUXILIARY = "auxiliary"  # a short one-off beside the session (title, summary, memory pass)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHint:
+    """What the client says about a request's place in its session: the session key and, where
+    the client sends them, the agent and request-class headers. ``key`` None: no session key."""
+
+    key: str | None = None
+    agent_id: str | None = None
+    parent_agent_id: str | None = None
+    agent_type: str | None = None
+    request_class: RequestClass = RequestClass.MAIN
+    prompt_id: str | None = None
+    context_compacted: bool = False  # the first turn after a compaction (its new prefix)
+    auxiliary_type: str | None = None
+
+    @staticmethod
+    def of(hint: SessionHint | str | None) -> SessionHint:
+        """A plain session key (callers without agent headers) as a hint."""
+        if isinstance(hint, SessionHint):
+            return hint
+        return SessionHint(key=hint or None)
+
+    @property
+    def is_auxiliary(self) -> bool:
+        return self.request_class is RequestClass.AUXILIARY
+
+
+def session_id_for_hint(hint: SessionHint | str) -> SessionId:
+    """The session id of a client's session hint (its session header and, for a subagent or an
+    auxiliary request, the branch it names). Sessions without a hint get ``anon:<n>`` ids, so a
+    hint can never collide with one. The one place a hint becomes an id."""
+    h = SessionHint.of(hint)
+    base = _HINT_PREFIX + (h.key or "")
+    if h.request_class is RequestClass.AUXILIARY:
+        return SessionId(f"{base}/aux:{h.auxiliary_type or h.agent_id or 'auxiliary'}")
+    if h.agent_id:
+        return SessionId(f"{base}/agent:{h.agent_id}")
+    return SessionId(base)
+
+
+def _family_id(session_id: SessionId) -> SessionId:
+    return SessionId(session_id.split("/", 1)[0])
 
 
 class StopKind(str, enum.Enum):
@@ -90,16 +147,30 @@ class Session:
     last_seen_s: float = 0.0
     moved_at_s: float = float("-inf")
     context_tokens: int = 0  # prompt + output tokens of its last turn
+    first_prompt_tokens: int = 0  # prompt tokens of its first turn
     gaps: GapModel = field(default_factory=GapModel)
     tail_hashes: list[BlockHash] = field(default_factory=list)
+    # The main session of a branch's family (itself for a main session; None without a hint).
+    family: SessionId | None = None
+    request_class: RequestClass = RequestClass.MAIN  # MAIN, SUBAGENT (a branch) or AUXILIARY
+    # A compaction request ran: its next main turn retires the old prefix (``take_retired``).
+    compacting: bool = False
 
     def expected_wait_s(self, now_s: float) -> float:
         """Seconds until we expect this session's next turn (0 while a turn is in flight)."""
         if self.num_in_flight > 0 or self.last_finish_s is None:
             return 0.0
         idle_s = max(0.0, now_s - self.last_finish_s)
-        gap_s = self.gaps.expected_gap_s(self.last_stop)
+        gap_s = self.expected_gap_s()
         return max(gap_s - idle_s, idle_s)
+
+    def expected_gap_s(self) -> float:
+        """The expected gap after its last turn. A subagent whose turn ended with an answer
+        has reported to its parent and is done: no next turn is expected (its blocks go before
+        any waiting session's, and it stops counting toward its rank's idle load)."""
+        if self.request_class is RequestClass.SUBAGENT and self.last_stop is StopKind.END_TURN:
+            return _MAX_GAP_S
+        return self.gaps.expected_gap_s(self.last_stop)
 
 
 class SessionTable:
@@ -114,6 +185,8 @@ class SessionTable:
         self._sessions: dict[SessionId, Session] = {}
         self._by_tail: dict[BlockHash, Session] = {}
         self._anon_ids = itertools.count(1)
+        self._branch_ids = itertools.count(1)
+        self._families: dict[SessionId, list[Session]] = {}  # main id -> its branches
         self.fleet_gaps = GapModel()
         self._max_tails = max_tails
 
@@ -126,29 +199,115 @@ class SessionTable:
     def get(self, session_id: SessionId) -> Session | None:
         return self._sessions.get(session_id)
 
-    def find(self, hint: str | None, prompt_hashes: list[BlockHash]) -> Session | None:
+    def find(self, hint: SessionHint | str | None, prompt_hashes: list[BlockHash]) -> Session | None:
         """The session a prompt belongs to: by hint first, else by the deepest tail it extends."""
-        if hint:
+        h = SessionHint.of(hint)
+        if h.key:
             # The header is authoritative: a new id is a new session even if its prompt extends
             # another one's (routing still sends it to the rank with that prefix, by cost).
-            return self._sessions.get(session_id_for_hint(hint))
+            return self._sessions.get(session_id_for_hint(h))
         by_tail = self._by_tail
-        for h in reversed(prompt_hashes):
-            session = by_tail.get(h)
+        for bh in reversed(prompt_hashes):
+            session = by_tail.get(bh)
             if session is not None:
                 return session
         return None
 
-    def create(self, hint: str | None, now_s: float) -> Session:
-        sid = session_id_for_hint(hint) if hint else SessionId(f"anon:{next(self._anon_ids)}")
+    def create(self, hint: SessionHint | str | None, now_s: float) -> Session:
+        h = SessionHint.of(hint)
+        sid = session_id_for_hint(h) if h.key else SessionId(f"anon:{next(self._anon_ids)}")
+        return self._add(sid, h.request_class, now_s)
+
+    def _add(self, sid: SessionId, request_class: RequestClass, now_s: float) -> Session:
         assert sid not in self._sessions, sid
         gaps = GapModel(self.fleet_gaps.tool_gap_s, self.fleet_gaps.human_gap_s)
-        session = Session(session_id=sid, last_seen_s=now_s, gaps=gaps)
+        family = _family_id(sid) if sid.startswith(_HINT_PREFIX) else None
+        if request_class is RequestClass.COMPACTION:
+            request_class = RequestClass.MAIN
+        if family is not None and family != sid and request_class is RequestClass.MAIN:
+            request_class = RequestClass.SUBAGENT  # a branch (named by its agent id or detected)
+        session = Session(session_id=sid, last_seen_s=now_s, gaps=gaps, family=family,
+                          request_class=request_class)
         self._sessions[sid] = session
+        if family is not None and family != sid:
+            self._families.setdefault(family, []).append(session)
         return session
 
-    def record_arrival(self, session: Session, now_s: float) -> None:
+    def resolve(
+        self, hint: SessionHint | str | None, prompt_hashes: list[BlockHash], now_s: float,
+        continues: Callable[[Session], bool] = lambda _s: False, detect: bool = True,
+    ) -> Session:
+        """The session (routing unit) of a turn, created when new.
+
+        With a key and no agent id, the turn belongs to the family member whose tail it extends
+        deepest (the main thread or a detected branch). One that extends none of them is a new
+        *branch* when the family has a turn in flight or its main thread is waiting on a tool
+        (subagents under one header, told apart by their prompts); otherwise the main session
+        (its first turn, or a new prefix after a compaction or ``/clear``). ``continues(s)``:
+        the prompt holds all of ``s``'s first prompt where ``s`` lives, so it is the main thread
+        whose client re-rendered later history, not a fresh branch (which shares the system
+        prompt and tools at most)."""
+        h = SessionHint.of(hint)
+        if not h.key or h.agent_id or h.is_auxiliary or not detect:
+            return self.find(h, prompt_hashes) or self.create(h, now_s)
+        main = self._sessions.get(session_id_for_hint(h))
+        if main is None:
+            return self.create(h, now_s)
+        members: list[Session] = [main, *self._families.get(main.session_id, ())]
+        detected = [m for m in members if m is main or m.session_id.startswith(f"{main.session_id}/branch:")]
+        positions = {bh: i for i, bh in enumerate(prompt_hashes)}
+        best: tuple[int, Session] | None = None
+        for member in detected:
+            for tail in member.tail_hashes:
+                at = positions.get(tail)
+                if at is not None and (best is None or at > best[0]):
+                    best = (at, member)
+        if best is not None:
+            return best[1]
+        if h.request_class is RequestClass.COMPACTION or h.context_compacted:
+            return main
+        if continues(main):
+            return main
+        busy = any(m.num_in_flight for m in members)
+        if busy or (main.last_stop is StopKind.TOOL_USE and main.tail_hashes):
+            idle: list[Session] = [m for m in detected[1:] if m.num_in_flight == 0 and not m.tail_hashes]
+            if idle:
+                return idle[0]
+            return self._add(SessionId(f"{main.session_id}/branch:{next(self._branch_ids)}"),
+                             RequestClass.MAIN, now_s)
+        return main
+
+    def take_retired(self, session: Session, hint: SessionHint, broke: bool = False) -> list[BlockHash]:
+        """Compaction: the request that summarises a session marks it; the session's next main
+        turn (its compacted context) retires the old prefix. ``broke``: the turn is such a turn
+        by its prompt (``Branches.prefix_broken``: Claude Code labels neither request). Returns
+        the tails whose chains are dead (the caller lets their blocks go first, except those the
+        new prompt shares) and forgets them as tails."""
+        if hint.request_class is RequestClass.COMPACTION:
+            session.compacting = True
+            return []
+        compacted = session.compacting or hint.context_compacted or broke
+        if not compacted or session.request_class is RequestClass.AUXILIARY:
+            return []
+        session.compacting = False
+        retired = list(session.tail_hashes)
+        for tail in retired:
+            if self._by_tail.get(tail) is session:
+                del self._by_tail[tail]
+        session.tail_hashes.clear()
+        return retired
+
+    def family_of(self, session: Session) -> list[Session]:
+        """The session's family: its main session first (when known), then the branches."""
+        if session.family is None:
+            return [session]
+        main = self._sessions.get(session.family)
+        return [*([main] if main is not None else []), *self._families.get(session.family, ())]
+
+    def record_arrival(self, session: Session, now_s: float, num_prompt_tokens: int = 0) -> None:
         """A new turn of ``session`` arrived: learn the gap since its last turn ended."""
+        if not session.first_prompt_tokens:
+            session.first_prompt_tokens = num_prompt_tokens
         if session.last_finish_s is not None and session.num_in_flight == 0:
             gap_s = now_s - session.last_finish_s
             session.gaps.observe(session.last_stop, gap_s)
@@ -186,6 +345,12 @@ class SessionTable:
             for h in session.tail_hashes:
                 if self._by_tail.get(h) is session:
                     del self._by_tail[h]
+            if session.family is not None and session.family != sid:
+                branches = self._families.get(session.family, [])
+                if session in branches:
+                    branches.remove(session)
+                if not branches:
+                    self._families.pop(session.family, None)
         return dropped
 
     def clear_placement(self) -> None:

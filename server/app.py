@@ -48,6 +48,7 @@ from protocol.errors import (
     error_from_exception,
     with_request_id,
 )
+from server.agent_hints import agent_hint
 from server.auth import ApiKeyCheck
 from server.config import WorkloadConfig
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
@@ -289,17 +290,18 @@ class Routes:
             # Start a known session's L1 restore from the headers alone: it overlaps reading,
             # parsing and tokenizing a body that can be megabytes long.
             service.prefetch(session_hint(headers))
+            hint = agent_hint(headers)  # Claude Code's agent/request-class headers (server/agent_hints.py)
             body = await read_body(request, self.state.config.max_body_bytes)
             prepare = {"anthropic": protocol.prepare_anthropic, "responses": protocol.prepare_responses}
             prepared = await self.state.preparer.run(prepare.get(api, protocol.prepare_openai), body, headers)
             if prepared.stream:
                 async def run(write: Write) -> None:
-                    await service.stream(prepared, request_id, write, arrival_s)
+                    await service.stream(prepared, request_id, write, arrival_s, hint)
 
                 metrics.count_request(route, 200)
                 return StreamResponse(run, api, request_id, metrics.disconnects.inc)
             try:
-                result = await until_disconnect(service.complete(prepared, request_id, arrival_s),
+                result = await until_disconnect(service.complete(prepared, request_id, arrival_s, hint),
                                                 request.receive, metrics.disconnects.inc)
             except ClientGone:
                 metrics.count_request(route, 499)

@@ -178,6 +178,11 @@ class WorkloadConfig(BaseModel):
         "the first rank with room (the least work in flight first), instead of waiting for its home "
         "(docs/loadtest.md, \"Late binding\").",
     )
+    branch_routing: bool = Field(
+        True, description="Route each branch of a session (a subagent: Claude Code's x-claude-code-agent-id, "
+        "or parallel prompts under one session key) as its own unit, spread over the ranks by cost "
+        "(docs/cache.md, \"Routing rules\"); false: a session's turns all go to its home rank.",
+    )
     submit_gate_max_hold_secs: float = Field(
         10, ge=0, description="The submit gate holds a turn at most this long (then it goes regardless).",
     )
@@ -293,6 +298,7 @@ class WorkloadConfig(BaseModel):
             # DeepInfer's scheduler wants prefill only at KV usage <= 0.9, cached blocks included.
             "usable_fraction": DEEPINFER_KV_WATERMARK if self.engine == "deepinfer" else 1.0,
             "place_homeless": self.place_homeless,
+            "branch_routing": self.branch_routing,
         }
         values.update(overrides)
         return CacheConfig(**values)

@@ -28,9 +28,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from cache.sessions import StopKind
+from cache.sessions import SessionHint, StopKind
 from cache.turns import Turn
 from protocol.api_types import ApiName, TurnFinish
 from protocol.errors import (
@@ -77,7 +78,9 @@ class _Flight:
         "num_cached_tokens",
         "num_output_tokens",
         "num_prompt_tokens",
+        "rank",
         "request_id",
+        "session",
         "started",
     )
 
@@ -91,6 +94,8 @@ class _Flight:
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        self.rank = -1  # the rank it ran on (-1: never admitted)
+        self.session = ""  # the cache's session (routing unit) id
         self.finish_reason = "error"
 
 
@@ -110,7 +115,7 @@ class ChatService:
 
     # -- public API --------------------------------------------------------------------------------
     async def stream(self, prepared: PreparedRequest, request_id: str, write: Write,
-                     arrival_s: float) -> None:
+                     arrival_s: float, hint: SessionHint | None = None) -> None:
         """Stream one request as SSE through ``write``. Raises ProtocolError only before the
         first write; afterwards every failure becomes the stream's own error event."""
         flight = _Flight(request_id, prepared.api, arrival_s)
@@ -118,7 +123,7 @@ class ChatService:
         rs = self._protocol.new_stream(prepared, request_id)
         self._metrics.in_flight.inc()
         try:
-            await self._bounded(self._generate(prepared, rs, flight, write))
+            await self._bounded(self._generate(prepared, rs, flight, write, hint))
         except asyncio.CancelledError:
             flight.finish_reason = "cancelled"  # the client went away; _generate cleaned up
             raise
@@ -130,14 +135,15 @@ class ChatService:
         finally:
             self._record(flight)
 
-    async def complete(self, prepared: PreparedRequest, request_id: str, arrival_s: float) -> dict[str, Any]:
+    async def complete(self, prepared: PreparedRequest, request_id: str, arrival_s: float,
+                       hint: SessionHint | None = None) -> dict[str, Any]:
         """Run one request to the end and return the non-streaming response body."""
         flight = _Flight(request_id, prepared.api, arrival_s)
         flight.num_prompt_tokens = prepared.num_prompt_tokens
         rs = self._protocol.new_stream(prepared, request_id)
         self._metrics.in_flight.inc()
         try:
-            await self._bounded(self._generate(prepared, rs, flight, None))
+            await self._bounded(self._generate(prepared, rs, flight, None, hint))
         except asyncio.CancelledError:
             flight.finish_reason = "cancelled"
             raise
@@ -147,7 +153,7 @@ class ChatService:
             self._record(flight)
         return rs.response_body()
 
-    def prefetch(self, session_hint: str | None) -> None:
+    def prefetch(self, session_hint: SessionHint | str | None) -> None:
         """Start an L1 restore for a known session before its prompt is tokenized."""
         if session_hint:
             self._cache.prefetch(session_hint)
@@ -163,12 +169,14 @@ class ChatService:
             ) from None
 
     async def _generate(self, prepared: PreparedRequest, rs: ResponseStream, flight: _Flight,
-                        write: Write | None) -> None:
+                        write: Write | None, hint: SessionHint | None) -> None:
         client = self._client
         if client.state is not GroupState.READY:
             raise Overloaded(f"rank group is {client.state.value}; retry shortly",
                              retry_after_s=RESTART_RETRY_AFTER_S)
-        async with self._cache.turn(prepared.prompt_ids, prepared.session_key, prepared.max_tokens,
+        # the agent headers (server/agent_hints.py) with the protocol layer's session key
+        session_hint = replace(hint or SessionHint(), key=prepared.session_key)
+        async with self._cache.turn(prepared.prompt_ids, session_hint, prepared.max_tokens,
                                     max_tokens_is_default=prepared.max_tokens_is_default) as turn:
             await self._run_turn(turn, prepared, rs, flight, write)
 
@@ -314,6 +322,8 @@ class ChatService:
     # -- helpers -------------------------------------------------------------------------------
     def _count_admission(self, admission: Admission, flight: _Flight) -> None:
         flight.num_cached_tokens = admission.num_cached_tokens
+        flight.rank = admission.rank
+        flight.session = admission.session_id
         self._metrics.queue_time.observe(admission.queue_time_s)
         for tier, num_tokens in admission.cached_tokens_by_tier.items():
             if num_tokens:
@@ -344,10 +354,11 @@ class ChatService:
         metrics.finished.labels(flight.finish_reason).inc()
         metrics.request_seconds.labels(flight.api).observe(now - flight.arrival_s)
         ttft_ms = (flight.first_token_s - flight.arrival_s) * 1e3 if flight.first_token_s else -1.0
-        # Never the prompt or the output: sizes and timings only.
-        log.info("request %s api=%s finish=%s cached=%d output=%d ttft_ms=%.1f total_ms=%.1f",
-                 flight.request_id, flight.api, flight.finish_reason, flight.num_cached_tokens,
-                 flight.num_output_tokens, ttft_ms, (now - flight.arrival_s) * 1e3)
+        # Never the prompt or the output: sizes, timings and where it ran only.
+        log.info("request %s api=%s finish=%s rank=%d prompt=%d cached=%d output=%d ttft_ms=%.1f "
+                 "total_ms=%.1f session=%s", flight.request_id, flight.api, flight.finish_reason, flight.rank,
+                 flight.num_prompt_tokens, flight.num_cached_tokens, flight.num_output_tokens, ttft_ms,
+                 (now - flight.arrival_s) * 1e3, flight.session)
 
 
 def _stop_kind(rs: ResponseStream) -> StopKind:

@@ -25,6 +25,7 @@ class AdmitAllAdmission:
         self.queue_time_s = 0.0
         self.cached_tokens_by_tier = TierTokens()
         self.max_output_tokens = max_output_tokens
+        self.session_id = "admit-all"
 
     def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: object) -> str:
         return request_id  # the stand-in rank clients take the request id alone

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from cache.config import CacheConfig
 from cache.manager import Admission, CacheManager
 from cache.metrics import CacheMetrics
-from cache.sessions import StopKind
+from cache.sessions import SessionHint, StopKind
 from rank.engine import SamplingParams
 from rank.local_group import LocalRankGroup
 from rank.reference_model import MODEL_SPECS, kv_bytes_per_block
@@ -104,7 +104,7 @@ async def run_turn(
     mgr: CacheManager,
     group: LocalRankGroup,
     prompt: np.ndarray,
-    hint: str | None,
+    hint: SessionHint | str | None,
     max_tokens: int = 8,
     stop: StopKind = StopKind.TOOL_USE,
 ) -> TurnResult:

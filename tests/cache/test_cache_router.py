@@ -26,9 +26,16 @@ def test_router_new_sessions_go_to_least_loaded_with_deterministic_ties() -> Non
 def test_router_new_session_prefers_rank_holding_its_prefix() -> None:
     router = Router(RouterConfig(), BS)
     s = SessionTable().create(None, 0.0)
-    # a resumed 100K-token conversation is resident on rank 2; rank 2 is busier but not by 100K
+    # a resumed 100K-token conversation is resident on rank 2; rank 2 is busier but not by 100K:
+    # without L1 (no copy) it runs there
+    d = router.route(s, [0, 0, 780, 0], 100_000, loads(0, 0, 40_000, 0), False, 0.0)
+    assert d.rank == 2 and d.reason == "new" and d.copy_from is None
+    # with L1, one copy of its 99,840 held tokens (at l1_copy_cost 0.1: ~10K) beats 40K of load
     d = router.route(s, [0, 0, 780, 0], 100_000, loads(0, 0, 40_000, 0), True, 0.0)
-    assert d.rank == 2 and d.reason == "new"
+    assert (d.rank, d.copy_from, d.copy_blocks) == (0, 2, 780)
+    # ... but not beats 5K of load: it runs where the prefix is
+    d = router.route(s, [0, 0, 780, 0], 100_000, loads(0, 0, 5_000, 0), True, 0.0)
+    assert (d.rank, d.copy_from) == (2, None)
 
 
 def test_router_known_session_is_sticky_even_when_others_are_lighter() -> None:

@@ -82,3 +82,22 @@ def test_l1_budget_kept_when_ram_allows_and_off_when_disabled() -> None:
     none = plan_l1_budget(l1_cache=True, l1_host_gb=128, num_ranks=4, bytes_per_block=1 << 20,
                           virtual_memory=lambda: SimpleNamespace(total=16 * GIB, available=6 * GIB))
     assert not none.enabled and "no RAM to spare" in none.reason
+
+
+def test_a_subagent_that_answered_is_done() -> None:
+    """A branch whose turn ended with an answer has reported to its parent: it is not expected
+    back (its blocks go before a person-waiting session's), while one waiting on a tool is."""
+    from cache.sessions import RequestClass, SessionHint
+
+    table = SessionTable()
+    main = table.create("p", 0.0)
+    done = table.create(SessionHint(key="p", agent_id="a1", request_class=RequestClass.SUBAGENT), 0.0)
+    working = table.create(SessionHint(key="p", agent_id="a2", request_class=RequestClass.SUBAGENT), 0.0)
+    assert done.family == main.session_id and done.request_class is RequestClass.SUBAGENT
+    for s, kind in ((main, StopKind.END_TURN), (done, StopKind.END_TURN), (working, StopKind.TOOL_USE)):
+        s.home_rank = 0
+        table.record_finish(s, kind, None, 1000, 10.0)
+    policy = EvictionPolicy(table, lambda sid: False, protect_s=30.0)
+    assert policy.score(0, done.session_id, 12.0) > policy.score(0, main.session_id, 12.0)
+    assert policy.score(0, main.session_id, 12.0) > policy.score(0, working.session_id, 12.0)
+    assert done.expected_wait_s(12.0) > 3600.0 > main.expected_wait_s(12.0)

@@ -66,7 +66,8 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) ->
 
 def served(backend, start: int) -> list[tuple[str, int, int]]:
     """(api, cached tokens, output tokens) of each request the backend finished since ``start``."""
-    rows = re.findall(r"api=(\w+) finish=\w+ cached=(\d+) output=(\d+)", backend.log_text()[start:])
+    rows = re.findall(r"api=(\w+) finish=\w+ rank=-?\d+ prompt=\d+ cached=(\d+) output=(\d+)",
+                      backend.log_text()[start:])
     return [(api, int(c), int(o)) for api, c, o in rows]
 
 

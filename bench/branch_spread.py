@@ -1,0 +1,146 @@
+"""Four parallel branches under one session id vs four separate sessions, on 4 CPU reference
+ranks (real rank processes, lockstep): wall time, per-rank turns and the peak in flight per rank.
+
+Shapes (each round uses fresh prompts, ``--prompt-tokens`` each, so no round reuses another's
+cache):
+
+* ``agent-ids``: one ``X-Claude-Code-Session-Id``, each request with its own
+  ``x-claude-code-agent-id`` (Claude Code's subagents);
+* ``detected``: one session id, no agent headers (older CLIs, other clients);
+* ``separate``: four session ids (the reference);
+* ``stacked``: one session id with ``branch_routing: false`` (every turn on the home rank).
+
+Run: ``.venv/bin/python -m bench.branch_spread`` (``--rounds``, ``--prompt-tokens``,
+``--model``). It prints one line per shape: the median wall time of a round, its ratio to
+``separate``, the turns routed to each rank (``deepinfer_cache_routed_turns_total``) and the peak
+number of requests running on one rank (``deepinfer_rank_num_running``, polled every 10 ms).
+Figures are in ``docs/cache.md`` ("Routing rules"). On a machine whose cores are fewer than the
+ranks, the ranks share cores and the spread gains less than it would with one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.loop_stall_bench import start_server, stop_server
+
+WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "buffer", "queue", "socket", "thread", "module",
+         "vector", "matrix", "render", "parse", "token", "cache", "block", "rank", "step", "batch"]
+
+
+def prompt_text(rng: random.Random, num_tokens: int) -> str:
+    return " ".join(rng.choice(WORDS) + str(rng.randint(0, 99)) for _ in range(num_tokens // 2))
+
+
+async def _poll_running(url: str, stop: asyncio.Event, peak: list[int]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            text = (await client.get("/metrics")).text
+            for m in re.finditer(r'^deepinfer_rank_num_running\{rank="(\d+)"\} (\S+)', text, re.MULTILINE):
+                rank, value = int(m.group(1)), int(float(m.group(2)))
+                peak[rank] = max(peak[rank], value)
+            await asyncio.sleep(0.01)
+
+
+def _routed(text: str) -> list[int]:
+    per_rank = [0] * 4
+    pattern = r'^deepinfer_cache_routed_turns_total\{[^}]*rank="(\d+)"[^}]*\} (\S+)'
+    for m in re.finditer(pattern, text, re.MULTILINE):
+        per_rank[int(m.group(1))] += int(float(m.group(2)))
+    return per_rank
+
+
+async def _round(url: str, shape: str, rng: random.Random, prompt_tokens: int, tag: str,
+                 max_tokens: int) -> tuple[float, list[int]]:
+    peak = [0] * 4
+    stop = asyncio.Event()
+    poller = asyncio.create_task(_poll_running(url, stop, peak))
+    prompts = [prompt_text(rng, prompt_tokens) for _ in range(4)]
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        headers = {"x-api-key": "bench", "anthropic-version": "2023-06-01"}
+        if shape == "separate":
+            headers["x-claude-code-session-id"] = f"{tag}-s{i}"
+        else:
+            headers["x-claude-code-session-id"] = tag
+        if shape == "agent-ids":
+            headers["x-claude-code-agent-id"] = f"agent:{tag}-{i}"
+            headers["x-claude-code-agent-type"] = "Explore"
+        body = {"model": "default", "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": prompts[i]}]}
+        r = await client.post("/v1/messages", json=body, headers=headers)
+        r.raise_for_status()
+
+    await asyncio.sleep(0.05)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, client) for i in range(4)))
+        wall = time.perf_counter() - t0
+    stop.set()
+    await poller
+    return wall, peak
+
+
+async def _shape(url: str, shape: str, rounds: int, prompt_tokens: int, max_tokens: int,
+                 seed: int) -> dict[str, object]:
+    rng = random.Random(seed)
+    walls, peaks = [], [0] * 4
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        before = _routed((await client.get("/metrics")).text)
+        for n in range(rounds):
+            wall, peak = await _round(url, shape, rng, prompt_tokens, f"{shape}-{seed}-{n}", max_tokens)
+            walls.append(wall)
+            peaks = [max(a, b) for a, b in zip(peaks, peak)]
+        after = _routed((await client.get("/metrics")).text)
+    return {"shape": shape, "walls": walls, "median": statistics.median(walls),
+            "routed": [a - b for a, b in zip(after, before)], "peak": peaks}
+
+
+def _serve(tmp: Path, model: str, branch_routing: bool) -> tuple[object, str]:
+    return start_server(tmp, {"reference_model": model, "ep": 4, "l1_cache": True, "l1_host_gb": 0.25,
+                              "reference_num_blocks": 1024, "max_num_batched_tokens": 8192,
+                              "branch_routing": branch_routing, "api_key": "bench"})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=3000)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--model", default="small")
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="branch-spread-") as tmp_dir:
+        for branch_routing, shapes in ((True, ("separate", "agent-ids", "detected")), (False, ("stacked",))):
+            tmp = Path(tmp_dir) / f"routing-{branch_routing}"
+            tmp.mkdir()
+            proc, url = _serve(tmp, args.model, branch_routing)
+            try:
+                # one warm-up round (first-call costs in the rank processes), not counted
+                asyncio.run(_shape(url, "separate", 1, args.prompt_tokens, args.max_tokens, seed=999))
+                for i, shape in enumerate(shapes):
+                    results.append(asyncio.run(_shape(url, shape, args.rounds, args.prompt_tokens,
+                                                      args.max_tokens, seed=i)))
+            finally:
+                stop_server(proc)  # type: ignore[arg-type]
+    base = next(r["median"] for r in results if r["shape"] == "separate")
+    print(f"4 branches x ~{args.prompt_tokens} prompt tokens, model {args.model!r}, 4 reference ranks, "
+          f"{args.rounds} rounds each (median wall)")
+    print(f"{'shape':<10} {'wall s':>7} {'vs separate':>11}  routed per rank   peak running per rank  walls")
+    for r in results:
+        walls = " ".join(f"{w:.2f}" for w in r["walls"])  # type: ignore[attr-defined]
+        print(f"{r['shape']:<10} {r['median']:>7.2f} {r['median'] / base:>10.2f}x  "  # type: ignore[operator]
+              f"{r['routed']!s:<17} {r['peak']!s:<22} {walls}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Claude Code's agent and request-class headers -> the cache's ``SessionHint``.
+
+Claude Code (2.1.3xx) labels each request with where it sits in its session
+(``docs/claude-code.md``, "Agent headers", has what each version sends):
+
+=================================  ==========================================================
+``x-claude-code-agent-id``         the subagent (branch) that sent it; absent on the main thread
+``x-claude-code-parent-agent-id``  the agent that spawned that subagent
+``x-claude-code-agent-type``       the subagent's type (``Explore``, ``general-purpose``, ...)
+``x-claude-code-request-class``    what the request is (main thread, subagent, compaction,
+                                   auxiliary)
+``x-claude-code-compaction``       the summary request of a compaction
+``x-claude-code-context-compacted`` a turn on the compacted context
+``x-claude-code-auxiliary-type``   a one-off beside the session (title, memory pass)
+``x-claude-code-prompt-id``        the user prompt the request serves
+=================================  ==========================================================
+
+Only the session key itself comes from the protocol layer (``PreparedRequest.session_key``,
+which also reads bodies); ``ChatService`` fills it in. Values are bounded and unknown classes
+fall back to the main thread, so a malformed header never fails a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from cache.sessions import RequestClass, SessionHint
+
+MAX_HEADER_CHARS = 256
+_PREFIX = "x-claude-code-"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_CLASSES = {
+    "main": RequestClass.MAIN, "main_thread": RequestClass.MAIN, "main-thread": RequestClass.MAIN,
+    "subagent": RequestClass.SUBAGENT, "agent": RequestClass.SUBAGENT, "sidechain": RequestClass.SUBAGENT,
+    "compaction": RequestClass.COMPACTION, "compact": RequestClass.COMPACTION,
+    "auxiliary": RequestClass.AUXILIARY,
+}
+
+
+def _get(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(_PREFIX + name)
+    if not value:
+        return None
+    value = value.strip()
+    return value if 0 < len(value) <= MAX_HEADER_CHARS else None
+
+
+def agent_hint(headers: Mapping[str, str] | None) -> SessionHint:
+    """The agent part of a request's hint (``key`` is left None: the protocol layer's session
+    key is filled in by the service). ``headers`` as Starlette gives them (case-insensitive) or
+    a dict with lower-case names."""
+    if not headers:
+        return SessionHint()
+    agent_id = _get(headers, "agent-id")
+    auxiliary_type = _get(headers, "auxiliary-type")
+    label = (_get(headers, "request-class") or "").lower()
+    request_class = _CLASSES.get(label, RequestClass.MAIN)
+    if label.startswith("aux"):
+        request_class = RequestClass.AUXILIARY
+    if (_get(headers, "compaction") or "").lower() in _TRUE:
+        request_class = RequestClass.COMPACTION
+    elif auxiliary_type is not None and request_class is RequestClass.MAIN:
+        request_class = RequestClass.AUXILIARY
+    elif agent_id is not None and request_class is RequestClass.MAIN and not label:
+        request_class = RequestClass.SUBAGENT
+    return SessionHint(
+        agent_id=agent_id,
+        parent_agent_id=_get(headers, "parent-agent-id"),
+        agent_type=_get(headers, "agent-type"),
+        request_class=request_class,
+        prompt_id=_get(headers, "prompt-id"),
+        context_compacted=(_get(headers, "context-compacted") or "").lower() in _TRUE,
+        auxiliary_type=auxiliary_type,
+    )

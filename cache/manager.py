@@ -16,8 +16,9 @@ waiters; ``planner.py`` asks, then commits: pins the L0 prefix, evicts by value,
 about to return, reserves), restores blocks from L1 when the host pool holds more of the prefix
 than the GPU (``l1_transfers.py``), and returns an ``Admission`` holding use refs on the prefix.
 ``finish`` files the finished turn's kept blocks (duplicates released to the rank), releases the
-use refs, learns the session's stop kind and schedules a write-through to L1 when the rank's pool
-is past the watermark. ``abort`` only releases. A second settle of one admission is a no-op.
+use refs, learns the session's stop kind and queues the write-through of its new blocks to L1 (and
+L2 behind it; ``l1_write_watermark``, 0 by default: every turn). ``abort`` only releases. A
+second settle of one admission is a no-op.
 
 The parts, one job each, share ``cache/state.py``: the planner, the L1 transfers, the release
 ledger (``releases.py``), the output room (``output_room.py``), the restart sync

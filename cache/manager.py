@@ -63,7 +63,7 @@ from cache.sessions import Session, SessionTable, StopKind, session_id_for_hint
 from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens, Turn
 from protocol.errors import InvalidRequest, PromptTooLong
-from rank.client import RankClient
+from rank.client import GroupState, RankClient
 from rank.engine import RequestOutput, usable_prefix_blocks
 from rank.ids import Rank
 
@@ -371,12 +371,16 @@ class CacheManager:
         l2 = self.state.l2
         if l2 is None or not self.l1_enabled:
             return
-        await self.drain()
+        await self.drain()  # L1 writes and their spills in flight (they need no rank once copied)
         started = self.state.clock()
-        try:
-            await asyncio.wait_for(self.transfers.flush_to_l2(), flush_s)
-        except asyncio.TimeoutError:
-            log.warning("L2 flush at stop cut off after %.0f s: the remaining sessions restart cold", flush_s)
+        if self.client.state != GroupState.READY:  # a failed group: only what L1 holds reaches disk
+            log.warning("L2 flush at stop skipped: the rank group is %s", self.client.state.value)
+        else:
+            try:
+                await asyncio.wait_for(self.transfers.flush_to_l2(), flush_s)
+            except asyncio.TimeoutError:
+                log.warning("L2 flush at stop cut off after %.0f s: the remaining sessions restart cold",
+                            flush_s)
         await self.drain()
         log.info("L2 at stop: %d blocks spilled by this backend; flush took %.1f s",
                  l2.counters.spilled_blocks, self.state.clock() - started)

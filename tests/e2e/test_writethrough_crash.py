@@ -4,7 +4,8 @@ A session whose rank pool never came under pressure used to live on the GPU alon
 two seconds after its turn logged ``kept 0 L1 entries`` and the next turn was 0% cached. Now every
 finished turn's new blocks go to L1 beside the step and spill to L2 behind it
 (``cache/l1_transfers.py``, ``write_through_later``), so a rank kill or the whole backend's death
-loses only the turns in flight.
+loses only the turns in flight. The killed backend's L1 pool file in ``/dev/shm`` is removed by
+the next backend's start (``rank/shm_claim.py``), and the live one's is not.
 
 Real pieces: ``python -m deepinfer_backend serve`` as a subprocess with 2 CPU rank processes of the
 reference engine (``null`` model), 2,048 blocks per rank: the ~185-block session fills 9% of its
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.e2e_harness import Backend
-from tests.e2e.test_warm_restart import _cached_share, _first_turn, _kill_backend, _next_turn, _wait_restarted
+from tests.e2e.test_warm_restart import _cached_share, _first_turn, _next_turn, _wait_restarted
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -55,7 +56,7 @@ def _start(backends: list[Backend], tmp_path: Path, config: dict[str, Any]) -> B
 
 def test_idle_pool_session_survives_a_rank_sigkill(tmp_path: Path, backends: list[Backend]) -> None:
     backend = _start(backends, tmp_path, _idle_pool_config(tmp_path / "l2"))
-    history, first, _ = _first_turn(backend, seed=11)
+    history, _, _ = _first_turn(backend, seed=11)
     time.sleep(KILL_AFTER_S)
     pids = backend.rank_pids()
     assert len(pids) == 2, pids
@@ -75,8 +76,14 @@ def test_idle_pool_session_survives_the_whole_backend_dying(tmp_path: Path, back
     backend = _start(backends, tmp_path, _idle_pool_config(l2_dir))
     history, _, _ = _first_turn(backend, seed=12)
     time.sleep(KILL_AFTER_S)
-    _kill_backend(backend)  # SIGKILL of the backend and its ranks: no flush at stop
+    pid = backend.proc.pid
+    os.killpg(pid, signal.SIGKILL)  # the backend and its ranks: no flush, no cleanup (the OOM killer)
+    backend.proc.wait(timeout=30)
+    orphans = list(Path("/dev/shm").glob(f"dib-l1-g{pid}-*"))
+    assert orphans, "the killed backend left no pool file: nothing to reclaim"
     again = _start(backends, tmp_path, _idle_pool_config(l2_dir))
+    assert not [p for p in orphans if p.exists()], "the next start did not remove the orphan pool file"
+    assert list(Path("/dev/shm").glob(f"dib-l1-g{again.proc.pid}-*")), "the live backend's pool is gone"
     usage, took = _next_turn(again, history)
     share = _cached_share(usage)
     print(f"\nidle pool, backend SIGKILL {KILL_AFTER_S:.0f} s after the turn -> new backend, next turn "

@@ -255,6 +255,9 @@ class DeepInferBackend(CustomBackend):
         with self._lock:
             self._runtime, self._loop = runtime, loop
         atexit.register(self.close)
+        from server.exit_on_failure import exit_process_when_failed
+
+        exit_process_when_failed(runtime, loop)  # the SDK's /healthz cannot report a dead rank group
         log.info("setup: ready in %.1f s; %s; runtime packages: %s", time.monotonic() - started_s,
                  runtime.describe(), describe_runtime_modules())
 
@@ -362,7 +365,10 @@ def _cli_config(args: argparse.Namespace) -> WorkloadConfig:
     return config
 
 
-async def _serve_forever(config: WorkloadConfig) -> None:
+async def _serve_forever(config: WorkloadConfig) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0) or until the rank group fails for good (stops the
+    runtime, prints one line on stderr and returns ``EXIT_RANK_GROUP_FAILED``)."""
+    from server.exit_on_failure import EXIT_RANK_GROUP_FAILED, failure_line, stop_after_failure
     from server.runtime import Runtime
 
     report = run_preflight(config)
@@ -371,13 +377,27 @@ async def _serve_forever(config: WorkloadConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    reason = None
     try:
         await runtime.start(on_listening=lambda url: print(f"listening on {url}", flush=True))
         print(f"ready: {runtime.describe()}", flush=True)
-        await stop.wait()
-        print("shutting down", flush=True)
+        failed = asyncio.ensure_future(stop_after_failure(runtime))  # stops the runtime itself
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (failed, stopped):
+            if not task.done():
+                task.cancel()
+        if failed.done() and not failed.cancelled():
+            reason = failed.result()
+        else:
+            print("shutting down", flush=True)
     finally:
-        await runtime.stop()
+        if reason is None:
+            await runtime.stop()
+    if reason is None:
+        return 0
+    print(failure_line(reason), file=sys.stderr, flush=True)
+    return EXIT_RANK_GROUP_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,14 +449,14 @@ def main(argv: list[str] | None = None) -> int:
 
     loop = new_event_loop()
     try:
-        loop.run_until_complete(_serve_forever(config))
+        status = loop.run_until_complete(_serve_forever(config))
     except Exception as exc:  # one line for the operator; details are in the log
         log.exception("serve failed")
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
         loop.close()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ class CacheConfig(BaseModel):
         "stops prefilling above 0.9), so WorkloadConfig.cache_config sets 0.9 for engine 'deepinfer'."
     )
     l1_write_watermark: float = Field(
-        0.5, ge=0, le=1, description="Write a finished turn's session through to L1 once the rank's "
-        "pool is this full (cached + reserved blocks / usable blocks)."
+        0.0, ge=0, le=1, description="Write a finished turn's new blocks through to L1 (and L2 behind "
+        "it) once the rank's pool is this full (cached + reserved blocks / usable blocks). 0, the "
+        "default: after every turn, so a crash loses only the turns in flight."
     )
     l1_headroom_fraction: float = Field(0.125, ge=0, le=4, description="Extra L1 slots per session extent.")
     l1_min_headroom_blocks: int = Field(16, ge=0, description="Minimum extra L1 slots per extent.")

@@ -4,8 +4,12 @@
   missing blocks into the rank and files them under the prefix it pinned.
 * **Prefetch** (``start_prefetch``): the same, started from the session header alone, before the
   prompt is tokenized; the turn's admission waits for it and counts its blocks as L1 hits.
-* **Write-through** (``write_through``): a finished turn's chain is copied to L1 when the rank's
-  pool is past ``l1_write_watermark``, so a later eviction drops it for free.
+* **Write-through** (``write_through_later``): a finished turn's new blocks are copied to L1 (and
+  spilled to L2 behind it) after every turn (``l1_write_watermark``, 0 by default), so a later
+  eviction drops them for free and a rank kill or a backend crash loses only the turns in flight.
+  It never holds up a turn: one background export per rank at a time (a restore behind it waits
+  for at most one export part on the rank), and a session's turns that finish meanwhile coalesce
+  into one write of its latest chain.
 * **Retire** (``evicted`` + ``retire``): blocks an admission or a growing reply evicted are
   written to L1 where it lacks their session's chain, then released.
 * **Move** (``move``): a session handed to another rank goes through L1.
@@ -59,13 +63,18 @@ class L1Transfers:
         # Blocks a prefetch restored from L1 that no admission of the session has counted yet:
         # its next admission finds them resident but counts them as L1 (restored), not L0.
         self._prefetched: dict[SessionId, set[BlockHash]] = {}
+        # Write-through queue: the latest chain per session waiting for its rank's turn, and one
+        # background export per rank at a time (``write_through_later``).
+        self._queued: dict[SessionId, tuple[Rank, list[BlockHash], Epoch]] = {}
+        self._rank_turns = [asyncio.Lock() for _ in range(state.num_ranks)]
         # Diagnostics (also in metrics): blocks dropped from a GPU with no L1 copy and exports
         # of evicted sessions that could not be written.
         self.num_evicted_unbacked_blocks = 0
         self.num_export_failures = 0
 
     def reset(self) -> None:
-        """A restart: prefetches and their counts of the old epoch mean nothing."""
+        """A restart: prefetches and their counts of the old epoch mean nothing (queued
+        write-throughs of the old epoch find the epoch changed and do nothing)."""
         self._prefetches.clear()
         self._prefetched.clear()
 
@@ -238,7 +247,19 @@ class L1Transfers:
     # ================================================================= write-through
 
     def write_through_later(self, rank: Rank, sid: SessionId, chain: list[BlockHash]) -> None:
-        self._s.tasks.spawn(self.write_through(rank, sid, chain, self._s.epoch))
+        """Queue a finished turn's chain for L1 (module docstring: bounded, coalesced per session).
+        Only the blocks the session's L1 entry lacks are copied (``L1Index.plan_write``)."""
+        queued = sid in self._queued
+        self._queued[sid] = (rank, chain, self._s.epoch)
+        if not queued:
+            self._s.tasks.spawn(self._write_queued(sid))
+
+    async def _write_queued(self, sid: SessionId) -> None:
+        rank = self._queued[sid][0]
+        async with self._rank_turns[rank]:
+            rank, chain, epoch = self._queued.pop(sid)
+            if self._s.epoch == epoch and self._s.l1_enabled:
+                await self.write_through(rank, sid, chain, epoch)
 
     async def write_through(
         self, rank: Rank, sid: SessionId, chain: list[BlockHash], epoch: Epoch,

@@ -16,8 +16,9 @@ waiters; ``planner.py`` asks, then commits: pins the L0 prefix, evicts by value,
 about to return, reserves), restores blocks from L1 when the host pool holds more of the prefix
 than the GPU (``l1_transfers.py``), and returns an ``Admission`` holding use refs on the prefix.
 ``finish`` files the finished turn's kept blocks (duplicates released to the rank), releases the
-use refs, learns the session's stop kind and schedules a write-through to L1 when the rank's pool
-is past the watermark. ``abort`` only releases. A second settle of one admission is a no-op.
+use refs, learns the session's stop kind and queues the write-through of its new blocks to L1 (and
+L2 behind it; ``l1_write_watermark``, 0 by default: every turn). ``abort`` only releases. A
+second settle of one admission is a no-op.
 
 The parts, one job each, share ``cache/state.py``: the planner, the L1 transfers, the release
 ledger (``releases.py``), the output room (``output_room.py``), the restart sync
@@ -63,7 +64,7 @@ from cache.sessions import Session, SessionHint, SessionTable, StopKind, session
 from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens, Turn
 from protocol.errors import InvalidRequest, PromptTooLong
-from rank.client import RankClient
+from rank.client import GroupState, RankClient
 from rank.engine import RequestOutput, usable_prefix_blocks
 from rank.ids import Rank
 
@@ -387,12 +388,16 @@ class CacheManager:
         l2 = self.state.l2
         if l2 is None or not self.l1_enabled:
             return
-        await self.drain()
+        await self.drain()  # L1 writes and their spills in flight (they need no rank once copied)
         started = self.state.clock()
-        try:
-            await asyncio.wait_for(self.transfers.flush_to_l2(), flush_s)
-        except asyncio.TimeoutError:
-            log.warning("L2 flush at stop cut off after %.0f s: the remaining sessions restart cold", flush_s)
+        if self.client.state != GroupState.READY:  # a failed group: only what L1 holds reaches disk
+            log.warning("L2 flush at stop skipped: the rank group is %s", self.client.state.value)
+        else:
+            try:
+                await asyncio.wait_for(self.transfers.flush_to_l2(), flush_s)
+            except asyncio.TimeoutError:
+                log.warning("L2 flush at stop cut off after %.0f s: the remaining sessions restart cold",
+                            flush_s)
         await self.drain()
         log.info("L2 at stop: %d blocks spilled by this backend; flush took %.1f s",
                  l2.counters.spilled_blocks, self.state.clock() - started)

@@ -8,8 +8,8 @@ one step/collective for ``step_timeout_s``, or a rank reporting a fatal error, f
 lockstep ranks cannot continue without every peer. Every in-flight request of the group ends
 with ``RankFailed`` naming the cause, every pending command fails the same way, the remaining
 ranks are killed, ``epoch`` goes up by one, restart listeners hear the new epoch (caches drop
-the dead one's GPU block ids; the L1 host pool file is kept), and a fresh group is started.
-After ``max_start_failures`` consecutive failed starts the group gives up (``FAILED``).
+the dead one's GPU block ids; the L1 pool file is kept: ``rank/shm_claim.py``), and a fresh group
+is started. It gives up (``FAILED``) when ``rank/restart_budget.py`` says so.
 
 Client: one PUSH socket per rank for commands (sent without blocking from the event loop), one
 PULL socket per rank read by one task per rank, and transfers on ``rank/transfer_channel.py``'s
@@ -41,6 +41,8 @@ from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_p
 from rank.ids import BlockId, Epoch, HostSlot, Rank
 from rank.launch import BACKEND_ROOT, make_run_dir, master_port_for, rank_env, rank_python, worker_argv
 from rank.link import RankLink, Tracked, TransferTiming, describe_exit, prefix_cache_support
+from rank.restart_budget import RestartBudget
+from rank.shm_claim import claim_host_pool, release_host_pool
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class RankGroup:
         heartbeat_timeout_s: float = 3.0,
         loading_heartbeat_timeout_s: float = 60.0,
         step_timeout_s: float = 600.0,
-        max_start_failures: int = 3,
+        budget: RestartBudget | None = None,
         restart_backoff_s: float = 1.0,
         base_env: dict[str, str] | None = None,
     ) -> None:
@@ -87,12 +89,11 @@ class RankGroup:
         self.python = python
         self.name = name or f"g{os.getpid()}-{id(self) & 0xFFFFFF:x}"
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        # While a rank starts and loads, one C call (dlopen of libtorch, a weight read, a JIT
-        # build) can hold the GIL and delay its heartbeat thread; only a loaded rank is held
-        # to the tight bound.
+        # While a rank loads, one C call (dlopen of libtorch, a weight read, a JIT build) can hold
+        # the GIL and delay its heartbeat thread; only a loaded rank is held to the tight bound.
         self.loading_heartbeat_timeout_s = max(loading_heartbeat_timeout_s, heartbeat_timeout_s)
         self.step_timeout_s = step_timeout_s
-        self.max_start_failures = max_start_failures
+        self.budget = budget or RestartBudget(max_start_failures=3, max_restarts=5, window_s=600.0)
         self.restart_backoff_s = restart_backoff_s
         self._base_env = dict(os.environ) if base_env is None else dict(base_env)
         self.block_size = config.block_size
@@ -120,6 +121,7 @@ class RankGroup:
         self._closing = False
         self._tmpdir: str | None = None
         self._run_lock = -1
+        self._pool_lock = -1  # flock on the host pool file while this group runs (rank/shm_claim.py)
         self._sync_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self.host_pool_path = host_pool_path(self.name)
         if config.l1_cache and config.l1_host_gb > 0:
@@ -141,7 +143,7 @@ class RankGroup:
             self.last_failure = f"rank interpreter {self.python} does not exist or is not executable"
             raise RankFailed(self.last_failure)
         self._closing = False
-        unlink_host_pool(self.host_pool_path)  # a stale file of the same name: L1 starts empty
+        self._pool_lock = claim_host_pool(self.host_pool_path, self.host_pool_bytes)  # L1 starts empty
         self._tmpdir, self._run_lock = make_run_dir()  # the lock: rank/launch.py
         self._sync_ctx = zmq.Context()
         self.epoch = Epoch(1)
@@ -187,6 +189,7 @@ class RankGroup:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             os.close(self._run_lock)
+        self._pool_lock = release_host_pool(self.host_pool_path, self._pool_lock)  # after FAILED too
         self._set_state(GroupState.STOPPED)
 
     def _set_state(self, state: GroupState) -> None:
@@ -198,18 +201,16 @@ class RankGroup:
             self._failure.set_result(reason)
 
     async def _lifecycle(self) -> None:
-        consecutive_failures = 0
         while not self._closing:
             reason, was_ready = await self._run_epoch()
             await self._teardown(reason)
             if self._closing:
                 return
             self.restarts += 1
-            self.last_failure = reason
-            consecutive_failures = 0 if was_ready else consecutive_failures + 1
-            if consecutive_failures >= self.max_start_failures:
-                log.error("rank group %s: giving up after %d failed starts: %s", self.name,
-                          consecutive_failures, reason)
+            why = self.budget.give_up(was_ready)
+            self.last_failure = reason if why is None else f"{why}; last failure: {reason}"
+            if why is not None:
+                log.error("rank group %s: giving up (%s)", self.name, self.last_failure)
                 self._set_state(GroupState.FAILED)
                 return
             self.epoch = Epoch(self.epoch + 1)

@@ -25,12 +25,22 @@ epoch starts empty). Each rank constructs ``HostPool(path, budget_bytes)`` and t
 ``open(bytes_per_block)`` once it knows its row size; every rank computes the same ``num_slots =
 budget_bytes // bytes_per_block``, so ranks can create/size the file concurrently without a
 handshake (O_CREAT + ftruncate to the same size are idempotent).
+
+Pinning is its own phase (``_pin``), slow at the seed's sizes: ``cudaHostRegister`` of a fresh
+``/dev/shm`` mapping took 0.46-0.58 s per GiB on an H200 host, minutes for a 128 GiB share at
+every rank start and every group restart. With ``background_pin`` (the rank worker's choice) the
+pool serves at once, pageable (copies are then synchronous host copies: correct, about a third of
+the link's speed), and a thread registers it; copies take the pinned path once it is done (the
+rank logs ``pinned in N s``). ``DIB_HOST_POOL_PIN_S_PER_GIB`` (TEST ONLY, read in ``_pin``)
+stretches the phase by that many seconds per GiB, so the behaviour shows on a CPU host too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,6 +53,8 @@ log = logging.getLogger(__name__)
 # Per-run copies when the runs average at least this many bytes (module docstring); below it a
 # copy's fixed cost (~10 us of launch) outweighs what the kernel path costs.
 DIRECT_MIN_RUN_BYTES = 1 << 20
+PIN_DELAY_ENV = "DIB_HOST_POOL_PIN_S_PER_GIB"  # TEST ONLY (module docstring)
+PIN_JOIN_S = 5.0  # close() waits this long for a pin in progress, then leaves the mapping to exit
 
 
 def runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -90,7 +102,8 @@ class HostPool:
     unregistered before it is unmapped.
     """
 
-    def __init__(self, path: str, budget_bytes: int, *, pin: bool | None = None) -> None:
+    def __init__(self, path: str, budget_bytes: int, *, pin: bool | None = None,
+                 background_pin: bool = False) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.path = path
@@ -98,8 +111,11 @@ class HostPool:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.bytes_per_block = 0
         self.num_slots = 0
+        self.background_pin = background_pin
         self.tensor: torch.Tensor | None = None
-        self._registered_ptr: int | None = None
+        self._registered_ptr: int | None = None  # set once the whole mapping is registered
+        self._pin_thread: threading.Thread | None = None
+        self.pin_seconds: float | None = None  # how long the pin phase took, once it is done
 
     @property
     def is_open(self) -> bool:
@@ -126,19 +142,51 @@ class HostPool:
             os.close(fd)
         flat = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
         self.tensor = flat.view(num_slots, bytes_per_block)
-        if self.pin:
-            self._register()
+        background = self.background_pin and (self.pin or os.environ.get(PIN_DELAY_ENV))
         log.info("L1 host pool %s: %d slots x %d bytes (%.2f GiB)%s", self.path, num_slots,
-                 bytes_per_block, nbytes / GIB, ", pinned" if self._registered_ptr else "")
+                 bytes_per_block, nbytes / GIB, ", pinning in the background" if background else "")
+        if background:
+            self._pin_thread = threading.Thread(target=self._pin_logged, name="l1-pin", daemon=True)
+            self._pin_thread.start()
+        else:
+            self._pin()
 
-    def _register(self) -> None:
+    @property
+    def pinned(self) -> bool:
+        return self._registered_ptr is not None
+
+    def wait_pinned(self, timeout_s: float | None = None) -> bool:
+        """Wait for a background pin (benchmarks that measure pinned copies). True when pinned."""
+        if self._pin_thread is not None:
+            self._pin_thread.join(timeout_s)
+        return self.pinned
+
+    def _pin_logged(self) -> None:
+        try:
+            self._pin()
+        except Exception:  # copies stay pageable: slower, still correct
+            log.exception("pinning the L1 host pool failed; it stays pageable")
+            return
+        log.info("L1 host pool %s pinned in %.1f s%s", self.path, self.pin_seconds or 0.0,
+                 "" if self.pinned else " (simulated: no CUDA)")
+
+    def _pin(self) -> None:
+        """The pin phase: ``cudaHostRegister`` of the whole mapping (where ``pin``), stretched by
+        the test knob (module docstring)."""
         assert self.tensor is not None
+        started = time.monotonic()
         ptr, size = self.tensor.data_ptr(), self.tensor.numel()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)  # type: ignore[no-untyped-call]
-        if int(err) != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of the L1 host pool ({size} bytes) failed: error {int(err)}")
-        self._registered_ptr = ptr
+        delay_s = float(os.environ.get(PIN_DELAY_ENV) or 0) * size / GIB
+        if delay_s > 0:
+            log.warning("%s: TEST knob, the L1 pool's pin takes %.1f s longer", PIN_DELAY_ENV, delay_s)
+            time.sleep(delay_s)
+        if self.pin:
+            err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)  # type: ignore[no-untyped-call]
+            if int(err) != 0:
+                raise RuntimeError(
+                    f"cudaHostRegister of the L1 host pool ({size} bytes) failed: error {int(err)}")
+            self._registered_ptr = ptr
+        self.pin_seconds = time.monotonic() - started
 
     def slot(self, host_slot: int) -> torch.Tensor:
         """One slot's bytes (a writable view into the shared mapping)."""
@@ -199,6 +247,11 @@ class HostPool:
             by_kernel(rows, slots, block_ids, to_device, pinned)
 
     def close(self) -> None:
+        if self._pin_thread is not None:
+            self._pin_thread.join(PIN_JOIN_S)
+            if self._pin_thread.is_alive():  # unmapping under cudaHostRegister would crash
+                log.warning("L1 host pool %s: pin still running at close; left mapped", self.path)
+                return
         if self._registered_ptr is not None:
             torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)  # type: ignore[no-untyped-call]
             self._registered_ptr = None

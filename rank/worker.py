@@ -150,7 +150,8 @@ class RankLoop:
         if args.host_pool_path and args.host_pool_bytes > 0:
             from rank.host_pool import HostPool
 
-            host_pool = HostPool(args.host_pool_path, args.host_pool_bytes)
+            # Pinned in the background: a restart is ready in seconds, not minutes (rank/host_pool.py).
+            host_pool = HostPool(args.host_pool_path, args.host_pool_bytes, background_pin=True)
         status.phase, status.progress = "loading", f"building {config.engine} engine"
         from rank.engines import make_engine
 

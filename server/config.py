@@ -186,6 +186,15 @@ class WorkloadConfig(BaseModel):
     submit_gate_max_hold_secs: float = Field(
         10, ge=0, description="The submit gate holds a turn at most this long (then it goes regardless).",
     )
+    rank_max_restarts: int = Field(
+        5, ge=0, description="Restarts of a rank group that was ready (a rank killed, stalled or failed) "
+        "allowed within rank_restart_window_secs; one more, or 3 failed starts in a row, and the backend "
+        "stops and exits non-zero with a one-line reason on stderr, so the worker's supervisor restarts "
+        "it (warm from l2_dir; docs/reliability.md).",
+    )
+    rank_restart_window_secs: float = Field(
+        600, gt=0, description="The window of rank_max_restarts, seconds.",
+    )
 
     @field_validator("env", "deepinfer_env")
     @classmethod

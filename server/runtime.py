@@ -26,6 +26,7 @@ import orjson
 import uvicorn
 
 from protocol.errors import InternalError, ProtocolError
+from rank.client import GroupState
 from rank.ids import Rank
 from server.app import AppState, HealthReport, HealthStatus, create_app
 from server.config import WorkloadConfig
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("deepinfer.runtime")
 
 HTTP_GRACE_S = 5.0
+FAILURE_POLL_S = 0.5  # how often wait_failed looks at the rank group's state
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -170,6 +172,16 @@ class Runtime:
             persisted.close()
         self._persisted = []
 
+    async def wait_failed(self) -> str:
+        """Return, with the reason, once the rank group can no longer come back (``FAILED``: its
+        restart budget is spent, ``rank/restart_budget.py``). The owner then stops the runtime and
+        exits non-zero (``server/exit_on_failure.py``)."""
+        while True:
+            group = self.group
+            if group is not None and group.state == GroupState.FAILED:
+                return f"the rank group cannot come back: {group.health().get('last_failure')}"
+            await asyncio.sleep(FAILURE_POLL_S)
+
     # -- construction -----------------------------------------------------------------------------
     def _build_protocol(self) -> Protocol:
         from protocol.api import Protocol
@@ -196,8 +208,12 @@ class Runtime:
             return LocalRankGroup.from_config(cfg.rank_config(), host_pool_bytes=pool_bytes,
                                               name=f"rt-{id(self):x}")
         from rank.group import RankGroup
+        from rank.restart_budget import RestartBudget
 
-        return RankGroup(self.config.rank_config())
+        cfg = self.config
+        budget = RestartBudget(max_start_failures=3, max_restarts=cfg.rank_max_restarts,
+                               window_s=cfg.rank_restart_window_secs)
+        return RankGroup(cfg.rank_config(), budget=budget)
 
     async def _build_cache(self, group: RankClient) -> CacheManager:
         from cache.manager import CacheManager

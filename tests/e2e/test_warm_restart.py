@@ -38,7 +38,7 @@ MODEL = os.environ.get("WARM_MODEL", "null")
 
 def _config(l2_dir: Path | None = None, model: str = MODEL) -> dict[str, Any]:
     # 256 blocks of 16 tokens per rank: one ~2,950-token session (~185 blocks) fills over half of a rank's
-    # pool, past l1_write_watermark (0.5), so its finished turn is written through to L1.
+    # pool (every finished turn is written through to L1; test_writethrough_crash.py: an idle pool).
     raw: dict[str, Any] = {
         "engine": "reference", "reference_model": model, "block_size": 16, "reference_num_blocks": 256,
         "max_model_len": 3800, "max_num_batched_tokens": 4096, "l1_host_gb": 0.02,

@@ -5,8 +5,9 @@ Regression (6887c3f, fixed in e6b18d3): the refactor dropped ``Runtime._stop``'s
 L1 to ``l2_dir/kv``) landed next to it, so a stopped backend left on disk only what had spilled
 while serving. Only the slow e2e
 ``test_a_vanished_l2_directory_is_recreated_and_the_sessions_spill_again`` noticed (its next
-backend found nothing cached). Here: one turn small enough not to be written through to L1 while
-serving, so nothing reaches disk unless the stop flushes it.
+backend found nothing cached). Here: one turn with the write-through turned off
+(``l1_write_watermark`` 1.0; every turn is written through by default), so nothing reaches disk
+unless the stop flushes it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.config import load_config
+from server.config import WorkloadConfig, load_config
 from server.runtime import Runtime
 from tests.server.server_test_helpers import run_runtime
 from tests.support.bodies import filler_text
@@ -24,9 +25,11 @@ from tests.support.bodies import filler_text
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_stop_flushes_idle_sessions_to_l2(tmp_path: Path) -> None:
-    # 256 blocks of 16 tokens: a ~600-token turn stays under l1_write_watermark (0.5 of the pool),
-    # so it is not written through to L1 (nor spilled to L2) while the backend serves.
+def test_stop_flushes_idle_sessions_to_l2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The turn is not written through to L1 (nor spilled to L2) while the backend serves.
+    cache_config = WorkloadConfig.cache_config
+    monkeypatch.setattr(WorkloadConfig, "cache_config",
+                        lambda self, **o: cache_config(self, l1_write_watermark=1.0, **o))
     config = load_config({
         "engine": "reference", "reference_model": "null", "ep": 1, "block_size": 16,
         "reference_num_blocks": 256, "max_model_len": 3800, "max_num_batched_tokens": 4096,

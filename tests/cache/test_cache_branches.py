@@ -123,12 +123,24 @@ def test_without_branch_routing_the_branches_stack_on_the_home_rank() -> None:
 
 
 def test_shared_prefix_is_copied_through_l1_to_a_branch_on_another_rank() -> None:
-    """With a copy worth making (copy_min_tokens 0), a branch placed on a rank without the
-    parent's system prompt gets it from L1 instead of a prefill."""
-    out = asyncio.run(_fan_out(True, copy_min_tokens=0))
+    """With a copy worth making (copy_min_tokens 0) and L1 not already holding the parent's
+    turn (write-through only on a full pool), a branch placed on a rank without the parent's
+    system prompt gets it through one copy to L1 instead of a prefill."""
+    out = asyncio.run(_fan_out(True, copy_min_tokens=0, l1_write_watermark=1.0))
     assert out["first_ranks"] == [0, 1, 2, 3]
     # one copy: after it L1 holds the prefix, and the other branches restore it from there
     assert out["copies"] == 1
+    # the three branches off the parent's rank restored the shared 96-token prefix from L1
+    # (its 6 blocks but the replayed last one)
+    assert out["l1_tokens"] >= 3 * (SYSTEM // 16 - 1) * 16  # type: ignore[operator]
+
+
+def test_written_through_prefix_needs_no_copy() -> None:
+    """With every finished turn written through to L1 (the default), the parent's prefix is
+    already in L1 when its branches arrive: no copy, and the branches off its rank restore it."""
+    out = asyncio.run(_fan_out(True, copy_min_tokens=0))
+    assert out["first_ranks"] == [0, 1, 2, 3]
+    assert not out["copies"]
     # the three branches off the parent's rank restored the shared 96-token prefix from L1
     # (its 6 blocks but the replayed last one)
     assert out["l1_tokens"] >= 3 * (SYSTEM // 16 - 1) * 16  # type: ignore[operator]

@@ -205,3 +205,14 @@ def test_errors_come_back_in_the_api_shape(servers: tuple[str, str]) -> None:
         assert resp.status_code == 400
         error = json.loads(resp.json()["error"])
         assert want in error["error"]["message"] and error["error"]["type"] == "invalid_request_error"
+
+
+def test_smoke_through_process(servers: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``smoke --process``: every check through the SDK's /process; streaming is SKIP there."""
+    import deepinfer_backend
+
+    code = deepinfer_backend.main(["smoke", "--url", servers[0], "--process"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0, "\n".join(lines)
+    assert [line.split(" ")[0] for line in lines[:-1]] == ["PASS", "PASS", "SKIP", "SKIP", "PASS", "PASS", "PASS"]
+    assert lines[-1] == f"smoke: 5 passed, 0 failed, 2 skipped against {servers[0]}/process"

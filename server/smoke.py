@@ -45,7 +45,7 @@ READ_SCHEMA = {"type": "object", "properties": {"file_path": {"type": "string"}}
 ANTHROPIC_READ = {"name": "Read", "description": "Read a file", "input_schema": READ_SCHEMA}
 OPENAI_READ = {"type": "function", "function": {"name": "Read", "description": "Read a file",
                                                  "parameters": READ_SCHEMA}}
-CACHE_LINES = 160  # ~2,000 tokens: full KV blocks at any block size the backend takes
+CACHE_LINES = 80  # ~2,000 tokens: full KV blocks at any block size the backend takes
 
 
 class CheckFailed(Exception):
@@ -159,7 +159,10 @@ class Smoke:
         return f"Read {json.dumps(read[0])}, stop {reason}"
 
     def stream(self, api: str) -> str:
-        frames = list(self.endpoint.stream(api, step5_body(api, self.model)))
+        body = step5_body(api, self.model)
+        if api == "openai":
+            body["stream_options"] = {"include_usage": True}
+        frames = list(self.endpoint.stream(api, body))
         if api == "anthropic":
             events = [event for event, _ in frames]
             if not events or events[0] != "message_start" or events[-1] != "message_stop":

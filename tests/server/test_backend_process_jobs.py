@@ -140,11 +140,12 @@ def test_system_prompt_reaches_the_model(servers: tuple[str, str]) -> None:
     msg = client.messages.create(model="default", max_tokens=32, system=system,
                                  messages=[{"role": "user", "content": "Hi"}])
     assert msg.content[0].type == "text" and msg.content[0].text == "The system prompt reached the model."
-    plain = client.messages.create(model="default", max_tokens=32, messages=[{"role": "user", "content": "Hi"}])
+    hi: list[Any] = [{"role": "user", "content": "Hi"}]
+    plain = client.messages.create(model="default", max_tokens=32, messages=hi)
     assert plain.content[0].type == "text" and plain.content[0].text == "Hello from the scripted model."
     counted = client.messages.count_tokens(model="default", system=system,
                                            messages=[{"role": "user", "content": "Hi"}])
-    counted_plain = client.messages.count_tokens(model="default", messages=[{"role": "user", "content": "Hi"}])
+    counted_plain = client.messages.count_tokens(model="default", messages=hi)
     native = _native_anthropic(native_url).messages.count_tokens(
         model="default", system=system, messages=[{"role": "user", "content": "Hi"}])
     assert counted.input_tokens == native.input_tokens > counted_plain.input_tokens
@@ -174,7 +175,8 @@ def test_anthropic_session_second_turn_is_cached(servers: tuple[str, str]) -> No
 
 def test_openai_session_second_turn_is_cached(servers: tuple[str, str]) -> None:
     client, _ = openai_client(servers[0])
-    turn1: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG + " (o)"}]
+    turn1: list[Any] = [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": LONG + " (o)"}]
     first = client.chat.completions.create(model="default", max_tokens=32, messages=turn1,
                                            prompt_cache_key="proc-session-2")
     turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content},
@@ -190,7 +192,8 @@ def test_errors_come_back_in_the_api_shape(servers: tuple[str, str]) -> None:
     sdk_url = servers[0]
     client, _ = anthropic_client(sdk_url)
     with pytest.raises(anthropic.BadRequestError) as caught:
-        client.messages.create(model="claude-opus-4-8", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+        client.messages.create(model="claude-opus-4-8", max_tokens=8,
+                               messages=[{"role": "user", "content": "x"}])
     assert caught.value.body == {"type": "error", "error": {
         "type": "not_found_error", "message": "Model 'claude-opus-4-8' is not available on this endpoint"}}
     oclient, _ = openai_client(sdk_url)
@@ -214,5 +217,6 @@ def test_smoke_through_process(servers: tuple[str, str], capsys: pytest.CaptureF
     code = deepinfer_backend.main(["smoke", "--url", servers[0], "--process"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0, "\n".join(lines)
-    assert [line.split(" ")[0] for line in lines[:-1]] == ["PASS", "PASS", "SKIP", "SKIP", "PASS", "PASS", "PASS"]
+    assert [line.split(" ")[0] for line in lines[:-1]] == [
+        "PASS", "PASS", "SKIP", "SKIP", "PASS", "PASS", "PASS"]
     assert lines[-1] == f"smoke: 5 passed, 0 failed, 2 skipped against {servers[0]}/process"

@@ -94,7 +94,8 @@ def test_unset_runs_the_native_server_and_ignores_the_process_environment(
 
 def test_native_runs_the_native_server_beside_the_sdk(started: Any) -> None:
     _backend, sdk_url, native, line = started({"IK_BACKEND_HTTP": "native"})
-    assert line.endswith(f"IK_BACKEND_HTTP=native: native HTTP server on 127.0.0.1:{native} for local/direct use")
+    assert line.endswith(
+        f"IK_BACKEND_HTTP=native: native HTTP server on 127.0.0.1:{native} for local/direct use")
     assert _process_text(sdk_url) == "Hello from the scripted model."
     resp = httpx.post(f"http://127.0.0.1:{native}/v1/chat/completions", timeout=60, json={
         "model": "default", "messages": [{"role": "user", "content": "Hi"}]})
@@ -127,7 +128,8 @@ def test_sdk_runs_no_native_server_and_a_job_past_its_timeout_is_cancelled(start
 
 
 def test_any_other_value_is_refused_naming_the_key(tmp_path: Path) -> None:
-    with pytest.raises(BackendSetupError, match=r"env.IK_BACKEND_HTTP must be one of native, sdk, got 'grpc'"):
+    with pytest.raises(BackendSetupError,
+                       match=r"env.IK_BACKEND_HTTP must be one of native, sdk, got 'grpc'"):
         serve_backend(DeepInferBackend, port=0, config=_config(tmp_path, env={"IK_BACKEND_HTTP": "grpc"}),
                       block=False)
 

@@ -107,7 +107,8 @@ def test_old_conveniences_and_envelope_keys() -> None:
                            "headers": {"X-Claude-Code-Session-Id": "s"}})
     assert counted.count_tokens and "max_tokens" not in counted.body and "stream" not in counted.body
     assert counted.headers == {"x-claude-code-session-id": "s"}
-    for bad, param in (({}, "messages"), ({"prompt": ""}, "messages"), ({"api": "responses", "prompt": "x"}, "api"),
+    for bad, param in (({}, "messages"), ({"prompt": ""}, "messages"),
+                       ({"api": "responses", "prompt": "x"}, "api"),
                        ({"prompt": "x", "headers": {"a": 1}}, "headers"),
                        ({"prompt": "x", "count_tokens": True}, "count_tokens")):
         with pytest.raises(InvalidRequest) as caught:
@@ -130,12 +131,12 @@ def test_session_hint_is_the_native_routes() -> None:
 
 
 def test_output_keeps_the_text2text_keys_beside_the_api_body() -> None:
-    message = {"type": "message", "content": [{"type": "thinking", "thinking": "t"}, {"type": "text", "text": "a"},
-                                              {"type": "text", "text": "b"}],
+    message = {"type": "message", "content": [{"type": "thinking", "thinking": "t"},
+                                              {"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                "stop_reason": "end_turn", "usage": {"input_tokens": 3}}
     out = shape_output("anthropic", message)
-    assert out == {"api": "anthropic", "text": "ab", "finish_reason": "end_turn", "usage": {"input_tokens": 3},
-                   "response": message}
+    assert out == {"api": "anthropic", "text": "ab", "finish_reason": "end_turn",
+                   "usage": {"input_tokens": 3}, "response": message}
     completion = {"object": "chat.completion", "usage": {"prompt_tokens": 3}, "choices": [{
         "finish_reason": "tool_calls", "message": {"content": None, "reasoning_content": "r",
                                                    "tool_calls": [{"id": "c"}]}}]}

@@ -35,8 +35,8 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "deepinfer_backend", "serve", "--config", str(tmp / "config.json"),
-             "--engine", "scripted", "--script", str(tmp / "script.json"), "--ranks", "1", "--port", str(port),
-             "--api-key-file", str(tmp / "key")],
+             "--engine", "scripted", "--script", str(tmp / "script.json"), "--ranks", "1",
+             "--port", str(port), "--api-key-file", str(tmp / "key")],
             cwd=REPO, env={**os.environ}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -78,6 +78,7 @@ def test_smoke_fails_with_a_wrong_key_and_names_the_status(serve_url: str,
 
 def test_smoke_reports_the_endpoints_error_for_an_unknown_model(serve_url: str,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    code, lines = _smoke(capsys, "--url", serve_url, "--key", KEY, "--api", "anthropic", "--model", "claude-x")
+    code, lines = _smoke(capsys, "--url", serve_url, "--key", KEY, "--api", "anthropic",
+                         "--model", "claude-x")
     assert code == 1 and all(line.startswith("FAIL ") for line in lines[:-1])
     assert "HTTP 410" in lines[0] and "not_found_error" in lines[0]

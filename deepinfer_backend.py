@@ -4,7 +4,8 @@ The worker runs ``python -m inferencekey.backend.serve --backend deepinfer_backe
 and hands the workload config to ``setup()``. ``setup()`` validates it, puts the DeepInfer venv's
 site-packages on ``sys.path``, runs the preflight checks, starts the rank group, the cache tiers and
 the HTTP server (``/v1/messages``, ``/v1/chat/completions``) on a background event loop, and
-returns only when the model is ready. ``process()`` answers the SDK's non-streaming jobs;
+returns only when the model is ready. ``process()`` answers the SDK's non-streaming jobs (an
+Anthropic Messages or OpenAI chat body in, that API's answer out: ``server/process_jobs.py``);
 ``chat()`` streams OpenAI chunks for SDKs that stream.
 
 Import order (the worker's two venvs): the backend runs in a venv made from ``requirements.txt``

@@ -78,6 +78,8 @@ def process_anthropic(sdk_url: str) -> str:
                                            messages=ASK).input_tokens
     prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
     expect(counted == prompt > without, f"count_tokens {counted} (without system {without}), answer {prompt}")
+    # A bare body (no system, no tools) is both APIs' shape, read as OpenAI: name the API.
+    client, _ = anthropic_client(sdk_url)
     metadata = {"user_id": json.dumps({"device_id": "standin", "session_id": "standin-process-a"})}
     turn1: list[Any] = [{"role": "user", "content": _long_text("a")}]
     first = client.messages.create(model=MODEL, max_tokens=8, metadata=metadata,

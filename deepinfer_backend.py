@@ -4,7 +4,8 @@ The worker runs ``python -m inferencekey.backend.serve --backend deepinfer_backe
 and hands the workload config to ``setup()``. ``setup()`` validates it, puts the DeepInfer venv's
 site-packages on ``sys.path``, runs the preflight checks, starts the rank group, the cache tiers and
 the HTTP server (``/v1/messages``, ``/v1/chat/completions``) on a background event loop, and
-returns only when the model is ready. ``process()`` answers the SDK's non-streaming jobs;
+returns only when the model is ready. ``process()`` answers the SDK's non-streaming jobs (an
+Anthropic Messages or OpenAI chat body in, that API's answer out: ``server/process_jobs.py``);
 ``chat()`` streams OpenAI chunks for SDKs that stream.
 
 Import order (the worker's two venvs): the backend runs in a venv made from ``requirements.txt``
@@ -19,6 +20,7 @@ Outside the SDK the same runtime runs from the command line::
         [--script FILE] [--host H] [--port P] [--ranks N] [--api-key-file FILE | --api-key KEY]
         [--header-timeout S] [--max-header-bytes N] [--max-connections N] [--keep-alive S]
     python -m deepinfer_backend preflight --config FILE [--json]
+    python -m deepinfer_backend smoke --url URL [--key KEY] [--api anthropic|openai|both] [--process]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import site
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -56,6 +58,7 @@ log = logging.getLogger("deepinfer.backend")
 # leaves them out: on the worker they are the DeepInfer venv's pinned builds).
 RUNTIME_MODULES = ("torch", "numpy", "orjson", "zmq", "tokenizers")
 PREFLIGHT_SKIP_ENV = "DIB_PREFLIGHT_SKIP"  # tests only (run_preflight)
+PROCESS_WAIT_MARGIN_S = 30.0  # process(): past the job's own bound, a wedged loop still answers
 
 _HERE = Path(__file__).resolve().parent
 # Job input keys passed through to the OpenAI request (everything else is ignored, not an error:
@@ -229,14 +232,15 @@ class DeepInferBackend(CustomBackend):
         _configure_logging()
         # ConfigError names the key and the allowed values; unknown keys are ignored with a warning.
         config, config_warnings = load_worker_config(ctx.config)
+        config_warnings += config.transport_warnings(dict(os.environ))
         for warning in config_warnings:
             log.warning("setup: %s", warning)
         self.config = config
         if config.http_mode == "native" and config.port != 0 and config.port == ctx.port:
             raise ConfigError(f"config key 'port': {config.port} is the SDK server's own port (the worker "
                               "chose it); the native HTTP server needs another one (or 0 for a free one)")
-        log.info("setup: engine=%s ranks=%d model=%s http=%s:%d (%s), SDK port %d", config.engine, config.ep,
-                 config.model_name, config.host, config.port, config.http_mode, ctx.port)
+        log.info("setup: engine=%s ranks=%d model=%s", config.engine, config.ep, config.model_name)
+        log.info("setup: transport: %s", config.transport_line(ctx.port))
         # Nothing outside requirements.txt is imported above this line (module docstring).
         add_venv_site_packages(config.deepinfer_venv)
         require_runtime_modules(config.deepinfer_venv)
@@ -262,21 +266,24 @@ class DeepInferBackend(CustomBackend):
                  runtime.describe(), describe_runtime_modules())
 
     def process(self, job: Job) -> Result:
-        body = job_to_openai_body(job)
+        """An Anthropic Messages or OpenAI chat body in, that API's non-streaming answer out
+        (``server/process_jobs.py`` says how the shape is recognised and what comes back)."""
         runtime, loop = self._require_ready()
-        response = self._call(loop, runtime.openai_chat(body))
-        choice = response["choices"][0]
-        message = choice.get("message") or {}
-        output = {
-            "text": message.get("content") or "",
-            "finish_reason": choice.get("finish_reason"),
-            "usage": response.get("usage"),
-            "response": response,
-        }
-        if message.get("tool_calls"):
-            output["tool_calls"] = message["tool_calls"]
-        if message.get("reasoning_content"):
-            output["reasoning"] = message["reasoning_content"]
+        from protocol.errors import ProtocolError
+        from server import process_jobs
+
+        api: process_jobs.ProcessApi = "openai"
+        try:
+            request = process_jobs.parse_input(job.input)
+            api = request.api
+            # The job bounds itself on the loop (request_timeout_secs); this wait only outlasts it.
+            output = loop.call(process_jobs.run(runtime, request),
+                               runtime.config.request_timeout_secs + PROCESS_WAIT_MARGIN_S)
+        except ProtocolError as exc:  # 4xx: the SDK answers 400; the text is the API's error body
+            text = process_jobs.error_text(exc, api)
+            if exc.status(api) < 500:
+                raise InvalidInput(text) from None
+            raise RuntimeError(text) from None
         return Result(output=output)
 
     def chat(self, request: object, *_args: object, **_kwargs: object) -> Iterator[dict[str, Any]]:
@@ -310,17 +317,6 @@ class DeepInferBackend(CustomBackend):
             if self._runtime is None or self._loop is None:
                 raise RuntimeError("backend is not set up (setup() has not finished)")
             return self._runtime, self._loop
-
-    @staticmethod
-    def _call(loop: LoopThread, coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
-        from protocol.errors import ProtocolError
-
-        try:
-            return loop.call(coro)
-        except ProtocolError as exc:
-            if exc.http_status < 500:
-                raise InvalidInput(exc.message) from None
-            raise RuntimeError(exc.message) from None
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -412,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         from server import preflight
 
         return int(preflight.main(argv[1:]))
+    if argv[:1] == ["smoke"]:  # standard library only: runs without the DeepInfer venv
+        from server import smoke
+
+        return smoke.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m deepinfer_backend")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the backend's HTTP server outside the SDK")
@@ -435,11 +435,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="idle keep-alive seconds (http_keep_alive_secs, default 75)")
     sub.add_parser("preflight", help="check the machine against a workload config "
                    "(--config FILE [--json] [--skip CHECK]); see server/preflight.py")
+    sub.add_parser("smoke", help="check a running endpoint, one verdict line per check "
+                   "(--url URL [--key KEY] [--api anthropic|openai|both] [--process]); see server/smoke.py")
     args = parser.parse_args(argv)
 
     _configure_logging()
     try:
         config = _cli_config(args)
+        if config.http_mode != "native":
+            raise ConfigError("serve runs the native HTTP server: env.IK_BACKEND_HTTP=sdk would leave "
+                              "nothing to serve (that value is for the SDK's serve; drop it or set 'native')")
         add_venv_site_packages(config.deepinfer_venv)
         require_runtime_modules(config.deepinfer_venv)
     except (ConfigError, OSError, ValueError) as exc:

@@ -200,7 +200,8 @@ class Protocol:
             stream=req.stream,
             prompt_ids=ids,
             num_prompt_tokens=len(ids),
-            session_key=self._session_key(headers, conv, req.metadata, data.get("prompt_cache_key")),
+            session_key=self._session_key(headers, conv, req.metadata, data.get("prompt_cache_key"),
+                                          req.user),
             max_tokens=max_tokens,
             max_tokens_is_default=not requested,
             **self._sampling(req.temperature, req.top_p, req.top_k, req.seed),
@@ -276,7 +277,10 @@ class Protocol:
 
     @staticmethod
     def _session_key(headers: Mapping[str, str] | None, conv: Conversation, metadata: dict[str, Any] | None,
-                     prompt_cache_key: object = None) -> str:
+                     prompt_cache_key: object = None, user: str | None = None) -> str:
+        """The session key (docs/protocol.md). OpenAI's ``user`` names an end user, not a
+        conversation: it scopes the conversation-head hash, so two users' conversations that
+        open alike stay two sessions, while one user's conversations stay apart too."""
         sid = session_hint(lower_headers(headers))
         if sid:
             return sid
@@ -292,6 +296,8 @@ class Protocol:
                 pass
         # the conversation head: system text + first user turn (stable across a session's turns)
         hasher = xxhash.xxh3_64()
+        if user and len(user) <= MAX_SESSION_KEY_CHARS:
+            hasher.update(b"user\0" + user.encode("utf-8", "surrogatepass") + b"\0")
         for m in conv.messages[:3]:
             hasher.update(m.role.encode())
             hasher.update(m.content.encode("utf-8", "surrogatepass"))

@@ -62,9 +62,10 @@ class WorkloadConfig(BaseModel):
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment of the rank processes (CUDA_VISIBLE_DEVICES, DEEPINFER_HF_MODEL_DIR, "
-        "DeepInfer's JIT cache dirs; deepinfer_env wins). The backend reads IK_BACKEND_HTTP: "
-        "'native' (default) serves /v1/messages and /v1/chat/completions on host:port, next to the "
-        "SDK's own server; 'sdk' serves only the SDK's /process.",
+        "DeepInfer's JIT cache dirs; deepinfer_env wins). The backend reads IK_BACKEND_HTTP here (not "
+        "from its process environment): unset or 'native' also runs the native HTTP server "
+        "(/v1/messages, /v1/chat/completions, /v1/responses, /healthz, /metrics) on host:port for "
+        "local/direct use; 'sdk' runs none. Either way the platform reaches only the SDK's /process.",
     )
     ep: int = Field(4, ge=1, le=8, description="Expert parallel size = number of rank processes.")
     deepinfer_venv: str | None = Field(
@@ -258,6 +259,22 @@ class WorkloadConfig(BaseModel):
     @property
     def http_mode(self) -> str:
         return self.env.get("IK_BACKEND_HTTP", "native")
+
+    def transport_line(self, sdk_port: int) -> str:
+        """One log line: what the platform reaches and whether the native server runs, where."""
+        setting = (f"IK_BACKEND_HTTP={self.env['IK_BACKEND_HTTP']}" if "IK_BACKEND_HTTP" in self.env
+                   else "IK_BACKEND_HTTP unset (= native)")
+        native = (f"native HTTP server on {self.host}:{self.port or 'a free port'} for local/direct use"
+                  if self.http_mode == "native" else "no native HTTP server")
+        return f"platform -> SDK POST /process on 127.0.0.1:{sdk_port}; {setting}: {native}"
+
+    def transport_warnings(self, process_env: dict[str, str]) -> list[str]:
+        """A process-environment IK_BACKEND_HTTP that disagrees with the config's is not read."""
+        outside = process_env.get("IK_BACKEND_HTTP")
+        if outside is None or outside == self.http_mode:
+            return []
+        return [(f"the process environment's IK_BACKEND_HTTP={outside!r} is not read; the switch is the "
+                 f"workload config's env.IK_BACKEND_HTTP (now {self.http_mode!r})")]
 
     def resolved_model_dir(self) -> Path | None:
         raw = self.model_dir or self.env.get("DEEPINFER_HF_MODEL_DIR")

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from cache.l2_store import L2Store
     from cache.manager import CacheManager
     from protocol.api import Protocol
+    from protocol.api_types import ApiName
     from rank.client import RankClient
     from server.http_limits import HttpLimits
     from server.persist import SegmentLog
@@ -325,12 +326,21 @@ class Runtime:
             raise Overloaded("the model is still loading", retry_after_s=5)
         return self.protocol, self.service
 
-    async def openai_chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A non-streaming OpenAI chat completion, in process (no HTTP)."""
+    async def complete(self, api: ApiName, body: dict[str, Any],
+                       headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """A non-streaming answer in ``api``'s own shape, in process (no HTTP): the same prepare,
+        session hint and turn as the native route for that API."""
         protocol, service = self._ready_parts()
-        prepared = await self.state.preparer.run(protocol.prepare_openai,
-                                                 orjson.dumps({**body, "stream": False}), {})
+        prepare = protocol.prepare_anthropic if api == "anthropic" else protocol.prepare_openai
+        prepared = await self.state.preparer.run(prepare, orjson.dumps({**body, "stream": False}),
+                                                 headers or {})
         return await service.complete(prepared, self.state.request_ids(), time.perf_counter())
+
+    async def count_tokens(self, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> int:
+        """An Anthropic count_tokens body's prompt length, as ``/v1/messages/count_tokens``."""
+        protocol, _ = self._ready_parts()
+        return int(await self.state.preparer.run(protocol.count_tokens_anthropic, orjson.dumps(body),
+                                                 headers or {}))
 
     async def openai_chat_chunks(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """OpenAI ``chat.completion.chunk`` dicts of one streamed completion, in process."""

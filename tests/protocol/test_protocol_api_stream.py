@@ -363,3 +363,17 @@ def test_session_key_precedence(proto: Protocol) -> None:
     assert proto.prepare_openai(no_key, {}).session_key.startswith("h:")
     assert proto.prepare_openai({**body, "prompt_cache_key": "x" * 600},
                                 {}).session_key.startswith("h:")  # too long: ignored
+
+
+def test_openai_user_scopes_the_head_hash_below_prompt_cache_key(proto: Protocol) -> None:
+    """``user`` names an end user: two users whose conversations open alike are two sessions, the
+    same user's next turn stays in its session, and a prompt_cache_key still wins."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    anon = proto.prepare_openai(body, {}).session_key
+    alice = proto.prepare_openai({**body, "user": "alice"}, {}).session_key
+    bob = proto.prepare_openai({**body, "user": "bob"}, {}).session_key
+    assert len({anon, alice, bob}) == 3 and alice.startswith("h:")
+    turn2 = {**body, "user": "alice", "messages": body["messages"] + [
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]}
+    assert proto.prepare_openai(turn2, {}).session_key == alice
+    assert proto.prepare_openai({**body, "user": "alice", "prompt_cache_key": "pck"}, {}).session_key == "pck"

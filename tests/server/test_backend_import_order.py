@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,24 @@ def test_rank_processes_need_only_the_deepinfer_venv(tmp_path: Path, engine: str
     except Exception as exc:  # noqa: BLE001 - the ranks' stderr names the blocked import
         pytest.fail(f"rank processes failed under the DeepInfer venv's packages only: {exc}")
     assert len(tokens) == 5 and reason == FinishReason.LENGTH
+
+
+def test_smoke_runs_on_the_standard_library_alone() -> None:
+    """``python -m deepinfer_backend smoke`` on an operator's machine: nothing beyond
+    requirements.txt + the SDK, and it never reaches for the DeepInfer venv (an endpoint that does
+    not answer is a FAIL line per check and exit status 1, not an import error)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    code = f"""
+import deepinfer_backend
+def add_venv_site_packages(venv):
+    raise SystemExit("smoke reached for the DeepInfer venv")
+deepinfer_backend.add_venv_site_packages = add_venv_site_packages
+argv = ["smoke", "--url", "http://127.0.0.1:{port}", "--api", "openai", "--timeout", "5"]
+code = deepinfer_backend.main(argv)
+print("EXIT", code)
+"""
+    res = run_guarded(code, allowed_modules(BACKEND_VENV), "requirements.txt + the SDK")
+    assert "EXIT 1" in res.stdout, res.stderr[-3000:]
+    assert res.stdout.count("FAIL ") == 3 and "Connection refused" in res.stdout, res.stdout

@@ -16,6 +16,8 @@ import httpx
 import openai
 import psutil
 
+from tests.support.process_bridge import anthropic_client, openai_client
+
 MODEL = "deepseek-v4.1-flash"
 API_KEY = "standin-any-key"  # MEASURED_CONFIG sets no api_key: any key is accepted
 READ_TOOL = {"name": "Read", "description": "Read a file",
@@ -59,6 +61,75 @@ def sdk_process(sdk_url: str) -> str:
         details.append(f"{next(iter(job))}: {out['usage']['completion_tokens']} tokens, "
                        f"{out['finish_reason']}")
     return "; ".join(details)
+
+
+def process_anthropic(sdk_url: str) -> str:
+    """An Anthropic body built by the anthropic library through /process (the shape recognised):
+    an Anthropic message back; the system prompt counted (count_tokens with and without it, and
+    the answer's own prompt size); tools accepted; a session's second turn cached."""
+    client, bridge = anthropic_client(sdk_url, name_api=False)
+    system = "You are a careful coding agent. Answer in one short paragraph."
+    msg = client.messages.create(model=MODEL, max_tokens=16, system=system, tools=[READ_TOOL],
+                                 messages=ASK)
+    expect(msg.type == "message" and bridge.outputs[-1]["api"] == "anthropic", f"{bridge.outputs[-1]}")
+    counted = client.messages.count_tokens(model=MODEL, system=system, tools=[READ_TOOL],
+                                           messages=ASK).input_tokens
+    without = client.messages.count_tokens(model=MODEL, tools=[READ_TOOL],
+                                           messages=ASK).input_tokens
+    prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+    expect(counted == prompt > without, f"count_tokens {counted} (without system {without}), answer {prompt}")
+    # A bare body (no system, no tools) is both APIs' shape, read as OpenAI: name the API.
+    client, _ = anthropic_client(sdk_url)
+    metadata = {"user_id": json.dumps({"device_id": "standin", "session_id": "standin-process-a"})}
+    turn1: list[Any] = [{"role": "user", "content": _long_text("a")}]
+    first = client.messages.create(model=MODEL, max_tokens=8, metadata=metadata,
+                                   messages=turn1)
+    turn2 = [*turn1, {"role": "assistant", "content": [b.model_dump() for b in first.content] or "."},
+             {"role": "user", "content": "And the last line?"}]
+    second = client.messages.create(model=MODEL, max_tokens=8, metadata=metadata,
+                                    messages=turn2)
+    cached = second.usage.cache_read_input_tokens or 0
+    expect(cached >= 128, f"second turn cached {cached} of {second.usage.input_tokens + cached}")
+    tools = [b.name for b in msg.content if b.type == "tool_use"]
+    return (f"message, stop {msg.stop_reason}, tool_use {tools or 'none (model)'}; system kept: "
+            f"{counted} tokens vs {without} without; turn 2 cached {cached} of "
+            f"{second.usage.input_tokens + cached}")
+
+
+def process_openai(sdk_url: str) -> str:
+    """An OpenAI body built by the openai library through /process: a chat.completion back, the
+    system message counted in the prompt, tools accepted, a prompt_cache_key session's second turn
+    cached."""
+    client, bridge = openai_client(sdk_url, name_api=False)
+    with_system = client.chat.completions.create(model=MODEL, max_tokens=16, tools=[OPENAI_READ_TOOL],
+                                                 messages=[{"role": "system", "content": "Be brief."}, *ASK])
+    plain = client.chat.completions.create(model=MODEL, max_tokens=16, tools=[OPENAI_READ_TOOL],
+                                           messages=ASK)
+    expect(with_system.object == "chat.completion" and bridge.outputs[-1]["api"] == "openai",
+           str(with_system))
+    assert with_system.usage is not None and plain.usage is not None
+    expect(with_system.usage.prompt_tokens > plain.usage.prompt_tokens,
+           f"system message not in the prompt: {with_system.usage.prompt_tokens} vs "
+           f"{plain.usage.prompt_tokens}")
+    turn1: list[Any] = [{"role": "user", "content": _long_text("o")}]
+    first = client.chat.completions.create(model=MODEL, max_tokens=8, messages=turn1,
+                                           prompt_cache_key="standin-process-o")
+    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content or "."},
+             {"role": "user", "content": "And the last line?"}]
+    second = client.chat.completions.create(model=MODEL, max_tokens=8, messages=turn2,
+                                            prompt_cache_key="standin-process-o")
+    assert second.usage is not None
+    details = second.usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details else 0
+    expect(cached >= 128, f"second turn cached {cached} of {second.usage.prompt_tokens}")
+    calls = [c.function.name for c in with_system.choices[0].message.tool_calls or ()]
+    return (f"chat.completion, finish {with_system.choices[0].finish_reason}, tool_calls "
+            f"{calls or 'none (model)'}; system kept: {with_system.usage.prompt_tokens} prompt tokens vs "
+            f"{plain.usage.prompt_tokens} without; turn 2 cached {cached} of {second.usage.prompt_tokens}")
+
+
+def _long_text(tag: str) -> str:
+    return " ".join(f"line {i} ({tag}): the quick brown fox jumps over the lazy dog." for i in range(160))
 
 
 def native_healthz(native_url: str) -> str:

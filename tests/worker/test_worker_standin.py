@@ -108,6 +108,10 @@ def test_worker_standin(machine: Machine, engine: str) -> None:
             f"ready in {ready_s:.1f} s (SDK /healthz 200 on :{worker.sdk_port}; native :{config['port']})")
         report.check("SDK /healthz and /meta", lambda: checks.sdk_healthz(worker.sdk_url))
         report.check("SDK /process", lambda: checks.sdk_process(worker.sdk_url))
+        report.check("SDK /process: anthropic body (system kept, tools, turn 2 cached)",
+                     lambda: checks.process_anthropic(worker.sdk_url))
+        report.check("SDK /process: openai body (system kept, tools, turn 2 cached)",
+                     lambda: checks.process_openai(worker.sdk_url))
         report.check("native /healthz", lambda: checks.native_healthz(worker.native_url))
         report.check("runtime packages from the DeepInfer venv",
                      lambda: checks.runtime_packages(worker.log_path.read_text(errors="replace"),

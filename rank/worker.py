@@ -152,7 +152,10 @@ class RankLoop:
 
             host_pool = HostPool(args.host_pool_path, args.host_pool_bytes)
         status.phase, status.progress = "loading", f"building {config.engine} engine"
+        from rank import rendezvous
         from rank.engines import make_engine
+
+        rendezvous.install()  # before DeepInfer builds its group: the store binds MASTER_ADDR only
 
         stand_in = None
         if config.engine == "deepinfer":

@@ -39,7 +39,7 @@ def bound_listener(host: str, port: int) -> socket.socket:
 
 
 def _handler(url: str, timeout: timedelta = timedelta(minutes=10), **_kwargs: Any) -> Iterator[Any]:
-    import torch.distributed as dist
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     parsed = urlparse(url)
     query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
@@ -47,7 +47,7 @@ def _handler(url: str, timeout: timedelta = timedelta(minutes=10), **_kwargs: An
         raise ValueError(f"tcp:// rendezvous needs host, port, rank and world_size: {url!r}")
     rank, world_size = int(query["rank"]), int(query["world_size"])
     listener = bound_listener(parsed.hostname, parsed.port) if rank == 0 else None
-    store = dist.TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout, multi_tenant=True,
+    store = TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout, multi_tenant=True,
                           master_listen_fd=listener.fileno() if listener is not None else None)
     _listeners.append(listener)  # the store's server uses the fd; keep the socket object alive with it
     yield store, rank, world_size
@@ -63,4 +63,4 @@ def install() -> None:
 
     if _rendezvous_handlers.get("tcp") is not _handler:
         _rendezvous_handlers.pop("tcp", None)  # no public way to replace a registered handler
-        register_rendezvous_handler("tcp", _handler)
+        register_rendezvous_handler("tcp", _handler)  # type: ignore[no-untyped-call]

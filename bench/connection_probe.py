@@ -151,7 +151,8 @@ async def pipelining(args: argparse.Namespace, port: int, pid: int) -> None:
     stop.set()
     await sampling
     await asyncio.sleep(5)
-    print(f"pipelining: one socket that never reads, {written:,} requests ({written * len(one) / 1e6:.1f} MB) "
+    megabytes = written * len(one) / 1e6
+    print(f"pipelining: one socket that never reads, {written:,} requests ({megabytes:.1f} MB) "
           f"taken by the kernel in {args.pipeline_s:g} s")
     print(f"  server RSS MiB: before {before:.0f}, during (peak) {during:.0f}, 5 s after {_mib(pid):.0f}")
 

@@ -248,6 +248,7 @@ class CacheManager:
             adm = await self.admitter.admit_on(
                 ranks, session, tokens, hashes, num_reserve,
                 order=lambda: self.router.bind_order(self.loads(), matches, len(tokens)),
+                worst_output=num_reserve if max_tokens_is_default else max_output,
             )
             adm.max_output_tokens = max_output
             if session.home_rank != adm.rank:  # late binding: the rank that had room first

@@ -21,9 +21,19 @@ concurrency (Claude Code asks for 32,000 and most replies are short), so admissi
   (reference engine) or preempts (DeepInfer, ``stop_preempted_request``) a sequence it has no
   free block for. Growth keeps cached + reserved blocks under ``usable_fraction`` like
   admission does, so DeepInfer's 0.9 prefill watermark still admits new prompts.
-* If even eviction cannot cover the growth (running sequences hold the pool), the growth is
-  reserved anyway: the rank's free count goes negative, new turns queue until running ones end
-  (running replies first), and the shortfall is counted (``output_room_short_blocks_total``).
+* **Admitted replies finish** (``RankAdmitter.admit_on``): each rank also counts its open
+  turns' worst case, prompt + ``max_tokens`` in blocks (``RankLedger.worst_blocks``); a turn is
+  admitted only while its worst case fits next to theirs in the usable pool, else it waits in the
+  queue (and gets the queue's 503 before its first token if none ends in time). So running
+  sequences alone never outgrow the pool, and growth always finds its blocks among free or idle
+  ones (evicted to L1 where L1 lacks them). It costs concurrency only where turns ask for more
+  than they use: at 14.3M tokens per rank, Claude Code's 32,000 ``max_tokens`` with a 100K prompt
+  is ~110 such turns per rank. A ``max_tokens`` the client did not send counts only what
+  admission reserves (``output_reserve_tokens``), so OpenAI requests without one do not each
+  claim the whole context; they are the turns that can still come up short.
+* If eviction cannot cover a growth anyway (only those default-``max_tokens`` turns), it is
+  reserved regardless: the rank's free count goes negative, new turns queue until running ones
+  end (running replies first), and the shortfall is counted (``output_room_short_blocks_total``).
   Only then can an engine still run out mid-reply.
 """
 

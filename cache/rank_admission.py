@@ -38,7 +38,7 @@ class RankAdmitter:
 
     async def admit_on(
         self, ranks: Sequence[Rank], session: Session, tokens: np.ndarray, hashes: list[BlockHash],
-        num_output: int, order: Callable[[], Sequence[int]] | None = None,
+        num_output: int, order: Callable[[], Sequence[int]] | None = None, worst_output: int = 0,
     ) -> Admission:
         """Wait for room on one of ``ranks`` (ask + commit at each try; the first rank that can
         take the turn gets it, in ``order()`` when several could), retire the victims, restore."""
@@ -49,11 +49,16 @@ class RankAdmitter:
         sid = session.session_id
         # admit() checked the fit; every rank has the same pool
         total_blocks = min(-(-(num_prompt + num_output) // bs), s.usable_blocks(ranks[0]))
+        # Every admitted reply can reach its max_tokens: the running turns' worst cases fit the pool
+        # together (cache/output_room.py), else the turn waits for one to end.
+        worst_blocks = -(-(num_prompt + max(num_output, worst_output)) // bs)
         taken: list[Reservation] = []
 
         def try_admit(rank: int, level: AdmitLevel) -> bool:
             if s.epoch != epoch:
                 return True  # the group restarted: admit and fail below
+            if s.ledgers[rank].worst_blocks + worst_blocks > s.usable_blocks(rank):
+                return False
             plan = self._planner.ask(Rank(rank), hashes, num_prompt, total_blocks)
             res = self._planner.commit(plan, hashes, sid, level)
             if res is not None:
@@ -96,9 +101,10 @@ class RankAdmitter:
             queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
             keep_blocks=s.config.prefix_cache, num_prompt_tokens=num_prompt, hashes=hashes,
             num_used_blocks=plan.num_l0, reserved_blocks=plan.need, context_tokens=context_tokens,
-            room_blocks=total_blocks,
+            room_blocks=total_blocks, worst_blocks=worst_blocks,
         )
         ledger = s.ledgers[rank]
+        ledger.worst_blocks += worst_blocks
         ledger.num_in_flight += 1
         if plan.num_restore:
             await self._restore(adm, hashes, plan.num_l0, plan.num_restore)
@@ -152,5 +158,6 @@ class RankAdmitter:
         ledger.reserved_blocks -= adm.reserved_blocks
         ledger.running_tokens -= adm.context_tokens
         ledger.num_in_flight -= 1
+        ledger.worst_blocks -= adm.worst_blocks
         self._s.l0[adm.rank].release_uses(adm.hashes[: adm.num_used_blocks])
         adm.num_used_blocks = 0

@@ -45,6 +45,7 @@ class RankLedger:
     reserved_blocks: int = 0  # blocks open admissions (and prefetches) may still allocate
     running_tokens: int = 0  # context tokens of admitted, unfinished turns (the router's load)
     num_in_flight: int = 0  # open admissions
+    worst_blocks: int = 0  # open admissions' prompt + max_tokens, blocks (cache/output_room.py)
 
 
 class BackgroundTasks:

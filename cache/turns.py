@@ -81,6 +81,7 @@ class Admission:
     context_tokens: int = 0
     max_output_tokens: int = 1  # the engine request's max_tokens (trimmed to the KV room if a default)
     room_blocks: int = 0  # blocks the turn may hold: prefix + reserved; grows while it decodes
+    worst_blocks: int = 0  # prompt + the output it may reach, blocks: counted in the rank's worst case
     is_closed: bool = False
 
     def engine_request(

@@ -208,6 +208,18 @@ class HeadersTimeout(ProtocolError):
     retryable = True
 
 
+class BodyTimeout(HeadersTimeout):
+    """408: the request body did not arrive in time (its timeout plus the minimum rate)."""
+
+
+class UnsupportedMediaType(ProtocolError):
+    """415: a POST body that is not ``application/json`` (what a web page could send unasked)."""
+
+    http_status = 415
+    anthropic_type = "invalid_request_error"
+    openai_type = "invalid_request_error"
+
+
 class HeadersTooLarge(ProtocolError):
     """431: the request line and headers are over the server's bound."""
 

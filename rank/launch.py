@@ -126,7 +126,8 @@ def rank_env(config: RankConfig, num_ranks: int, rank: int, master_port: int,
     env.update(config.deepinfer_env)
     env["PYTHONPATH"] = BACKEND_ROOT
     env["PYTHONUNBUFFERED"] = "1"
-    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_ADDR"] = "127.0.0.1"  # the rendezvous store binds it only (rank/rendezvous.py)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # Gloo's pair sockets on loopback unless the deployment says
     env["MASTER_PORT"] = str(master_port)
     if config.uses_gpu:
         listed = config.env.get("CUDA_VISIBLE_DEVICES") or base.get("CUDA_VISIBLE_DEVICES") or ""

@@ -153,7 +153,10 @@ class RankLoop:
             # Pinned in the background: a restart is ready in seconds, not minutes (rank/host_pool.py).
             host_pool = HostPool(args.host_pool_path, args.host_pool_bytes, background_pin=True)
         status.phase, status.progress = "loading", f"building {config.engine} engine"
+        from rank import rendezvous
         from rank.engines import make_engine
+
+        rendezvous.install()  # before DeepInfer builds its group: the store binds MASTER_ADDR only
 
         stand_in = None
         if config.engine == "deepinfer":

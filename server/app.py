@@ -119,6 +119,9 @@ def api_of_path(path: str) -> ApiName:
 
 
 def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    """An error status (>= 400) closes the connection: nothing more is read from that client."""
+    if status >= 400:
+        headers = {**(headers or {}), "connection": "close"}
     return Response(orjson.dumps(body), status_code=status, headers=headers,
                     media_type="application/json")
 

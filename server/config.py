@@ -156,6 +156,34 @@ class WorkloadConfig(BaseModel):
     http_keep_alive_secs: float = Field(
         75, gt=0, le=3600, description="Idle time after a response before a keep-alive connection is closed.",
     )
+    http_body_timeout_secs: float = Field(
+        30, gt=0, le=600, description="Seconds a request body has to arrive, plus one per "
+        "http_body_min_bytes_per_sec bytes received; then 408 and close (slow-body clients).",
+    )
+    http_body_min_bytes_per_sec: int = Field(
+        64 * 1024, ge=1, description="The minimum rate a request body must keep, bytes/s (see "
+        "http_body_timeout_secs).",
+    )
+    http_max_buffered_body_bytes: int = Field(
+        1024 * 1024 * 1024, ge=1024 * 1024, description="All request bodies being read or served at once, "
+        "bytes (a declared Content-Length counts whole); one that does not fit is answered 503 and closed.",
+    )
+    http_write_stall_secs: float = Field(
+        30, gt=0, le=3600, description="A connection that reads none of its output this long (its send "
+        "buffer full) is closed and its engine request aborted, freeing its KV.",
+    )
+    http_max_connections_per_address: int = Field(
+        0, ge=0, description="Connections from one client address at most; 0 = no limit. Set it only "
+        "where clients connect directly: behind a proxy every connection comes from the proxy's address.",
+    )
+    http_allowed_hosts: list[str] = Field(
+        default_factory=list, description="Host header names served besides the loopback names (bound to "
+        "loopback); bound elsewhere, the only names served when set. '*' = any (DNS rebinding guard).",
+    )
+    http_allowed_origins: list[str] = Field(
+        default_factory=list, description="Origin header values allowed (e.g. 'https://app.example'); a "
+        "request with any other Origin (a web page) is refused 403.",
+    )
     prefill_attempt_interval: int = Field(
         70, ge=1, description="DeepInfer DEEPINFER_PREFILL_ATTEMPT_INTERVAL (ALL vote points)."
     )

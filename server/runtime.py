@@ -238,11 +238,19 @@ class Runtime:
         sock.listen(2048)
         sock.setblocking(False)
         self._socket = sock
+        from server.http_gate import RequestGate, allowed_hosts
         from server.http_limits import HttpLimits
 
+        gate = RequestGate(allowed_hosts(cfg.host, cfg.http_allowed_hosts), cfg.http_allowed_origins,
+                           cfg.resolved_api_key(), cfg.max_body_bytes)
         limits = HttpLimits(header_timeout_s=cfg.http_header_timeout_secs,
                             max_header_bytes=cfg.http_max_header_bytes,
-                            max_connections=cfg.http_max_connections, keep_alive_s=cfg.http_keep_alive_secs)
+                            max_connections=cfg.http_max_connections, keep_alive_s=cfg.http_keep_alive_secs,
+                            body_timeout_s=cfg.http_body_timeout_secs,
+                            body_min_rate=cfg.http_body_min_bytes_per_sec,
+                            max_buffered_body_bytes=cfg.http_max_buffered_body_bytes,
+                            write_stall_s=cfg.http_write_stall_secs,
+                            max_per_address=cfg.http_max_connections_per_address, gate=gate)
         uv_config = uvicorn.Config(
             self.app, http=_http_impl(limits), loop="none", lifespan="off", access_log=False,
             # uvicorn's annotations say int; it takes float seconds (asyncio timeouts)

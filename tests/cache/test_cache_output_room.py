@@ -33,9 +33,9 @@ _ids = itertools.count()
 
 
 async def _turn(mgr: CacheManager, group: Any, prompt: np.ndarray, hint: str, max_tokens: int,
-                grow: bool = True) -> tuple[int, RequestOutput]:
+                grow: bool = True, default: bool = False) -> tuple[int, RequestOutput]:
     """One turn as the service runs it; returns (output tokens, terminal output)."""
-    adm = await mgr.admit(prompt, hint, max_tokens)
+    adm = await mgr.admit(prompt, hint, max_tokens, max_tokens_is_default=default)
     n = 0
     last = None
     sp = SamplingParams(max_tokens=adm.max_output_tokens, ignore_eos=True)
@@ -158,12 +158,29 @@ def test_a_max_tokens_that_can_never_fit_is_refused_before_the_first_token() -> 
     _run("reference", body)
 
 
-def test_growth_over_a_pool_held_by_running_replies_is_counted_and_new_turns_wait() -> None:
-    """Two long replies whose growth no idle block can cover: the shortfall is reserved anyway
-    (counted), so a turn arriving meanwhile queues behind them instead of taking their blocks."""
+def test_admitted_replies_fit_the_pool_together_so_a_second_long_one_waits() -> None:
+    """Two replies of 540 tokens on a pool of 976: each one's worst case fits alone, not both, so
+    the second is admitted only when the first has ended, and both reach max_tokens with no
+    growth over the pool (before: both ran, their growth overcommitted the pool)."""
 
     async def body(mgr: CacheManager, group: Any) -> None:
         long = [asyncio.create_task(_turn(mgr, group, _ids_for("reference", 40, 4 + i), f"r{i}", 540))
+                for i in range(2)]
+        results = await asyncio.gather(*long)
+        assert all(r[0] == 540 and r[1].finish_reason is FinishReason.LENGTH for r in results), results
+        assert mgr.output_room.num_short_blocks == 0 and mgr.queue.num_queued >= 1
+
+    _run("reference", body)
+
+
+def test_growth_over_a_pool_held_by_running_replies_is_counted_and_new_turns_wait() -> None:
+    """Two long replies whose max_tokens was a default (counted at their admission reserve only)
+    and whose growth no idle block can cover: the shortfall is reserved anyway (counted), so a
+    turn arriving meanwhile queues behind them instead of taking their blocks."""
+
+    async def body(mgr: CacheManager, group: Any) -> None:
+        long = [asyncio.create_task(_turn(mgr, group, _ids_for("reference", 40, 4 + i), f"r{i}", 540,
+                                          default=True))
                 for i in range(2)]
         while mgr.output_room.num_short_blocks == 0 and not all(t.done() for t in long):
             await asyncio.sleep(0.001)

@@ -96,3 +96,24 @@ def test_env_master_port_counts_and_unset_picks_a_free_one() -> None:
             await group.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_rank_listeners_bind_loopback_only() -> None:
+    """torch's tcp:// rendezvous store used to listen on every interface (``::``) without
+    authentication; every TCP listener of a rank (the store on rank 0, Gloo's pair sockets) is
+    on loopback now."""
+
+    async def scenario() -> None:
+        group = RankGroup(_config().rank_config(), python=sys.executable)
+        await group.start()
+        try:
+            listeners = [(pid, c.laddr) for pid in group.pids()
+                         for c in psutil.Process(pid).net_connections(kind="inet") if c.status == "LISTEN"]
+            master = int(_master_ports(group).pop())
+            assert any(addr.port == master for _pid, addr in listeners), listeners  # the store was seen
+            assert all(addr.ip in ("127.0.0.1", "::1") for _pid, addr in listeners), listeners
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())

@@ -81,7 +81,7 @@ def _connections(rt: RuntimeThread) -> int:
 def test_slow_header_and_silent_connections_are_closed(rt_slow: RuntimeThread) -> None:
     slow = [_connect(rt_slow) for _ in range(40)]
     for s in slow:
-        s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: appl")  # and never more
+        s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl")  # and never more
     silent = [_connect(rt_slow) for _ in range(40)]
     closed = _read_until_closed(slow + silent)
     assert len(closed) == 80, f"{80 - len(closed)} connections still open after 60 s"
@@ -97,7 +97,7 @@ def test_slow_header_and_silent_connections_are_closed(rt_slow: RuntimeThread) -
 
 def test_idle_keep_alive_connection_is_closed(rt_slow: RuntimeThread) -> None:
     s = _connect(rt_slow)
-    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     closed = _read_until_closed([s])
     assert closed and closed[s].startswith(b"HTTP/1.1 200")
     s.close()
@@ -120,7 +120,7 @@ def test_connection_cap_bounds_open_sockets(rt_cap: RuntimeThread) -> None:
             break
         time.sleep(0.05)
     s = _connect(rt_cap)
-    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
     reply = _read_until_closed([s])[s]
     assert reply.startswith(b"HTTP/1.1 200")
     s.close()
@@ -137,7 +137,7 @@ def _rss_kib() -> int:
 def test_huge_headers_are_refused_without_memory_growth(rt_slow: RuntimeThread, where: str) -> None:
     before = _rss_kib()
     s = _connect(rt_slow)
-    head = (b"GET /v1/messages/count_tokens HTTP/1.1\r\nHost: x\r\nX-Big: "
+    head = (b"GET /v1/messages/count_tokens HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: "
             if where == "header" else b"GET /v1/messages/")
     s.sendall(head)
     chunk = b"a" * (1 << 20)
@@ -162,8 +162,8 @@ def test_huge_headers_are_refused_without_memory_growth(rt_slow: RuntimeThread, 
 
 @pytest.mark.parametrize("raw, shape", [
     (b"BLAH BLAH BLAH\r\n\r\n", "both"),
-    (b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", "anthropic"),
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", "openai"),
+    (b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n", "anthropic"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n", "openai"),
 ])
 def test_parser_errors_come_in_the_api_shape(rt_slow: RuntimeThread, raw: bytes, shape: str) -> None:
     s = _connect(rt_slow)

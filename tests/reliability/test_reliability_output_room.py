@@ -101,3 +101,29 @@ def test_a_max_tokens_no_pool_can_hold_is_a_400_claude_code_shrinks(rt: RuntimeT
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == room
     rt.settle()
+
+
+def test_concurrent_long_replies_that_were_admitted_all_finish(tmp_path: Path) -> None:
+    """Three replies of 14,000 tokens on a pool of 32K tokens: each was admitted with 8,192
+    tokens reserved, and together they outgrew the pool while decoding, so some ended mid-stream
+    with ``overloaded_error`` (nothing idle left to evict: running sequences held the pool). Now
+    admission counts each turn's worst case (prompt + max_tokens): the third waits until one ends,
+    and every admitted reply finishes."""
+    config = _config("scripted", tmp_path) | {"reference_num_blocks": 2048}
+    num_streams, long = 3, 14_000
+    with RuntimeThread(config, rank_mode="local") as handle:
+        def one(i: int) -> tuple[int, str]:
+            resp = _anthropic(handle, f"long essay number {i}", long, stream=True)
+            return resp.status_code, resp.text
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(num_streams) as pool:
+            results = list(pool.map(one, range(num_streams)))
+        for status, text in results:
+            assert status == 200, text[:300]
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert not any('"type":"error"' in e for e in events), [e for e in events if "error" in e][:1]
+            delta = json.loads(next(e for e in events if '"message_delta"' in e))
+            assert delta["usage"]["output_tokens"] == long
+        handle.settle()

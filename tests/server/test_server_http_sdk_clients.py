@@ -241,7 +241,8 @@ def test_auth_errors_are_401(server: tuple[Runtime, Any, str]) -> None:
 
 def test_bad_json_and_bad_fields_are_400(server: tuple[Runtime, Any, str]) -> None:
     url = server[2]
-    resp = httpx.post(url + "/v1/messages", content=b"{not json", headers={"x-api-key": KEY})
+    resp = httpx.post(url + "/v1/messages", content=b"{not json",
+                      headers={"x-api-key": KEY, "content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
     resp = httpx.post(url + "/v1/chat/completions", json={"model": "default", "messages": "nope"},
                       headers={"authorization": f"Bearer {KEY}"})

@@ -217,6 +217,8 @@ class CacheManager:
         session = self.sessions.find(session_hint, hashes) or self.sessions.create(session_hint, now)
         self.sessions.record_arrival(session, now)
         s.idle.update(session, now)
+        if s.l2 is not None and hashes:  # a store shared with other nodes (L3) looks the prompt up
+            await s.l2.probe(hashes, max(self.l0.match_all(hashes)))
         await self.transfers.await_prefetch(session.session_id)
         matches = self.l0.match_all(hashes)
         can_move = self.l1_enabled and self.config.prefix_cache

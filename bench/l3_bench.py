@@ -114,7 +114,8 @@ def bench_l3(num_blocks: int, bytes_per_block: int, repeats: int, staging_mb: in
     work = Path(tempfile.mkdtemp(prefix="l3-bench-"))
     port, http_port = _free_port(), _free_port()
     master = _start([master_bin, f"--rpc_port={port}", "--rpc_address=127.0.0.1",
-                     f"--metrics_port={http_port}", "--metrics_host=127.0.0.1"], work / "master.log", port=port)
+                     f"--metrics_port={http_port}", "--metrics_host=127.0.0.1"], work / "master.log",
+                    port=port)
     address = f"127.0.0.1:{port}"
     object_bytes = bytes_per_block + 64
     segment = int(num_blocks * object_bytes * 1.3) + (64 << 20)
@@ -126,6 +127,7 @@ def bench_l3(num_blocks: int, bytes_per_block: int, repeats: int, staging_mb: in
         for i in range(0, num_blocks, 256):
             n = min(256, num_blocks - i)
             slots.array[i : i + n] = rng.integers(0, 256, (n, bytes_per_block), dtype=np.uint8)
+        slots.array[num_blocks:] = 1  # restores land in faulted-in pages, as in the pinned L1 pool
         hasher = ChainHasher(BLOCK_SIZE, b"l3-bench")
         hashes = hasher.hashes(rng.integers(0, 100_000, num_blocks * BLOCK_SIZE, dtype=np.int32))
         stamp = L2Stamp("bench", BLOCK_SIZE, bytes_per_block, "random-bytes")

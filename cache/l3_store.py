@@ -337,6 +337,8 @@ class L3Store:
             return client
 
     def _connect_and_register(self) -> RemoteKV:
+        for buf in self._buffers:
+            buf.fill(0)  # fault the pages in now, not in the first restore
         client = self._connect()
         try:
             for buf in self._buffers:

@@ -108,7 +108,8 @@ def _config(master: Master, segment_gb: float) -> dict[str, Any]:
     return {"engine": "reference", "reference_model": MODEL, "block_size": BLOCK, "reference_num_blocks": 256,
             "max_model_len": 3800, "max_num_batched_tokens": 4096, "l1_host_gb": 0.02, "ep": 1,
             "l3": {"master": master.address, "segment_gb": segment_gb, "buffer_mb": 8, "timeout_secs": 2,
-                   "probe_timeout_secs": 0.5, "retry_secs": 2}}
+                   "probe_timeout_secs": 0.5, "retry_secs": 2,
+                   "prefill_tokens_per_sec": 20_000}}  # a CPU reference engine, not a node of H200s
 
 
 def _chat(backend: Backend, messages: list[dict[str, str]]) -> dict[str, Any]:

@@ -132,7 +132,9 @@ class L3Store:
         self._local.shutdown(wait=True)
 
     async def start(self) -> bool:
-        """Connect now (the backend's start); False leaves L3 off until the next try."""
+        """Fault the staging buffers in (not in the first restore) and connect; False leaves L3
+        off until the next try."""
+        await asyncio.to_thread(lambda: [buf.fill(0) for buf in self._buffers])
         return await self._ensure() is not None
 
     # ----------------------------------------------------------------- lookups
@@ -329,7 +331,8 @@ class L3Store:
                 future.add_done_callback(_close_result)
                 calls.shutdown(wait=False)
                 self._down_until = self._clock() + self.retry_s
-                self.off_reason = f"cannot connect: {exc or type(exc).__name__}"
+                self.off_reason = (f"no answer from the master in {self.connect_timeout_s:.0f} s"
+                                   if isinstance(exc, asyncio.TimeoutError) else f"cannot connect: {exc!r}")
                 self._warn("connect", "L3 off for %.0f s: %s", self.retry_s, self.off_reason)
                 return None
             self._client, self._calls, self.off_reason = client, calls, None
@@ -337,8 +340,6 @@ class L3Store:
             return client
 
     def _connect_and_register(self) -> RemoteKV:
-        for buf in self._buffers:
-            buf.fill(0)  # fault the pages in now, not in the first restore
         client = self._connect()
         try:
             for buf in self._buffers:

@@ -31,6 +31,7 @@ import asyncio
 import collections
 import logging
 import mmap
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -107,7 +108,7 @@ class L3Store:
         self.off_reason: str | None = "not connected yet"
         self._clock = clock
         self._client: RemoteKV | None = None
-        self._calls: ThreadPoolExecutor | None = None  # one per client: a hung call blocks only its own
+        self._reconnect: asyncio.Future[None] | None = None
         self._local = ThreadPoolExecutor(max_workers=2, thread_name_prefix="l3-copy")
         self._known: collections.OrderedDict[BlockHash, None] = collections.OrderedDict()
         self._bad: dict[BlockHash, float] = {}  # hash -> until when a failed object is not asked for
@@ -134,8 +135,10 @@ class L3Store:
     async def start(self) -> bool:
         """Fault the staging buffers in (not in the first restore) and connect; False leaves L3
         off until the next try."""
-        await asyncio.to_thread(lambda: [buf.fill(0) for buf in self._buffers])
-        return await self._ensure() is not None
+        for buf in self._buffers:
+            await asyncio.to_thread(buf.fill, 0)
+        await self._connect_now()
+        return self._client is not None
 
     # ----------------------------------------------------------------- lookups
 
@@ -201,7 +204,7 @@ class L3Store:
         ``host_slot + i``; the caller keeps the slots unchanged until this returns). Returns
         the blocks newly stored; failures store fewer, never raise."""
         n = len(hashes)
-        if self._client is None:
+        if await self._ensure() is None:
             self.counters.skipped_saves += 1
             return 0
         k = self._leading_known(hashes)
@@ -315,29 +318,29 @@ class L3Store:
     # ----------------------------------------------------------------- calls
 
     async def _ensure(self) -> RemoteKV | None:
-        if self._client is not None:
-            return self._client
-        if self._clock() < self._down_until:
-            return None
+        """The client, or None while L3 is off; once ``retry_s`` has passed, a reconnect starts in
+        the background (a turn never waits for one: with the master down it can take minutes)."""
+        if self._client is None and self._clock() >= self._down_until and (
+                self._reconnect is None or self._reconnect.done()):
+            self._reconnect = asyncio.ensure_future(self._connect_now())
+        return self._client
+
+    async def _connect_now(self) -> None:
         async with self._connecting:
             if self._client is not None or self._clock() < self._down_until:
-                return self._client
-            calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="l3-call")
-            loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(calls, self._connect_and_register)
+                return
+            future = _in_daemon_thread(self._connect_and_register)
             try:
                 client = await asyncio.wait_for(asyncio.shield(future), self.connect_timeout_s)
             except Exception as exc:  # noqa: BLE001 - any failure to connect leaves L3 off
                 future.add_done_callback(_close_result)
-                calls.shutdown(wait=False)
                 self._down_until = self._clock() + self.retry_s
                 self.off_reason = (f"no answer from the master in {self.connect_timeout_s:.0f} s"
                                    if isinstance(exc, asyncio.TimeoutError) else f"cannot connect: {exc!r}")
                 self._warn("connect", "L3 off for %.0f s: %s", self.retry_s, self.off_reason)
-                return None
-            self._client, self._calls, self.off_reason = client, calls, None
+                return
+            self._client, self.off_reason = client, None
             log.info("L3 on: %d-block calls of %d bytes per object", self.blocks_per_call, self.object_bytes)
-            return client
 
     def _connect_and_register(self) -> RemoteKV:
         client = self._connect()
@@ -353,9 +356,9 @@ class L3Store:
                     buffer: int | None = None) -> T | None:
         """``fn(*args)`` on the client's threads; None (and L3 off) when it raises or times out.
         ``buffer``: the staging buffer it uses stays busy until it has really ended."""
-        if self._calls is None or client is not self._client:
+        if client is not self._client:
             return None
-        future = asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
+        future = _in_daemon_thread(fn, *args)
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:
@@ -398,12 +401,10 @@ class L3Store:
         self._drop_client()
 
     def _drop_client(self) -> None:
-        client, calls = self._client, self._calls
-        self._client, self._calls = None, None
+        client, self._client = self._client, None
         self._known.clear()  # a master that restarted has lost every key
-        if calls is not None and client is not None:
-            calls.submit(client.close)  # after any call still hanging on it
-            calls.shutdown(wait=False)
+        if client is not None:
+            threading.Thread(target=client.close, name="l3-close", daemon=True).start()
 
     # ----------------------------------------------------------------- helpers
 
@@ -436,6 +437,36 @@ class L3Store:
 def _anonymous(nbytes: int) -> np.ndarray:
     """Page-aligned private memory (the store registers it for zero-copy transfers)."""
     return np.frombuffer(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE)), dtype=np.uint8)[:nbytes]
+
+
+def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` on a thread of its own that never holds the process up at exit (a store call
+    can block for minutes with the master gone; a pool's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def body() -> None:
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    threading.Thread(target=body, name="l3-call", daemon=True).start()
+    return future
 
 
 def _close_result(future: asyncio.Future[Any]) -> None:

@@ -194,7 +194,10 @@ def test_a_dead_master_turns_l3_off_for_a_while_without_blocking_turns() -> None
         assert a.counters.outages == 1
         shared.hang_s = 0.0
         clock.now += 31
-        await a.probe(chain)  # reconnects, and learns again what the store holds
+        await a.probe(chain)  # starts a reconnect in the background; the turn does not wait for it
+        assert a._reconnect is not None
+        await asyncio.wait_for(a._reconnect, 10)
+        await a.probe(chain)  # and learns again what the store holds
         assert a.up and a.match(chain) == 6
         a.close()
 

@@ -57,9 +57,10 @@ class L3Config(BaseModel):
 
     master: str = Field(..., min_length=3, description="host:port of the mooncake_master (its rpc_port).")
     bind_host: str = Field(
-        "127.0.0.1", min_length=1, description="Address this worker's store client listens on and announces "
-        "to the other clients (its segment is read from there): loopback by default, which serves only "
-        "workers on this machine; set the node's cluster-network address for a deployment of several.",
+        "127.0.0.1", min_length=1, description="Address this worker's store client announces to the others "
+        "(its segment is read from there): loopback by default, which serves only workers on this machine; "
+        "set the node's cluster-network address for a deployment of several. Mooncake 0.3.13's transfer "
+        "ports listen on all interfaces whatever this says: keep them on a private network.",
     )
     segment_gb: float = Field(
         4, ge=0, description="Host RAM this worker lends the shared pool, GiB (0: it only reads and writes; "

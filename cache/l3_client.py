@@ -12,13 +12,17 @@ on its own threads, under timeouts, never on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+T = TypeVar("T")
 
 
 class RemoteKV(Protocol):
@@ -100,3 +104,39 @@ class MooncakeKV:
             self._store.close()
         except Exception:
             log.debug("L3: closing the Mooncake client failed", exc_info=True)
+
+
+def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` on a thread of its own that never holds the process up at exit (a store call
+    can block for minutes with the master gone; a pool's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def body() -> None:
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    threading.Thread(target=body, name="l3-call", daemon=True).start()
+    return future
+
+
+def close_when_done(future: asyncio.Future[Any]) -> None:
+    """A done-callback: close the client a connect that nobody waits for any more made."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()

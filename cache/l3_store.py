@@ -43,7 +43,7 @@ import numpy as np
 from cache.hashing import BlockHash
 from cache.host_slots import HostSlots
 from cache.l2_format import L2Stamp
-from cache.l3_client import RemoteKV
+from cache.l3_client import RemoteKV, close_when_done, in_daemon_thread
 from cache.l3_format import HEADER_BYTES, check_object, object_bytes, object_key, stamp_digest, write_header
 
 log = logging.getLogger(__name__)
@@ -329,11 +329,11 @@ class L3Store:
         async with self._connecting:
             if self._client is not None or self._clock() < self._down_until:
                 return
-            future = _in_daemon_thread(self._connect_and_register)
+            future = in_daemon_thread(self._connect_and_register)
             try:
                 client = await asyncio.wait_for(asyncio.shield(future), self.connect_timeout_s)
             except Exception as exc:  # noqa: BLE001 - any failure to connect leaves L3 off
-                future.add_done_callback(_close_result)
+                future.add_done_callback(close_when_done)
                 self._down_until = self._clock() + self.retry_s
                 self.off_reason = (f"no answer from the master in {self.connect_timeout_s:.0f} s"
                                    if isinstance(exc, asyncio.TimeoutError) else f"cannot connect: {exc!r}")
@@ -358,7 +358,7 @@ class L3Store:
         ``buffer``: the staging buffer it uses stays busy until it has really ended."""
         if client is not self._client:
             return None
-        future = _in_daemon_thread(fn, *args)
+        future = in_daemon_thread(fn, *args)
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except asyncio.TimeoutError:
@@ -437,38 +437,3 @@ class L3Store:
 def _anonymous(nbytes: int) -> np.ndarray:
     """Page-aligned private memory (the store registers it for zero-copy transfers)."""
     return np.frombuffer(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE)), dtype=np.uint8)[:nbytes]
-
-
-def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """``fn(*args)`` on a thread of its own that never holds the process up at exit (a store call
-    can block for minutes with the master gone; a pool's threads are joined at exit)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, exc: BaseException | None) -> None:
-        if future.done():
-            return
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def body() -> None:
-        result: T | None = None
-        error: BaseException | None = None
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
-            error = exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
-            pass
-
-    threading.Thread(target=body, name="l3-call", daemon=True).start()
-    return future
-
-
-def _close_result(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().close()

@@ -4,6 +4,7 @@
     python -m bench.simulator step --context 500000 --agents 200 --policy ours
     python -m bench.simulator capacity --context 500000 --ttft-p95 30 --policy ours
     python -m bench.simulator nodes --nodes 2,4 --agents-per-node 100   # sticky vs random routing
+    python -m bench.simulator nodes --routings random --l3-gbps 2       # + rows with L3 shared by all
     python -m bench.simulator all --out bench/results/simulator.json   # seed table, 500K x 200, capacity
 """
 

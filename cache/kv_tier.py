@@ -1,9 +1,9 @@
 """The seam below L1, and the link that moves sessions between L1 and a tier below it.
 
 ``KVTier``: a tier that keeps chain blocks outside the host's RAM. ``cache/l2_store.py`` (local
-disk) implements it; a cross-node store (Mooncake Store, an LMCache server: docs/cache.md,
-"Beyond one node") would implement the same three calls, so L1 spills to and restores from
-either without knowing which. Blocks move between the tier and consecutive slots of the shared
+disk) implements it, and so does ``cache/l3_stack.py``: L2 with L3, the store shared by every
+node (``cache/l3_store.py``, docs/cache.md "Beyond one node") below it, so L1 spills to and
+restores from either without knowing which. Blocks move between the tier and consecutive slots of the shared
 L1 host pool; block ``i`` of a chain is named by its chain hash ``hashes[i]``
 (``cache/hashing.py``), which also fixes its position and everything before it.
 
@@ -47,6 +47,15 @@ class KVTier(Protocol):
         many leading ones arrived verified. Failures return fewer, never raise."""
         ...
 
+    def stored(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks every store of the tier holds (a spill writes the rest)."""
+        ...
+
+    async def probe(self, hashes: Sequence[BlockHash]) -> None:
+        """Learn, before ``match``, what a store shared with other nodes holds of the chain
+        (bounded in time; a no-op for a local store). Never raises."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Fill:
@@ -87,6 +96,15 @@ class TierLink:
     def match(self, hashes: Sequence[BlockHash]) -> int:
         return self.tier.match(hashes)
 
+    def stored(self, hashes: Sequence[BlockHash]) -> int:
+        return self.tier.stored(hashes)
+
+    async def probe(self, hashes: Sequence[BlockHash], held: int) -> None:
+        """Ask a shared store what it holds of a prompt whose first ``held`` blocks this node's
+        L0 already has, unless this node holds all of it that a turn can use."""
+        if max(held, self.l1.match(hashes)[1], self.tier.match(hashes)) < len(hashes) - 1:
+            await self.tier.probe(hashes)
+
     def is_spilling(self) -> bool:
         return bool(self._spilling)
 
@@ -100,7 +118,7 @@ class TierLink:
         try:
             while True:
                 entry = self.l1.entries.get(session_id)
-                if entry is not None and self.tier.match(entry.hashes) < len(entry.hashes):
+                if entry is not None and self.tier.stored(entry.hashes) < len(entry.hashes):
                     hashes = list(entry.hashes)
                     self.l1.begin_read(entry)
                     try:

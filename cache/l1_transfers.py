@@ -453,8 +453,8 @@ class L1Transfers:
             if rank is None or session.num_in_flight or s.epoch != epoch:
                 continue
             chain = self.session_chain(rank, session)
-            if chain and s.l2.match(chain) < len(chain) and await self.write_through(rank, session.session_id,
-                                                                                     chain, epoch):
+            if chain and s.l2.stored(chain) < len(chain) and await self.write_through(
+                    rank, session.session_id, chain, epoch):
                 await s.l2.spill(session.session_id)
 
     def session_chain(self, rank: Rank, session: Session) -> list[BlockHash]:

@@ -148,6 +148,12 @@ class L2Store:
         """Leading blocks of the chain on disk."""
         return self.index.match(hashes)
 
+    def stored(self, hashes: Sequence[BlockHash]) -> int:
+        return self.index.match(hashes)
+
+    async def probe(self, hashes: Sequence[BlockHash]) -> None:
+        """Nothing to learn: the index is in memory."""
+
     # ----------------------------------------------------------------- save
 
     async def save(self, hashes: Sequence[BlockHash], parent_hash: BlockHash, host_slot: int) -> int:

@@ -49,6 +49,43 @@ class ConfigError(ValueError):
     """A workload config that cannot run; the message names the key and what is allowed."""
 
 
+class L3Config(BaseModel):
+    """The optional L3 tier: a Mooncake Store shared by every worker of the deployment
+    (``cache/l3_store.py``; docs/cache.md, "Beyond one node")."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    master: str = Field(..., min_length=3, description="host:port of the mooncake_master (its rpc_port).")
+    bind_host: str = Field(
+        "127.0.0.1", min_length=1, description="Address this worker's store client announces to the others "
+        "(its segment is read from there): loopback by default, which serves only workers on this machine; "
+        "set the node's cluster-network address for a deployment of several. Mooncake 0.3.13's transfer "
+        "ports listen on all interfaces whatever this says: keep them on a private network.",
+    )
+    segment_gb: float = Field(
+        4, ge=0, description="Host RAM this worker lends the shared pool, GiB (0: it only reads and writes; "
+        "its objects live in other workers' segments).",
+    )
+    buffer_mb: int = Field(
+        256, ge=4, le=65536, description="Two staging buffers (saves, restores) registered with the store, "
+        "MiB in all; one store call moves at most half of it.",
+    )
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transfer protocol.")
+    rdma_devices: str = Field("", description="RDMA devices for protocol 'rdma' (e.g. 'mlx5_0,mlx5_1').")
+    timeout_secs: float = Field(
+        2.0, gt=0, le=60, description="Bound on one batched put or get; past it L3 is off for retry_secs.",
+    )
+    probe_timeout_secs: float = Field(
+        0.5, gt=0, le=10, description="Bound on the existence query before a turn is planned (the most a "
+        "turn waits for L3 when the master is down).",
+    )
+    retry_secs: float = Field(30, gt=0, description="How long L3 stays off after a failure.")
+    prefill_tokens_per_sec: float = Field(
+        352_000, gt=0, description="This node's prefill rate: a restore from L3 is done only when its "
+        "estimated time (measured bandwidth and latency) is below recomputing the tokens at this rate.",
+    )
+
+
 class WorkloadConfig(BaseModel):
     """Workload configuration (the seed guide's ``config`` block plus the backend's own keys)."""
 
@@ -98,6 +135,12 @@ class WorkloadConfig(BaseModel):
         default_factory=dict, description="Extra environment for the rank processes. MASTER_PORT "
         "(else env's) fixes the ranks' rendezvous port (DeepInfer's is MASTER_PORT-50); unset, the "
         "rank group picks a free one per start."
+    )
+    l3: L3Config | None = Field(
+        None, description="A KV tier shared by every worker (Mooncake Store), so a session stays warm on "
+        "whichever worker serves its next turn: {master, bind_host, segment_gb, buffer_mb, ...} "
+        "(docs/cache.md, \"Beyond one node\"). Unset: off. Needs the optional package "
+        "mooncake-transfer-engine-non-cuda (scripts/setup_l3.sh).",
     )
     ready_timeout_secs: float = Field(300, gt=0, description="How long the worker waits for setup().")
     request_timeout_secs: float = Field(1800, gt=0, description="Upper bound on one whole request.")

@@ -35,6 +35,7 @@ from server.service import ChatService
 
 if TYPE_CHECKING:
     from cache.l2_store import L2Store
+    from cache.l3_store import L3Store
     from cache.manager import CacheManager
     from protocol.api import Protocol
     from protocol.api_types import ApiName
@@ -95,6 +96,7 @@ class Runtime:
         self.group: RankClient | None = None
         self.cache: CacheManager | None = None
         self.l2: L2Store | None = None  # the L2 store (server/kv_disk.py), when l2_dir and l2_gb are set
+        self.l3: L3Store | None = None  # the shared store (server/kv_disk.py), when l3 is set
         self.protocol: Protocol | None = None
         self.service: ChatService | None = None
         self._preflight = preflight_report
@@ -169,6 +171,9 @@ class Runtime:
         if self.l2 is not None:
             self.l2.close()
             self.l2 = None
+        if self.l3 is not None:
+            self.l3.close()
+            self.l3 = None
         for persisted in self._persisted:
             persisted.close()
         self._persisted = []
@@ -219,11 +224,13 @@ class Runtime:
     async def _build_cache(self, group: RankClient) -> CacheManager:
         from cache.manager import CacheManager
         from cache.metrics import CacheMetrics
-        from server.kv_disk import open_l2
+        from server.kv_disk import open_l2, open_l3, tier_below_l1
 
         config = self.config.cache_config()
         self.l2 = await open_l2(self.config, group, config.hash_salt)
-        return CacheManager(group, config, CacheMetrics(self.metrics.registry), l2=self.l2)
+        self.l3 = await open_l3(self.config, group, config.hash_salt)
+        below_l1 = tier_below_l1(self.l2, self.l3)
+        return CacheManager(group, config, CacheMetrics(self.metrics.registry), l2=below_l1)
 
     async def _start_http(self) -> None:
         cfg = self.config
@@ -324,6 +331,10 @@ class Runtime:
             from server.kv_disk import l2_gauges
 
             cache_stats.update(l2_gauges(self.l2))
+        if self.l3 is not None:
+            from server.kv_disk import l3_gauges
+
+            cache_stats.update(l3_gauges(self.l3))
         return StateSnapshot(self.group.state.value, stats, cache_stats)
 
     # -- in-process API (the SDK's process()/chat()) ----------------------------------------------

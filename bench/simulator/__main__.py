@@ -4,6 +4,7 @@
     python -m bench.simulator step --context 500000 --agents 200 --policy ours
     python -m bench.simulator capacity --context 500000 --ttft-p95 30 --policy ours
     python -m bench.simulator nodes --nodes 2,4 --agents-per-node 100   # sticky vs random routing
+    python -m bench.simulator nodes --routings random --l3-gbps 2       # + rows with L3 shared by all
     python -m bench.simulator all --out bench/results/simulator.json   # seed table, 500K x 200, capacity
 """
 
@@ -21,7 +22,7 @@ from bench.loadgen.report import StepStats, format_table
 from bench.simulator import calibration
 from bench.simulator.agents import simulate_step
 from bench.simulator.model import ARRIVALS, Deployment, OursPolicy, SimConfig
-from bench.simulator.nodes import simulate_nodes
+from bench.simulator.nodes import L3Model, simulate_nodes
 from bench.simulator.vclock import run_virtual
 from server.scheduling import SchedulingConfig
 
@@ -176,26 +177,31 @@ def ladder(config: SimConfig, context: int, counts: list[int], num_procs: int) -
 
 
 def nodes_table(config: SimConfig, context: int, agents_per_node: int,
-                node_counts: list[int]) -> list[dict[str, Any]]:
-    """Sticky (session-id hash) vs random routing over N workers, each a whole simulated node."""
+                node_counts: list[int], l3: L3Model | None = None,
+                routings: tuple[str, ...] = ("sticky", "random")) -> list[dict[str, Any]]:
+    """Sticky (session-id hash) vs random routing over N workers, each a whole simulated node;
+    with ``l3``, each also with the shared store below L1 (bench/simulator/l3.py)."""
     out = []
     print(f"\n{config.policy} at {context // 1000}K, {agents_per_node} agents per node, arrivals "
           f"{arrivals_name(config)}:")
-    print(f"  {'nodes':>5} {'routing':>7} {'agents':>6} {'reqs':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
+    print(f"  {'nodes':>5} {'routing':>9} {'agents':>6} {'reqs':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
           f"{'tok/s p50':>9} "
           f"{'cache':>7} {'errors':>7} {'workers/session':>15}")
+    variants = [(r, None) for r in routings] + ([(r, l3) for r in routings] if l3 is not None else [])
     for n in node_counts:
-        for routing in ("sticky", "random"):
+        for routing, with_l3 in variants:
             t0 = time.process_time()
             r = run_virtual(simulate_nodes(config, context, agents_per_node, n,
-                                           routing))  # type: ignore[arg-type]
+                                           routing, l3=with_l3))  # type: ignore[arg-type]
             s = r.stats
-            print(f"  {n:>5} {routing:>7} {s.num_agents:>6} {s.num_requests:>6} {s.ttft_p50_s:8.1f}s "
+            name = routing + ("+L3" if with_l3 else "")
+            print(f"  {n:>5} {name:>9} {s.num_agents:>6} {s.num_requests:>6} {s.ttft_p50_s:8.1f}s "
                   f"{s.ttft_p95_s:8.1f}s "
                   f"{s.tok_s_p50:9.1f} {100 * s.cache_hit:6.1f}% {100 * s.error_rate:6.2f}% "
                   f"{r.nodes_per_session:15.2f}"
                   f"   ({time.process_time() - t0:.0f} s CPU)", flush=True)
-            out.append({"nodes": n, "routing": routing, "requests_per_node": r.requests_per_node,
+            out.append({"nodes": n, "routing": routing, "l3": with_l3 is not None,
+                        "l3_restored_blocks": r.l3_restored_blocks, "requests_per_node": r.requests_per_node,
                         "workers_per_session": r.nodes_per_session,
                         "stats": s.model_dump(exclude={"timeline"})})
     return out
@@ -288,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=500_000)
     p.add_argument("--agents-per-node", type=int, default=100)
     p.add_argument("--nodes", default="2,4", help="comma-separated worker counts")
+    p.add_argument("--l3-gbps", type=float, default=0.0, help="add rows with L3 (a store shared by every "
+                   "worker) restoring at this many GB/s (bench/l3_bench.py measures it); 0: none")
+    p.add_argument("--l3-latency-ms", type=float, default=1.0)
+    p.add_argument("--routings", default="sticky,random")
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
     p.add_argument("--out", default=None)
     p = sub.add_parser("all",
@@ -325,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         doc["ladder"] = ladder(config.model_copy(update={"policy": args.policy}), args.context,
                                [int(n) for n in args.agents.split(",")], args.jobs)
     if args.cmd == "nodes":
+        l3 = L3Model(args.l3_gbps * 1e9, args.l3_latency_ms / 1e3) if args.l3_gbps > 0 else None
         doc["nodes"] = nodes_table(config.model_copy(update={"policy": args.policy}), args.context,
-                                   args.agents_per_node, [int(n) for n in args.nodes.split(",")])
+                                   args.agents_per_node, [int(n) for n in args.nodes.split(",")], l3,
+                                   tuple(args.routings.split(",")))
     if args.cmd == "all":
         ours = config.model_copy(update={"policy": "ours"})
         s = run_one(ours, 500_000, 200)

@@ -50,7 +50,7 @@ class SimTotals:
     phases: list[tuple[float, ...]] = field(default_factory=list)
 
 
-def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
+def make_manager(config: SimConfig, group: SimGroup, clock: Any, below_l1: Any = None) -> Any:
     if config.policy == "seed":
         return SeedCacheManager(group, config.seed_policy, clock)
     from cache.config import CacheConfig
@@ -61,7 +61,7 @@ def make_manager(config: SimConfig, group: SimGroup, clock: Any) -> Any:
     # (CacheConfig.usable_fraction: what WorkloadConfig.cache_config sets for engine 'deepinfer'.)
     cfg = CacheConfig(hash_salt="sim", usable_fraction=config.engine.kv_watermark,
                       place_homeless=config.ours.place_homeless, **config.ours.cache)
-    return CacheManager(group, cfg, clock=clock)
+    return CacheManager(group, cfg, clock=clock, l2=below_l1)
 
 
 def make_gate(config: SimConfig, group: SimGroup, clock: Any) -> SubmitGate:

@@ -57,7 +57,8 @@ def lock_problems(requirements: list[str], lock_text: str, deepinfer_pins: dict[
     for name, version in pins.items():
         needed_by = [v for v in via.get(name, []) if v != "-r requirements.txt"]
         if name not in reqs and not any(_norm(v) in pins for v in needed_by):
-            problems.append(f"{name} is in the lock but neither in requirements.txt nor needed by a locked package")
+            problems.append(f"{name} is in the lock but neither in requirements.txt nor needed by a "
+                            "locked package")
         if name in deepinfer_pins and deepinfer_pins[name] != version:
             problems.append(f"lock {name}=={version} contradicts DeepInfer's pin {deepinfer_pins[name]}")
         if name in TAKEN_FROM_THE_DEEPINFER_VENV:
@@ -80,7 +81,8 @@ def test_lock_agrees_with_requirements_and_deepinfer_pins() -> None:
 @pytest.mark.parametrize(("requirements", "lock", "expected"), [
     (["xxhash>=3.4", "psutil>=5.9"], "xxhash==4.1.0\n    # via -r requirements.txt\n",
      "psutil is in requirements.txt but not in the lock"),
-    (["xxhash>=3.4"], "xxhash==4.1.0\n    # via -r requirements.txt\nrich==13.0\n    # via -r requirements.txt\n",
+    (["xxhash>=3.4"],
+     "xxhash==4.1.0\n    # via -r requirements.txt\nrich==13.0\n    # via -r requirements.txt\n",
      "rich is in the lock but neither"),
     (["pydantic>=2.6,<3"], "pydantic==3.0.1\n    # via -r requirements.txt\n", "outside requirements.txt's"),
     (["psutil>=5.9"], "psutil==7.0.0\n    # via -r requirements.txt\n", "contradicts DeepInfer's pin 7.2.2"),

@@ -242,8 +242,12 @@ class DeepInferBackend(CustomBackend):
         log.info("setup: engine=%s ranks=%d model=%s", config.engine, config.ep, config.model_name)
         log.info("setup: transport: %s", config.transport_line(ctx.port))
         # Nothing outside requirements.txt is imported above this line (module docstring).
-        add_venv_site_packages(config.deepinfer_venv)
-        require_runtime_modules(config.deepinfer_venv)
+        try:
+            add_venv_site_packages(config.deepinfer_venv)
+            require_runtime_modules(config.deepinfer_venv)
+        except ConfigError:
+            run_preflight(config)  # PreflightError names every fatal finding, this one among them
+            raise
         from server.background import LoopThread
         from server.runtime import Runtime
 
@@ -328,17 +332,22 @@ def _configure_logging(level: int = logging.INFO) -> None:
 
 
 def _add_config_venv(argv: list[str]) -> None:
-    """The preflight helper imports runtime modules: add the config's DeepInfer venv first."""
+    """Add the config's DeepInfer venv to ``sys.path`` when it exists. A missing venv is not an
+    error here: the preflight reports it as one finding among all the others (it needs nothing
+    beyond requirements.txt to run)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config")
     path = parser.parse_known_args(argv)[0].config
     venv = None
     if path and path != "-":
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # the preflight's own reading of --config reports it (exit 2)
         venv = raw.get("deepinfer_venv") if isinstance(raw, dict) else None
         venv = venv if isinstance(venv, str) else None
-    add_venv_site_packages(venv)
-    require_runtime_modules(venv)
+    if venv and Path(venv).is_dir():
+        add_venv_site_packages(venv)
 
 
 def _cli_config(args: argparse.Namespace) -> WorkloadConfig:

@@ -3,18 +3,28 @@
     python publish.py                       # version from pyproject.toml, publish
     python publish.py --version 0.2.0       # explicit version
     python publish.py --dry-run             # package and list the archive, upload nothing
+    python publish.py --archive dist/deepinfer-v41-flash-0.2.0.tar.gz   # upload a built archive again
 
 Environment: ``IK_TENANT_ID`` and ``INFERENCEKEY_SDK_TOKEN`` (``ik_sdk_`` with workload:write);
 ``INFERENCEKEY_BASE_URL`` overrides the control plane (tests point it at a local stand-in).
 
 The archive holds only the backend's code: ``deepinfer_backend.py``, the ``server``, ``protocol``,
-``cache`` and ``rank`` packages, ``requirements.txt`` and a ``BUILD_INFO.json`` stamp. Tests, the
+``cache`` and ``rank`` packages, ``requirements.txt`` and a ``BUILD_INFO.json`` stamp. The
+archive's ``requirements.txt`` is ``requirements.lock``: every package of the worker's venv at
+the exact version the worker stand-in installs (the SDK's worker builds the venv from that one
+file; ``requirements.txt`` in the repository keeps the ranges, ``scripts/lock_requirements.sh``
+regenerates the lock). Tests, the
 test stand-ins (``standins/``: the fake DeepInfer forward, the scripted model), benchmarks,
 caches, weights, virtual environments, ``.env`` files and anything token-like are excluded, and
 the finished archive is listed and checked again before anything is uploaded.
 
 A version is published once: the control plane answers a second publish of the same slug and
-version with 409, which this script reports as such (bump ``--version`` or pyproject's version).
+version with 409. Where its answer names the stored archive's sha256 and it is this archive's
+(the same file sent again, e.g. with ``--archive`` after a lost response), that is reported as
+already published and exits 0; a different sha256 means other code holds the version (bump
+``--version`` or pyproject's version); without a sha256 the message says both and prints ours.
+Archives are not byte-reproducible (the SDK's gzip and tar headers carry the build time), so
+re-sending the same upload means ``--archive`` with the file from ``dist/``.
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ SECRET_CONTENT_RE = re.compile(
     rb"|(gh[pousr]_[A-Za-z0-9]{36,})|(AKIA[0-9A-Z]{16})|(-----BEGIN [A-Z ]*PRIVATE KEY-----)"
 )
 BUILD_INFO_NAME = "BUILD_INFO.json"
+LOCK_NAME = "requirements.lock"
+SHA256_RE = re.compile(r"\b[0-9a-f]{64}\b")
 EXIT_CONFLICT = 3
 EXIT_AUTH = 4
 EXIT_FAILED = 5
@@ -165,7 +177,7 @@ def build_package(version: str, name: str, out_dir: str, requires_python: str,
         staging.mkdir()
         stage(files, version, root, staging)
         kwargs: dict[str, object] = dict(
-            src=str(staging), entrypoint=ENTRYPOINT, requirements=str(root / "requirements.txt"),
+            src=str(staging), entrypoint=ENTRYPOINT, requirements=str(root / LOCK_NAME),
             name=name, version=version, task_type="text2text", requires_python=requires_python,
             out_dir=out_dir, description="DeepSeek-V4.1-Flash on DeepInfer with L0/L1 prefix cache",
         )
@@ -176,7 +188,25 @@ def build_package(version: str, name: str, out_dir: str, requires_python: str,
     return pkg, check_archive(pkg.path)
 
 
-def publish(tenant_id: str, path: str, token: str, base_url: str | None) -> dict:
+def conflict_message(detail: str, sha256: str) -> tuple[int, str]:
+    """Exit status and message for a 409: identical archive (0), other code, or unknown."""
+    theirs = SHA256_RE.findall(detail)
+    if sha256 in theirs:
+        return 0, (f"already published: the control plane holds this very archive (sha256 {sha256}); "
+                   "nothing to do (deploy it as is)")
+    if theirs:
+        return EXIT_CONFLICT, (f"this slug and version are already published with a different archive "
+                               f"(theirs sha256 {theirs[0]}, ours {sha256}; 409 Conflict: {detail}). "
+                               "Versions are immutable: bump the version (--version or pyproject.toml) "
+                               "and publish again.")
+    return EXIT_CONFLICT, (f"this slug and version are already published (409 Conflict: {detail}); the "
+                           f"control plane did not say which archive it holds (ours: sha256 {sha256}). If "
+                           "an earlier publish of this same archive lost its response, it is published: "
+                           "deploy it. If the code changed, bump the version (--version or "
+                           "pyproject.toml) and publish again.")
+
+
+def publish(tenant_id: str, path: str, token: str, base_url: str | None, sha256: str = "") -> dict:
     from inferencekey import publish_custom_backend
     from inferencekey.errors import ApiError, AuthError, PermissionDenied, ValidationError
 
@@ -190,10 +220,8 @@ def publish(tenant_id: str, path: str, token: str, base_url: str | None) -> dict
         raise PublishRejected(EXIT_FAILED, f"the control plane rejected the package: {exc}") from None
     except ApiError as exc:
         if str(exc).startswith("409"):
-            raise PublishRejected(EXIT_CONFLICT, f"this slug and version are already published "
-                                  f"(409 Conflict: {exc}). Versions are immutable: bump the "
-                                  "version (--version or pyproject.toml) and publish again."
-                                  ) from None
+            code, message = conflict_message(str(exc), sha256)
+            raise PublishRejected(code, message) from None
         raise PublishRejected(EXIT_FAILED, f"upload failed: {exc}") from None
 
 
@@ -213,31 +241,74 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tenant", default=os.environ.get("IK_TENANT_ID"))
     parser.add_argument("--base-url", default=None, help="default: $INFERENCEKEY_BASE_URL or the SDK's")
     parser.add_argument("--dry-run", action="store_true", help="package and list; do not upload")
+    parser.add_argument("--archive", default=None,
+                        help="upload this already built archive (same bytes, same sha256) instead of "
+                        "packaging the checkout; name and version come from its manifest")
     args = parser.parse_args(argv)
 
+    token = os.environ.get("INFERENCEKEY_SDK_TOKEN")
     try:
-        version = args.version or project_version()
-        pkg, names = build_package(version, args.name, args.out_dir, args.requires_python)
-        print(f"packaged {args.name} {version}: {pkg.path} sha256 {pkg.sha256[:12]} "
-              f"{pkg.size_bytes / 1024:.0f} KiB, {len(names)} files")
+        if args.archive:
+            pkg, names = existing_package(args.archive)
+            version = str(pkg.manifest.get("version"))
+            print(f"archive {pkg.path}: {pkg.manifest.get('slug') or pkg.manifest.get('name')} {version} "
+                  f"sha256 {pkg.sha256} {pkg.size_bytes / 1024:.0f} KiB, {len(names)} files")
+        else:
+            version = args.version or project_version()
+            pkg, names = build_package(version, args.name, args.out_dir, args.requires_python)
+            print(f"packaged {args.name} {version}: {pkg.path} sha256 {pkg.sha256} "
+                  f"{pkg.size_bytes / 1024:.0f} KiB, {len(names)} files")
         for name in names:
             print(f"  {name}")
         if args.dry_run:
             print("dry run: nothing uploaded")
             return 0
-        token = os.environ.get("INFERENCEKEY_SDK_TOKEN")
         if not args.tenant or not token:
             raise PublishRejected(EXIT_AUTH, "set IK_TENANT_ID (or --tenant) and INFERENCEKEY_SDK_TOKEN")
-        record = publish(args.tenant, pkg.path, token, args.base_url)
+        record = publish(args.tenant, pkg.path, token, args.base_url, pkg.sha256)
     except PublishRejected as exc:
-        print(f"publish failed: {exc}", file=sys.stderr)
+        if exc.exit_code == 0:
+            print(_masked(str(exc), token))
+            return 0
+        print(f"publish failed: {_masked(str(exc), token)}", file=sys.stderr)
         return exc.exit_code
     except Exception as exc:  # noqa: BLE001 - one clear line for the operator, not a traceback
-        print(f"publish failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"publish failed: {type(exc).__name__}: {_masked(str(exc), token)}", file=sys.stderr)
         return EXIT_FAILED
+    stored = record.get("sha256")
+    check = "" if stored in (None, pkg.sha256) else f"; WARNING: the control plane stored sha256 {stored}"
     print(f"published {record.get('slug', args.name)} {record.get('version', version)} "
-          f"(id {record.get('id', '?')})")
+          f"(id {record.get('id', '?')}, sha256 {pkg.sha256}{check})")
     return 0
+
+
+def _masked(text: str, token: str | None) -> str:
+    """Operator-facing text with the SDK token and credential-shaped strings masked."""
+    if token:
+        text = text.replace(token, "***")
+    return re.sub(SECRET_CONTENT_RE.pattern.decode(), "***", text)
+
+
+@dataclass(frozen=True, slots=True)
+class ExistingPackage:
+    path: str
+    sha256: str
+    size_bytes: int
+    manifest: dict
+
+
+def existing_package(path: str) -> tuple[ExistingPackage, list[str]]:
+    """An archive built before (``dist/``), checked like a fresh one."""
+    import hashlib
+
+    from inferencekey.backend.packaging import read_manifest_from_archive
+
+    if not Path(path).is_file():
+        raise PublishRejected(EXIT_FAILED, f"--archive {path}: no such file")
+    names = check_archive(path)
+    data = Path(path).read_bytes()
+    return ExistingPackage(path, hashlib.sha256(data).hexdigest(), len(data),
+                           read_manifest_from_archive(path)), names
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ their own before a deploy:
     python -m deepinfer_backend preflight --config workload.json [--json]
     python -m server.preflight --config workload.json [--json]
 
+Every check runs in every run, whatever the others found (a missing venv or model directory is
+one finding among the rest), so an operator preparing a worker sees the whole list at once.
 Exit status: 0 when nothing is fatal, 1 when something is, 2 for a bad command line or config.
 Each check is in ``server/preflight_checks/``; every read of the machine goes through a
 ``SystemProbe`` so tests can fake the machine. A check that crashes becomes a warning, never
@@ -17,16 +19,16 @@ a crash of ``setup()``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from server.config import ConfigError, WorkloadConfig, load_config
 from server.preflight_checks.context import MIB, rank_env, uses_gpu
+from server.preflight_checks.driver import check_driver
 from server.preflight_checks.gpu import check_gpus
 from server.preflight_checks.l2_disk import check_l2_dir
 from server.preflight_checks.model_dir import (
@@ -36,6 +38,7 @@ from server.preflight_checks.model_dir import (
     check_read_speed,
 )
 from server.preflight_checks.network import check_http_port, check_master_port, check_nccl_env
+from server.preflight_checks.pinning import SHM_PATH, check_memlock, check_shm
 from server.preflight_checks.probe import GpuQuery, RdmaInfo, RealSystemProbe, SystemProbe
 from server.preflight_checks.report import (
     CheckResult,
@@ -61,8 +64,9 @@ __all__ = [
 ]
 
 CHECK_NAMES = (
-    "gpu", "model_dir", "model_fs", "model_read_speed", "deepinfer_venv", "prefix_cache_api", "disk",
-    "l2_dir", "host_ram", "master_port", "http_port", "nccl_env", "ready_timeout", "timeout_order",
+    "gpu", "driver", "model_dir", "model_fs", "model_read_speed", "deepinfer_venv", "prefix_cache_api",
+    "disk", "l2_dir", "host_ram", "shm", "memlock", "master_port", "http_port", "nccl_env", "ready_timeout",
+    "timeout_order",
 )
 
 
@@ -112,6 +116,7 @@ def run_preflight(
         except Exception as exc:  # noqa: BLE001
             gpus = GpuQuery((), "none", f"GPU query failed: {exc}")
     run("gpu", lambda: check_gpus(config, gpus, env))
+    run("driver", lambda: check_driver(config, probe.nvidia_driver() if uses_gpu(config) else None))
 
     facts = ModelFacts()
 
@@ -153,7 +158,9 @@ def run_preflight(
     run("disk", disk)
     run("l2_dir", lambda: check_l2_dir(config, probe, sample_bytes=opts.read_sample_bytes,
                                        max_seconds=opts.read_max_seconds))
-    run("host_ram", lambda: check_host_ram(config, probe.memory(), probe.disk_free_bytes(Path("/dev/shm"))))
+    run("host_ram", lambda: check_host_ram(config, probe.memory(), probe.disk_free_bytes(Path(SHM_PATH))))
+    run("shm", lambda: check_shm(config, probe.shm(Path(SHM_PATH))))
+    run("memlock", lambda: check_memlock(config, probe.memlock_limit()))
     run("master_port", lambda: check_master_port(config, env, probe))
     if config.http_mode == "sdk":
         results["http_port"] = skipped("http_port", "IK_BACKEND_HTTP=sdk: the SDK's server owns the port")
@@ -177,8 +184,8 @@ def run_preflight(
 def _read_config(path: str) -> WorkloadConfig:
     raw_bytes = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     try:
-        raw = orjson.loads(raw_bytes)
-    except orjson.JSONDecodeError as exc:
+        raw = json.loads(raw_bytes)
+    except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object (the workload config), got {type(raw).__name__}")
@@ -220,7 +227,7 @@ def main(argv: Sequence[str] | None = None, probe: SystemProbe | None = None) ->
     )
     report = run_preflight(config, probe, options=options)
     if args.json:
-        sys.stdout.write(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(json.dumps(report.to_dict(), indent=2) + "\n")
     else:
         print(report.format_text())
     return 1 if report.has_fatal else 0

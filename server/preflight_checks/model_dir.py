@@ -6,11 +6,10 @@ DeepInfer mmaps the weights: from a network filesystem the seed deployment's loa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import orjson
 
 from server.preflight_checks.context import GIB, MIB, human_bytes, is_deepinfer
 from server.preflight_checks.probe import SystemProbe
@@ -61,9 +60,9 @@ def _indexed_missing(model_dir: Path) -> tuple[int, list[str]] | None:
     if not index.is_file():
         return None
     try:
-        weight_map = orjson.loads(index.read_bytes()).get("weight_map", {})
+        weight_map = json.loads(index.read_bytes()).get("weight_map", {})
         names = sorted(set(weight_map.values()))
-    except (orjson.JSONDecodeError, AttributeError, TypeError):
+    except (json.JSONDecodeError, AttributeError, TypeError):
         return 0, ["model.safetensors.index.json (unreadable)"]
     return len(names), [n for n in names if not (model_dir / n).is_file()]
 
@@ -90,8 +89,8 @@ def check_model_files(config: WorkloadConfig, model_dir: Path | None) -> tuple[C
                if not (model_dir / f).is_file()]
     if (model_dir / "config.json").is_file():
         try:
-            orjson.loads((model_dir / "config.json").read_bytes())
-        except orjson.JSONDecodeError:
+            json.loads((model_dir / "config.json").read_bytes())
+        except json.JSONDecodeError:
             missing.append("config.json (not valid JSON)")
     shards = _shards(model_dir)
     weights_bytes = sum(p.stat().st_size for p in shards)

@@ -7,7 +7,10 @@ the checks do.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -92,6 +95,24 @@ class RdmaInfo:
         return self.dev_infiniband and bool(self.verbs_devices)
 
 
+@dataclass(slots=True, frozen=True)
+class ShmInfo:
+    """The shared-memory filesystem the L1 pool file lives on (``statvfs``)."""
+
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class DriverInfo:
+    """The NVIDIA driver: its version and the newest CUDA it supports (None when not known)."""
+
+    driver_version: str | None
+    cuda_version: str | None
+    source: str  # "nvidia-smi", "/proc/driver/nvidia/version", "none"
+    error: str | None = None
+
+
 @runtime_checkable
 class SystemProbe(Protocol):
     def environ(self) -> Mapping[str, str]: ...
@@ -108,6 +129,31 @@ class SystemProbe(Protocol):
         ...
     def run(self, argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None) -> RunResult: ...
     def rdma(self) -> RdmaInfo: ...
+    def shm(self, path: Path) -> ShmInfo | None:
+        """Size and free space of the filesystem at ``path`` (None when it does not exist)."""
+        ...
+    def memlock_limit(self) -> tuple[int | None, int | None]:
+        """RLIMIT_MEMLOCK (soft, hard) in bytes; None for unlimited."""
+        ...
+    def nvidia_driver(self) -> DriverInfo: ...
+
+
+_SMI_DRIVER_RE = re.compile(r"Driver Version:\s*([0-9][0-9.]*)")
+_SMI_CUDA_RE = re.compile(r"CUDA Version:\s*([0-9][0-9.]*)")
+_PROC_DRIVER_RE = re.compile(r"Kernel Module\s+(?:for \S+\s+)?([0-9]+\.[0-9.]+)")
+
+
+def parse_nvidia_smi_banner(text: str) -> tuple[str | None, str | None]:
+    """(driver version, CUDA version) from plain ``nvidia-smi`` output's header."""
+    driver, cuda = _SMI_DRIVER_RE.search(text), _SMI_CUDA_RE.search(text)
+    return (driver.group(1) if driver else None), (cuda.group(1) if cuda else None)
+
+
+def parse_proc_driver_version(text: str) -> str | None:
+    """The driver version from ``/proc/driver/nvidia/version``
+    (``NVRM version: NVIDIA UNIX ... Kernel Module  595.91 ...``)."""
+    match = _PROC_DRIVER_RE.search(text)
+    return match.group(1) if match else None
 
 
 def parse_mounts(text: str) -> list[tuple[str, str]]:
@@ -175,9 +221,11 @@ print(json.dumps(gpus))
 class RealSystemProbe:
     """Reads this machine. Subprocesses always run with a timeout, so no read can hang setup()."""
 
-    def __init__(self, proc_mounts: Path = Path("/proc/mounts"), cgroup_root: Path = Path("/sys/fs/cgroup")):
+    def __init__(self, proc_mounts: Path = Path("/proc/mounts"), cgroup_root: Path = Path("/sys/fs/cgroup"),
+                 proc_driver: Path = Path("/proc/driver/nvidia/version")):
         self._proc_mounts = proc_mounts
         self._cgroup_root = cgroup_root
+        self._proc_driver = proc_driver
 
     def environ(self) -> Mapping[str, str]:
         return dict(os.environ)
@@ -218,9 +266,7 @@ class RealSystemProbe:
         res = self.run([sys.executable, "-c", _TORCH_GPU_SCRIPT], 60.0, None)
         if res.returncode != 0:
             return GpuQuery((), "none", f"{why}; torch not usable either")
-        import orjson
-
-        rows = orjson.loads(res.stdout.strip().splitlines()[-1])
+        rows = json.loads(res.stdout.strip().splitlines()[-1])
         gpus = tuple(GpuInfo(i, u, n, (c[0], c[1]), t, None) for i, u, n, c, t in rows)
         return GpuQuery(gpus, "torch", None if gpus else f"{why}; torch sees no CUDA device")
 
@@ -319,3 +365,30 @@ class RealSystemProbe:
         except OSError:
             devices = ()
         return RdmaInfo(Path("/dev/infiniband").is_dir(), devices)
+
+    def shm(self, path: Path) -> ShmInfo | None:
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return None
+        return ShmInfo(st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+
+    def memlock_limit(self) -> tuple[int | None, int | None]:
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        return (None if soft == resource.RLIM_INFINITY else soft,
+                None if hard == resource.RLIM_INFINITY else hard)
+
+    def nvidia_driver(self) -> DriverInfo:
+        smi = shutil.which("nvidia-smi")
+        why = "nvidia-smi not found"
+        if smi is not None:
+            res = self.run([smi], NVIDIA_SMI_TIMEOUT_S, None)
+            driver, cuda = parse_nvidia_smi_banner(res.stdout) if res.returncode == 0 else (None, None)
+            if driver:
+                return DriverInfo(driver, cuda, "nvidia-smi")
+            why = f"nvidia-smi failed: {res.error or (res.stderr or res.stdout).strip()[-200:]}"
+        try:
+            text = self._proc_driver.read_text()
+        except OSError:
+            return DriverInfo(None, None, "none", f"{why}; no {self._proc_driver}")
+        return DriverInfo(parse_proc_driver_version(text), None, str(self._proc_driver), why)

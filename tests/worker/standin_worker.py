@@ -129,10 +129,15 @@ class Machine:
         return lines
 
     def backend_venv_packages(self) -> set[str]:
-        code = ("import importlib.metadata as m\n"
-                "print(' '.join(d.metadata['Name'].lower() for d in m.distributions()))")
+        return set(self.backend_venv_versions())
+
+    def backend_venv_versions(self) -> dict[str, str]:
+        """Installed distribution -> version in the backend venv (names lower-case, '-' separated)."""
+        code = ("import importlib.metadata as m, re\n"
+                "print(' '.join(re.sub(r'[-_.]+', '-', d.metadata['Name']).lower() + '==' + d.version "
+                "for d in m.distributions()))")
         res = run([str(self.backend_venv / "bin" / "python"), "-c", code])
-        return set(res.stdout.split())
+        return dict(item.split("==", 1) for item in res.stdout.split())
 
 
 def standin_config(measured: dict[str, Any], engine: str, machine: Machine, native_port: int,

@@ -24,6 +24,7 @@ import pytest
 import tests.worker.standin_checks as checks
 from tests.worker.standin_worker import (
     REPO,
+    SDK_REQUIREMENT,
     STANDIN_CHANGES,
     Machine,
     Worker,
@@ -101,6 +102,8 @@ def test_worker_standin(machine: Machine, engine: str) -> None:
                  lambda: _only(changed, STANDIN_CHANGES))
     report.check("backend venv holds none of the DeepInfer venv's packages",
                  lambda: _no_runtime_packages(machine))
+    report.check("backend venv is requirements.lock, version for version",
+                 lambda: _venv_is_the_lock(machine))
     worker = Worker(engine, machine, config)
     try:
         ready_s = worker.start(READY_TIMEOUT_S)
@@ -154,6 +157,19 @@ def _only(changed: list[str], allowed: tuple[str, ...]) -> str:
     extra = sorted(set(changed) - set(allowed))
     checks.expect(not extra, f"changed beyond engine/paths/ports/sizes: {extra}")
     return f"{len(changed)} keys: {', '.join(changed)}"
+
+
+def _venv_is_the_lock(machine: Machine) -> str:
+    from tests.server.test_requirements_lock import parse_lock
+
+    pins, _ = parse_lock((REPO / "requirements.lock").read_text(encoding="utf-8"))
+    have = machine.backend_venv_versions()
+    sdk = SDK_REQUIREMENT.split("==")[0]
+    extra = {k: v for k, v in have.items() if k not in pins and k not in (sdk, "pip", "setuptools")}
+    differ = {k: (v, have.get(k)) for k, v in pins.items() if have.get(k) != v}
+    checks.expect(not differ, f"lock vs installed (locked, installed): {differ}")
+    checks.expect(not extra, f"installed but not locked: {extra}")
+    return f"{len(pins)} locked packages installed at their locked versions (+ {sdk})"
 
 
 def _no_runtime_packages(machine: Machine) -> str:

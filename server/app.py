@@ -439,4 +439,8 @@ def create_app(state: AppState) -> ServerApp:
         Route("/metrics", r.metrics, methods=["GET"]),
         Route("/", r.root, methods=["GET", "HEAD"]),
     ]
-    return ServerApp(r, Starlette(routes=routes, exception_handlers={HTTPException: _http_exception}))
+    fallback = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+    # no 307 to the path without its trailing slash: Starlette builds that redirect from the
+    # client's Host header (a reflected, attacker-chosen URL); a 404 in the API's shape instead
+    fallback.router.redirect_slashes = False
+    return ServerApp(r, fallback)

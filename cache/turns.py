@@ -82,6 +82,7 @@ class Admission:
     max_output_tokens: int = 1  # the engine request's max_tokens (trimmed to the KV room if a default)
     room_blocks: int = 0  # blocks the turn may hold: prefix + reserved; grows while it decodes
     is_closed: bool = False
+    caller_salt: bytes = b""  # the chain's per-caller salt (``ChainHasher``), b"" when shared
 
     def engine_request(
         self, request_id: str, prompt_ids: np.ndarray, sampling: SamplingParams

@@ -169,6 +169,7 @@ class Protocol:
             num_ledger_divergences=bound.num_divergences,
             tool_params=_tool_params(conv),
             ledger_binding=bound.binding,
+            caller_scope=scope,
         )
 
     def prepare_openai(self, body: bytes | dict[str, Any],
@@ -209,6 +210,7 @@ class Protocol:
             num_ledger_divergences=bound.num_divergences,
             tool_params=_tool_params(conv),
             ledger_binding=bound.binding,
+            caller_scope=scope,
         )
 
     def prepare_responses(self, body: bytes | dict[str, Any],

@@ -65,3 +65,4 @@ class PreparedRequest:
     # the caller scope's and whole prompt's binding: the reply's ledger entry is bound to it
     # (protocol/ledger.py); b"" (a request built by hand): the reply is not recorded
     ledger_binding: bytes = b""
+    caller_scope: bytes = b""  # the caller's scope (server/auth.caller_scope); b"": not told apart

@@ -73,5 +73,6 @@ def prepare_responses(proto: Protocol, data: dict[str, Any],
         tool_params=tool_params(conv),
         responses=opts,
         ledger_binding=bound.binding,
+        caller_scope=scope,
     )
 

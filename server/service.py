@@ -104,6 +104,7 @@ class ChatService:
         self._metrics = metrics
         self._timeout_s = config.request_timeout_secs
         self._keep_blocks = config.prefix_cache
+        self._salt_per_caller = config.prefix_cache_per_caller
         # Between admission and submit: which admitted turn reaches the engine's queue when.
         self._gate = SubmitGate(config.scheduling_config(), clock=time.perf_counter)
         self._late: set[asyncio.Task[None]] = set()  # admissions waiting for an aborted request's end
@@ -168,8 +169,10 @@ class ChatService:
         if client.state is not GroupState.READY:
             raise Overloaded(f"rank group is {client.state.value}; retry shortly",
                              retry_after_s=RESTART_RETRY_AFTER_S)
+        salt = prepared.caller_scope if self._salt_per_caller else b""
         async with self._cache.turn(prepared.prompt_ids, prepared.session_key, prepared.max_tokens,
-                                    max_tokens_is_default=prepared.max_tokens_is_default) as turn:
+                                    max_tokens_is_default=prepared.max_tokens_is_default,
+                                    caller_salt=salt) as turn:
             await self._run_turn(turn, prepared, rs, flight, write)
 
     async def _run_turn(self, turn: Turn, prepared: PreparedRequest, rs: ResponseStream,

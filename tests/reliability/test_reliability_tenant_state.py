@@ -165,3 +165,29 @@ def test_store_false_keeps_no_response_and_nothing_of_the_reply_on_disk(
         for name in names:
             with open(os.path.join(root, name), "rb") as f:
                 assert NOSTORE.encode() not in f.read(), name
+
+
+# ------------------------------------------------------------------ KV prefix cache per caller
+
+def _cached_tokens(rt: RuntimeThread, system: str, key: str) -> int:
+    body = {"model": "default", "max_tokens": 8, "system": system,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    r = _post(rt, "/v1/messages", body, key)
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["cache_read_input_tokens"])
+
+
+@pytest.mark.parametrize("per_caller", [False, True])
+def test_prefix_cache_per_caller_hides_whether_another_caller_sent_a_prompt(
+        tmp_path: Path, per_caller: bool) -> None:
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"description": "salt", "replies": [{"text": "ok"}]}))
+    config = {"engine": "scripted", "script_file": str(script), "ep": 1, "block_size": 16,
+              "reference_num_blocks": 512, "max_model_len": 8192, "l1_cache": False, "port": 0,
+              "prefix_cache_per_caller": per_caller}
+    system = "You are a careful assistant. " * 60  # a few dozen blocks
+    with RuntimeThread(config, rank_mode="local") as rt:
+        assert _cached_tokens(rt, system, "first") == 0
+        assert _cached_tokens(rt, system, "first") > 0  # control: one caller's own prefix is reused
+        seen_by_other = _cached_tokens(rt, system, "second")
+    assert (seen_by_other == 0) if per_caller else (seen_by_other > 0)

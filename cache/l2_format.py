@@ -172,7 +172,7 @@ def decode_header(raw: bytes, expected: L2Stamp, file_size: int, key: bytes = b"
         raise ExtentRejected("truncated", f"header is {header_len} bytes, file has {len(raw)}")
     head, tag = raw[: header_len - _TAG_BYTES], raw[header_len - _TAG_BYTES : header_len]
     if not hmac.compare_digest(header_tag(key, head), tag):
-        raise ExtentRejected("corrupt", "header tag mismatch (damaged, or not written with this backend's key)")
+        raise ExtentRejected("corrupt", "header tag mismatch (damaged, or not written with this key)")
     first_block, n, bytes_per_block, parent_hash, stamp_len = _FIXED.unpack_from(head, _PREFIX.size)
     pos = _PREFIX.size + _FIXED.size
     if n == 0 or pos + stamp_len + 16 * n != len(head):

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
-import numpy as np
 import orjson
 import xxhash
 from pydantic import BaseModel, ValidationError

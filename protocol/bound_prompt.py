@@ -69,7 +69,7 @@ def encode_bound(tokenizer: PromptTokenizer, ledger: OutputLedger | None, segmen
             parts.append(part)
             num_ids += len(part)
             if hasher is not None:
-                hasher.update(part)
+                hasher.update(part.data)
 
     if ledger is not None and hasher is not None:
         for start, end, m, with_reasoning in spans:
@@ -86,7 +86,7 @@ def encode_bound(tokenizer: PromptTokenizer, ledger: OutputLedger | None, segmen
                 raise TokenBudgetExceeded(num_ids + len(ids), limit)
             parts.append(ids)
             num_ids += len(ids)
-            hasher.update(ids)
+            hasher.update(ids.data)
             pos = end
     encode_upto(len(segments))
     if not parts:

@@ -16,8 +16,9 @@ A process killed mid-record leaves a torn tail: replay stops at the first record
 or checksum does not hold and the segment is cut there. A segment with another stamp (another
 tokenizer or model) or no magic makes the whole log start empty (its files are deleted): the
 ids it holds would be wrong. A record that fails its tag cuts the segment there, as a torn one
-does (a changed key, see ``state_key``, so empties the logs). Write errors (disk full, directory gone) are logged at most once a
-minute and cost persistence only; the next write tries a fresh segment.
+does (a changed key, see ``state_key``, so empties the logs). Write errors (disk full, directory
+gone) are logged at most once a minute and cost persistence only; the next write tries a fresh
+segment.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class ChainHasher:
 
     ``caller_salt`` (optional, per request): a second salt mixed into the root, so chains of
     different callers never name the same block, as vLLM's ``cache_salt`` does
-    (https://docs.vllm.ai/en/latest/design/prefix_caching.html). Only block 0's parent changes;
+    (https://docs.vllm.ai/en/latest/design/prefix_caching/). Only block 0's parent changes;
     the tiers never recompute a block's hash from its parent, so salted chains need nothing else."""
 
     __slots__ = ("block_size", "root", "_salt")

@@ -10,6 +10,10 @@ prompt is hashed once (tens of microseconds for 100K tokens), and no second walk
 conversation is made. The last digest, over the whole prompt, is what the reply's own ledger
 entry records.
 
+A turn no entry could serve (the ledger holds neither the entry its signature names nor any
+entry with its visible content, ``OutputLedger.screen``) is not a span boundary: a
+conversation the ledger knows nothing of is tokenized in one call, as without a ledger.
+
 Tokenizing span by span gives exactly the ids of one call: every span ends right after a
 generation header (a control token), where the tokenizer starts a new piece anyway.
 """
@@ -73,10 +77,13 @@ def encode_bound(tokenizer: PromptTokenizer, ledger: OutputLedger | None, segmen
 
     if ledger is not None and hasher is not None:
         for start, end, m, with_reasoning in spans:
+            calls = [(c.name, _parse_args(c.arguments)) for c in m.tool_calls]
+            possible, signature = ledger.screen(m.signature, m.text_parts, calls)
+            if not possible:
+                continue  # no entry could serve it: no need for the binding here
             encode_upto(start)
             pos = start
-            calls = [(c.name, _parse_args(c.arguments)) for c in m.tool_calls]
-            entry = ledger.match(hasher.digest(), m.signature, m.reasoning, m.text_parts, calls, strict_parts)
+            entry = ledger.match(hasher.digest(), signature, m.reasoning, m.text_parts, calls, strict_parts)
             ids = entry.render_ids(with_reasoning, end_think_id, eos_id) if entry is not None else None
             if ids is None:
                 continue  # the client's rendering stays, tokenized with the next span

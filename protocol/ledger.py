@@ -154,6 +154,7 @@ class LedgerStats:
 class _Index:
     by_id: OrderedDict[bytes, LedgerEntry] = field(default_factory=OrderedDict)
     by_content: dict[int, bytes] = field(default_factory=dict)
+    visible: dict[int, int] = field(default_factory=dict)  # content key without binding -> entries
 
 
 class OutputLedger:
@@ -230,13 +231,16 @@ class OutputLedger:
         if size > self.max_bytes:
             return False
         ckey = content_key("".join(entry.text_parts), entry.calls, entry.binding)
+        vkey = content_key("".join(entry.text_parts), entry.calls)
         with self._lock:
             idx = self._idx
             previous = idx.by_id.pop(entry.entry_id, None)  # a replayed log repeats refreshed entries
             if previous is not None:
                 self.stats.num_bytes -= previous.nbytes
+                _uncount(idx.visible, content_key("".join(previous.text_parts), previous.calls))
             idx.by_id[entry.entry_id] = entry
             idx.by_content[ckey] = entry.entry_id
+            idx.visible[vkey] = idx.visible.get(vkey, 0) + 1
             self.stats.num_bytes += size
             if not restored:
                 self.stats.num_recorded += 1
@@ -247,6 +251,7 @@ class OutputLedger:
                 okey = content_key("".join(old.text_parts), old.calls, old.binding)
                 if idx.by_content.get(okey) == old_id:
                     del idx.by_content[okey]
+                _uncount(idx.visible, content_key("".join(old.text_parts), old.calls))
         return True
 
     def _get(self, entry_id: bytes) -> LedgerEntry | None:
@@ -255,6 +260,21 @@ class OutputLedger:
             if entry is not None:
                 self._idx.by_id.move_to_end(entry_id)
             return entry
+
+    def screen(self, signature: str | None, text_parts: list[str],
+               calls: list[tuple[str, Any]]) -> tuple[bool, str | None]:
+        """Whether any entry could serve this turn, whatever its binding (one the signature names,
+        or one with this visible content; False lets the caller skip computing the binding), and
+        the signature to pass to ``match``: None for a forged or foreign one (counted here)."""
+        if signature:
+            entry_id = self.verify_signature(signature)
+            if entry_id is None:
+                with self._lock:
+                    self.stats.num_bad_signatures += 1
+                signature = None
+            elif entry_id in self._idx.by_id:
+                return True, signature
+        return content_key("".join(text_parts), tuple(calls)) in self._idx.visible, signature
 
     def match(
         self,
@@ -314,6 +334,14 @@ class OutputLedger:
                          _first_difference(entry, reasoning, text_parts, calls_t))
             return None
         return entry
+
+
+def _uncount(counts: dict[int, int], key: int) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _same_calls(a: tuple[tuple[str, Any], ...], b: tuple[tuple[str, Any], ...]) -> bool:

@@ -84,25 +84,37 @@ def chain_hashes(
 
 
 class ChainHasher:
-    """Hashes token sequences for one block size and salt (the backend has one per model)."""
+    """Hashes token sequences for one block size and salt (the backend has one per model).
 
-    __slots__ = ("block_size", "root")
+    ``caller_salt`` (optional, per request): a second salt mixed into the root, so chains of
+    different callers never name the same block, as vLLM's ``cache_salt`` does
+    (https://docs.vllm.ai/en/latest/design/prefix_caching/). Only block 0's parent changes;
+    the tiers never recompute a block's hash from its parent, so salted chains need nothing else."""
+
+    __slots__ = ("block_size", "root", "_salt")
 
     def __init__(self, block_size: int, salt: bytes = b"") -> None:
         self.block_size = block_size
+        self._salt = salt
         self.root = root_hash(block_size, salt)
 
-    def hashes(self, token_ids: np.ndarray | Sequence[int]) -> list[BlockHash]:
-        return chain_hashes(token_ids, self.block_size, self.root)
+    def root_for(self, caller_salt: bytes) -> BlockHash:
+        if not caller_salt:
+            return self.root
+        return root_hash(self.block_size, self._salt + b"\x00caller\x00" + caller_salt)
+
+    def hashes(self, token_ids: np.ndarray | Sequence[int], caller_salt: bytes = b"") -> list[BlockHash]:
+        return chain_hashes(token_ids, self.block_size, self.root_for(caller_salt))
 
     def extend(
-        self, prefix_hashes: Sequence[BlockHash], token_ids: np.ndarray | Sequence[int]
+        self, prefix_hashes: Sequence[BlockHash], token_ids: np.ndarray | Sequence[int],
+        caller_salt: bytes = b"",
     ) -> list[BlockHash]:
         """Hashes of all full blocks of ``token_ids``, reusing ``prefix_hashes`` (the hashes of
         its leading blocks, computed earlier over the same tokens) instead of rehashing them."""
         tokens = as_token_array(token_ids)
         num_known = min(len(prefix_hashes), len(tokens) // self.block_size)
-        parent = prefix_hashes[num_known - 1] if num_known else self.root
+        parent = prefix_hashes[num_known - 1] if num_known else self.root_for(caller_salt)
         return list(prefix_hashes[:num_known]) + chain_hashes(
             tokens, self.block_size, parent, start_block=num_known
         )

@@ -19,17 +19,27 @@ Header, little endian::
     stamp_len     u32, stamp  canonical JSON of ``L2Stamp``
     hashes        num_blocks x u64   chain hashes of the blocks
     checksums     num_blocks x u64   xxh3_64 of each block's payload bytes
-    header_xxh3   u64  xxh3_64 of every header byte before it
+    header_tag    16 bytes  HMAC-SHA256 of every header byte before it, truncated
 
 Why a stamp: a file written by another model, block geometry, KV layout or format version holds
 bytes that would decode as garbage KV; the stamp must equal the running backend's exactly or the
 file is rejected before a byte of its payload is used. Why per-block checksums: a restore often
 reads a prefix of an extent (a session that diverged inside it), and a corrupt block must cut the
 restore there, not poison it.
+
+Why a keyed tag: the header names which chain hashes (which prompts) a file's KV stands for. The
+tag is keyed with the backend's state key (``server/persist.state_key``; the store gets a key
+derived from it), so a header written or edited by anyone without the key is rejected
+(``corrupt``): KV cannot be filed under another prompt's hashes. The per-block checksums are
+inside the tagged header, so a payload edit must keep each block's xxh3_64; that is integrity
+against accidents, not a MAC (xxh3 is not a cryptographic hash; a full MAC over every restored
+byte was not chosen, see docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
 from dataclasses import dataclass
@@ -40,13 +50,13 @@ import xxhash
 from cache.hashing import BlockHash
 
 MAGIC = b"DIBKVL2\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header's keyed tag (1 had an unkeyed xxh3_64)
 ALIGN = 4096  # header and payload sizes are padded to this (direct I/O alignment)
 EXTENT_SUFFIX = ".kv"
 
 _PREFIX = struct.Struct("<8sII")  # magic, version, header_len
 _FIXED = struct.Struct("<IIQQI")  # first_block, num_blocks, bytes_per_block, parent_hash, stamp_len
-_U64 = struct.Struct("<Q")
+_TAG_BYTES = 16
 MAX_HEADER_BYTES = 64 << 20  # a sanity bound when reading a header_len from a file
 
 
@@ -105,7 +115,8 @@ class ExtentHeader(NamedTuple):
 
     @property
     def payload_offset(self) -> int:
-        return align_up(_PREFIX.size + _FIXED.size + len(self.stamp.encode()) + 16 * self.num_blocks + 8)
+        return align_up(_PREFIX.size + _FIXED.size + len(self.stamp.encode()) + 16 * self.num_blocks
+                        + _TAG_BYTES)
 
     @property
     def payload_bytes(self) -> int:
@@ -115,8 +126,8 @@ class ExtentHeader(NamedTuple):
     def file_bytes(self) -> int:
         return self.payload_offset + align_up(self.payload_bytes)
 
-    def encode(self) -> bytes:
-        """The header padded to ``payload_offset`` bytes."""
+    def encode(self, key: bytes = b"") -> bytes:
+        """The header padded to ``payload_offset`` bytes; ``key``: the tag's (the store's)."""
         if len(self.checksums) != len(self.hashes) or not self.hashes:
             raise ValueError("an extent needs one checksum per block and at least one block")
         stamp = self.stamp.encode()
@@ -127,10 +138,14 @@ class ExtentHeader(NamedTuple):
             struct.pack(f"<{n}Q", *self.hashes),
             struct.pack(f"<{n}Q", *self.checksums),
         ))
-        header_len = _PREFIX.size + len(body) + 8
+        header_len = _PREFIX.size + len(body) + _TAG_BYTES
         head = _PREFIX.pack(MAGIC, FORMAT_VERSION, header_len) + body
-        raw = head + _U64.pack(xxhash.xxh3_64_intdigest(head))
+        raw = head + header_tag(key, head)
         return raw + bytes(self.payload_offset - len(raw))
+
+
+def header_tag(key: bytes, head: bytes) -> bytes:
+    return hmac.digest(key, head, hashlib.sha256)[:_TAG_BYTES]
 
 
 def header_length(prefix: bytes) -> int:
@@ -142,21 +157,22 @@ def header_length(prefix: bytes) -> int:
         raise ExtentRejected("not_ours", "not an L2 extent file (bad magic)")
     if version != FORMAT_VERSION:
         raise ExtentRejected("stale", f"format version {version}, this backend writes {FORMAT_VERSION}")
-    if not _PREFIX.size + _FIXED.size + 8 <= header_len <= MAX_HEADER_BYTES:
+    if not _PREFIX.size + _FIXED.size + _TAG_BYTES <= header_len <= MAX_HEADER_BYTES:
         raise ExtentRejected("corrupt", f"header length {header_len} out of range")
     return int(header_len)
 
 
-def decode_header(raw: bytes, expected: L2Stamp, file_size: int) -> ExtentHeader:
-    """Parse and validate a header (``raw`` holds at least ``header_length`` bytes).
+def decode_header(raw: bytes, expected: L2Stamp, file_size: int, key: bytes = b"") -> ExtentHeader:
+    """Parse and validate a header (``raw`` holds at least ``header_length`` bytes) whose tag
+    was made with ``key``.
 
     Raises ExtentRejected (see its reasons)."""
     header_len = header_length(raw)
     if len(raw) < header_len:
         raise ExtentRejected("truncated", f"header is {header_len} bytes, file has {len(raw)}")
-    head, (check,) = raw[: header_len - 8], _U64.unpack_from(raw, header_len - 8)
-    if xxhash.xxh3_64_intdigest(head) != check:
-        raise ExtentRejected("corrupt", "header checksum mismatch")
+    head, tag = raw[: header_len - _TAG_BYTES], raw[header_len - _TAG_BYTES : header_len]
+    if not hmac.compare_digest(header_tag(key, head), tag):
+        raise ExtentRejected("corrupt", "header tag mismatch (damaged, or not written with this key)")
     first_block, n, bytes_per_block, parent_hash, stamp_len = _FIXED.unpack_from(head, _PREFIX.size)
     pos = _PREFIX.size + _FIXED.size
     if n == 0 or pos + stamp_len + 16 * n != len(head):

@@ -47,7 +47,7 @@ class ScanReport:
         return "rejected " + ", ".join(f"{n} {reason}" for reason, n in sorted(self.rejected.items()))
 
 
-def read_header(path: str, stamp: L2Stamp) -> tuple[ExtentHeader, int, float]:
+def read_header(path: str, stamp: L2Stamp, key: bytes = b"") -> tuple[ExtentHeader, int, float]:
     """(header, file size, mtime) of an extent file; raises ExtentRejected or OSError."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -56,7 +56,7 @@ def read_header(path: str, stamp: L2Stamp) -> tuple[ExtentHeader, int, float]:
         header_len = header_length(raw)
         if header_len > len(raw):
             raw = os.pread(fd, header_len, 0)
-        return decode_header(raw, stamp, st.st_size), st.st_size, st.st_mtime
+        return decode_header(raw, stamp, st.st_size, key), st.st_size, st.st_mtime
     finally:
         os.close(fd)
 
@@ -74,7 +74,7 @@ def _delete(directory: str, name: str, report: ScanReport) -> None:
         pass
 
 
-def scan_into(index: L2Index, directory: str, stamp: L2Stamp) -> ScanReport:
+def scan_into(index: L2Index, directory: str, stamp: L2Stamp, key: bytes = b"") -> ScanReport:
     """File every usable extent of ``directory`` into ``index`` (empty), oldest chains first, then
     evict down to the bound; delete what cannot be used. Blocking."""
     report = ScanReport()
@@ -90,7 +90,7 @@ def scan_into(index: L2Index, directory: str, stamp: L2Stamp) -> ScanReport:
             continue
         report.num_files += 1
         try:
-            header, _size, mtime = read_header(entry.path, stamp)
+            header, _size, mtime = read_header(entry.path, stamp, key)
         except ExtentRejected as exc:
             report.rejected[exc.reason] += 1
             if exc.reason == "not_ours":

@@ -99,14 +99,17 @@ class L2Store:
         self, directory: str, max_bytes: int, stamp: L2Stamp, host: HostSlots, *,
         io_threads: int = 4, chunk_bytes: int = 16 * MIB, direct: bool = True,
         min_free_bytes: int = 1 << 30, clock: Callable[[], float] = time.time,
-        free_bytes: Callable[[str], int] = statvfs_free_bytes,
+        free_bytes: Callable[[str], int] = statvfs_free_bytes, header_key: bytes = b"",
     ) -> None:
+        """``header_key``: the extent headers' HMAC key (``cache/l2_format.py``); the server
+        passes one derived from its state key, b"" (tests, benches) makes the tag a checksum."""
         if host.bytes_per_block != stamp.bytes_per_block:
             raise ValueError(f"host slots hold {host.bytes_per_block} bytes per block, "
                              f"the stamp says {stamp.bytes_per_block}")
         self.directory = directory
         self.max_bytes = max_bytes
         self.stamp = stamp
+        self._header_key = header_key
         self.host = host
         self.index = L2Index(max_bytes)
         self.counters = L2Counters()
@@ -129,7 +132,7 @@ class L2Store:
         started = time.monotonic()
         try:
             os.makedirs(self.directory, exist_ok=True)
-            report = scan_into(self.index, self.directory, self.stamp)
+            report = scan_into(self.index, self.directory, self.stamp, self._header_key)
         except OSError as exc:
             log.warning("L2: cannot use %s (%s); the disk tier stays empty", self.directory, exc)
             return ScanReport()
@@ -215,7 +218,7 @@ class L2Store:
                     for i, c in block_chunks(0, header.num_blocks, self.blocks_per_chunk)]
             results = await _wait_all([*writes, *sums])
             header = header._replace(checksums=[s for part in results[len(writes):] for s in part])
-            await self._run(_finish_file, fd, is_direct, header.encode(), tmp, path)
+            await self._run(_finish_file, fd, is_direct, header.encode(self._header_key), tmp, path)
             done = True
             return header
         finally:

@@ -173,11 +173,13 @@ class CacheManager:
     @contextlib.asynccontextmanager
     async def turn(
         self, prompt_ids: np.ndarray | Sequence[int], session_hint: SessionHint | str | None, max_tokens: int,
-        *, max_tokens_is_default: bool = False,
+        *, max_tokens_is_default: bool = False, caller_salt: bytes = b"",
     ) -> AsyncIterator[Turn]:
-        """Admit a turn for the ``async with`` block and settle it when the block ends."""
+        """Admit a turn for the ``async with`` block and settle it when the block ends.
+        ``caller_salt``: blocks are shared only with turns of the same salt (b"": everyone's)."""
         tokens = as_token_array(prompt_ids)
-        adm = await self.admit(tokens, session_hint, max_tokens, max_tokens_is_default=max_tokens_is_default)
+        adm = await self.admit(tokens, session_hint, max_tokens, max_tokens_is_default=max_tokens_is_default,
+                               caller_salt=caller_salt)
         turn = Turn(self, adm, tokens)
         ok = False
         try:
@@ -198,7 +200,7 @@ class CacheManager:
 
     async def admit(
         self, prompt_ids: np.ndarray | Sequence[int], session_hint: SessionHint | str | None, max_tokens: int,
-        *, max_tokens_is_default: bool = False,
+        *, max_tokens_is_default: bool = False, caller_salt: bytes = b"",
     ) -> Admission:
         """Route, pin, queue if needed, restore; see the module docstring. A turn whose prompt
         plus ``max_tokens`` cannot fit a rank's usable pool is refused before it queues
@@ -217,7 +219,7 @@ class CacheManager:
                                   max_tokens_is_default)
         now = s.clock()
         sync_l1(s)
-        hashes = self.hasher.hashes(tokens) if self.config.prefix_cache else []
+        hashes = self.hasher.hashes(tokens, caller_salt) if self.config.prefix_cache else []
         hint = SessionHint.of(session_hint)
         if not self.config.branch_routing:
             hint = SessionHint(key=hint.key)  # one routing unit per session key
@@ -253,6 +255,7 @@ class CacheManager:
                 worst_output=num_reserve if max_tokens_is_default else max_output,
             )
             adm.max_output_tokens = max_output
+            adm.caller_salt = caller_salt
             if session.home_rank != adm.rank:  # late binding: the rank that had room first
                 session.home_rank = adm.rank
                 s.idle.update(session, s.clock())
@@ -301,7 +304,7 @@ class CacheManager:
                 s.releases.release_later(rank, kept)
             else:
                 full = np.concatenate([as_token_array(prompt_ids), as_token_array(output_ids)])
-                full_hashes = self.hasher.extend(admission.hashes, full)[: len(kept)]
+                full_hashes = self.hasher.extend(admission.hashes, full, admission.caller_salt)[: len(kept)]
                 duplicates = self.l0[rank].insert(
                     full_hashes, kept, admission.session_id, now, num_known=num_known
                 )

@@ -83,6 +83,7 @@ class Admission:
     room_blocks: int = 0  # blocks the turn may hold: prefix + reserved; grows while it decodes
     worst_blocks: int = 0  # prompt + the output it may reach, blocks: counted in the rank's worst case
     is_closed: bool = False
+    caller_salt: bytes = b""  # the chain's per-caller salt (``ChainHasher``), b"" when shared
 
     def engine_request(
         self, request_id: str, prompt_ids: np.ndarray, sampling: SamplingParams

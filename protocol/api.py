@@ -28,19 +28,19 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
-import numpy as np
 import orjson
 import xxhash
 from pydantic import BaseModel, ValidationError
 
 from protocol import anthropic_schema as A, openai_schema as O
 from protocol.api_types import PreparedRequest
+from protocol.bound_prompt import BoundPrompt, encode_bound
 from protocol.conversation import Conversation, anthropic_conversation, openai_conversation
-from protocol.depth import check_json_depth, check_json_text_depth
+from protocol.depth import check_json_depth
 from protocol.detokenize import TokenTable
 from protocol.errors import InvalidRequest, ModelNotAvailable, PromptTooLong, ProtocolError, lower_headers
 from protocol.ledger import OutputLedger
-from protocol.render import ToolsTextCache, render
+from protocol.render import AssistantSpan, ToolsTextCache, render
 from protocol.responses_api import prepare_responses
 from protocol.responses_store import ResponseStore
 from protocol.sampling import engine_sampling
@@ -106,16 +106,6 @@ def check_tool_choice(tool_choice: str, name: str | None, declared: Collection[s
                              param="tool_choice")
 
 
-def _parse_args(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        check_json_text_depth(arguments, "arguments")
-        try:
-            return orjson.loads(arguments)
-        except orjson.JSONDecodeError:
-            return arguments
-    return arguments
-
-
 class Protocol:
     """Holds the tokenizer (with its piece cache), the token table, the ledger and the tool
     schema text cache."""
@@ -140,13 +130,15 @@ class Protocol:
 
     # --- requests ----------------------------------------------------------------------------------
     def prepare_anthropic(self, body: bytes | dict[str, Any],
-                          headers: Mapping[str, str] | None = None) -> PreparedRequest:
+                          headers: Mapping[str, str] | None = None, scope: bytes = b"") -> PreparedRequest:
+        """``scope``: the caller's (``server/auth.caller_scope``; b"" where callers cannot be told
+        apart); the output ledger serves a turn only to the scope and prefix it was made in."""
         data = _load_body(body)
         req = _validate(A.MessagesRequest, data)
         self._check_model(req.model)
         conv = anthropic_conversation(req, data.get("tools"))
-        hits, divergences = self._match_ledger(conv, strict_parts=True)
-        ids = self._tokenize(conv)
+        bound = self._tokenize(conv, scope, strict_parts=True)
+        ids = bound.ids
         max_tokens = self._max_tokens(len(ids), req.max_tokens)
         tool_choice, tool_name = "auto", None
         if req.tool_choice is not None:
@@ -172,19 +164,21 @@ class Protocol:
             tool_choice_name=tool_name,
             include_usage=True,
             show_reasoning=req.thinking is None or req.thinking.display not in HIDDEN_REASONING_DISPLAYS,
-            num_ledger_hits=hits,
-            num_ledger_divergences=divergences,
+            num_ledger_hits=bound.num_hits,
+            num_ledger_divergences=bound.num_divergences,
             tool_params=_tool_params(conv),
+            ledger_binding=bound.binding,
+            caller_scope=scope,
         )
 
     def prepare_openai(self, body: bytes | dict[str, Any],
-                       headers: Mapping[str, str] | None = None) -> PreparedRequest:
+                       headers: Mapping[str, str] | None = None, scope: bytes = b"") -> PreparedRequest:
         data = _load_body(body)
         req = _validate(O.ChatCompletionRequest, data)
         self._check_model(req.model)
         conv = openai_conversation(req, data.get("tools"))
-        hits, divergences = self._match_ledger(conv, strict_parts=False)
-        ids = self._tokenize(conv)
+        bound = self._tokenize(conv, scope, strict_parts=False)
+        ids = bound.ids
         requested = req.max_completion_tokens or req.max_tokens
         max_tokens = self._max_tokens(len(ids), requested)
         tool_choice, tool_name = "auto", None
@@ -212,26 +206,27 @@ class Protocol:
             tool_choice=tool_choice,
             tool_choice_name=tool_name,
             include_usage=bool(req.stream_options and req.stream_options.include_usage) or not req.stream,
-            num_ledger_hits=hits,
-            num_ledger_divergences=divergences,
+            num_ledger_hits=bound.num_hits,
+            num_ledger_divergences=bound.num_divergences,
             tool_params=_tool_params(conv),
+            ledger_binding=bound.binding,
+            caller_scope=scope,
         )
 
     def prepare_responses(self, body: bytes | dict[str, Any],
-                          headers: Mapping[str, str] | None = None) -> PreparedRequest:
+                          headers: Mapping[str, str] | None = None, scope: bytes = b"") -> PreparedRequest:
         """An OpenAI Responses API request (protocol/responses_api.py)."""
-        return prepare_responses(self, _load_body(body), headers)
+        return prepare_responses(self, _load_body(body), headers, scope)
 
     def count_tokens_anthropic(self, body: bytes | dict[str, Any],
-                               headers: Mapping[str, str] | None = None) -> int:
+                               headers: Mapping[str, str] | None = None, scope: bytes = b"") -> int:
         """Exact prompt length of an Anthropic count_tokens body (same rendering as a request);
         a prompt no request could send (over ``max_model_len - 1``) is refused like a request."""
         data = _load_body(body)
         req = _validate(A.CountTokensRequest, data)
         self._check_model(req.model)
         conv = anthropic_conversation(req, data.get("tools"))
-        self._match_ledger(conv, strict_parts=True)
-        return len(self._tokenize(conv))
+        return len(self._tokenize(conv, scope, strict_parts=True).ids)
 
     def new_stream(self, prepared: PreparedRequest, request_id: str) -> ResponseStream:
         return ResponseStream(prepared, request_id, self.table, self.ledger)
@@ -241,13 +236,17 @@ class Protocol:
         if self.served_model_names and model not in self.served_model_names:
             raise ModelNotAvailable(model)
 
-    def _tokenize(self, conv: Conversation) -> np.ndarray:
-        """The prompt ids; a prompt over ``max_model_len - 1`` tokens is refused as soon as that
-        is known (the tokenizer stops there), with an estimate of its length."""
-        segments = render(conv, self.table.end_think_id, self.table.eos_id, self._tools_text.text)
+    def _tokenize(self, conv: Conversation, scope: bytes, strict_parts: bool) -> BoundPrompt:
+        """The prompt ids, assistant turns from the ledger where it holds them under this scope
+        and prefix (protocol/bound_prompt.py); a prompt over ``max_model_len - 1`` tokens is
+        refused as soon as that is known (the tokenizer stops there), with an estimate of its
+        length. ``strict_parts``: compare text blocks one by one (Anthropic), not joined."""
+        spans: list[AssistantSpan] = []
+        segments = render(conv, self.table.end_think_id, self.table.eos_id, self._tools_text.text, spans)
         limit = self.max_model_len - 1
         try:
-            return self.tokenizer.encode_segments(segments, max_tokens=limit)
+            return encode_bound(self.tokenizer, self.ledger, segments, spans, scope, limit, strict_parts,
+                                self.table.end_think_id, self.table.eos_id)
         except TokenBudgetExceeded as exc:
             raise PromptTooLong(exc.num_tokens, limit) from None
 
@@ -260,20 +259,6 @@ class Protocol:
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         room = self.max_model_len - num_prompt_tokens
         return max(1, min(requested, room) if requested else room)
-
-    def _match_ledger(self, conv: Conversation, strict_parts: bool) -> tuple[int, int]:
-        hits = divergences = 0
-        if self.ledger is None:
-            return 0, 0
-        before = self.ledger.stats.num_divergences
-        for m in conv.messages:
-            if m.role != "assistant":
-                continue
-            calls = [(c.name, _parse_args(c.arguments)) for c in m.tool_calls]
-            m.ledger_entry = self.ledger.match(m.signature, m.reasoning, m.text_parts, calls, strict_parts)
-            hits += m.ledger_entry is not None
-        divergences = self.ledger.stats.num_divergences - before  # approximate under concurrency
-        return hits, max(0, divergences)
 
     @staticmethod
     def _session_key(headers: Mapping[str, str] | None, conv: Conversation, metadata: dict[str, Any] | None,

@@ -62,3 +62,7 @@ class PreparedRequest:
     # internal, for the stream: tool name -> declared parameter names (wrapper collapse)
     tool_params: dict[str, frozenset[str]] = field(default_factory=dict)
     responses: ResponsesOptions | None = None  # the Responses API's options (api == "responses")
+    # the caller scope's and whole prompt's binding: the reply's ledger entry is bound to it
+    # (protocol/ledger.py); b"" (a request built by hand): the reply is not recorded
+    ledger_binding: bytes = b""
+    caller_scope: bytes = b""  # the caller's scope (server/auth.caller_scope); b"": not told apart

@@ -5,14 +5,24 @@ KV cache only if the assistant turn re-renders to exactly the ids the model prod
 (reference section 2). Re-encoding the parsed view loses that (whitespace, JSON formatting,
 parameter order, non-canonical token splits). The ledger keeps the ids and hands them back.
 
+Scope: an entry belongs to the conversation that produced it. It records a *binding*: a
+128-bit hash (xxh3-128 under a secret seed) of the caller's scope and the exact prompt ids the
+turn was generated from. A later request can use the entry for an assistant turn only when the
+prompt ids in front of that turn, under the same scope, hash to the same binding
+(``Protocol._tokenize`` computes it while it tokenizes, one pass over the ids). Two
+conversations that share a visible turn but not the history before it never share its hidden
+part (reasoning, exact ids); nor do two callers the server tells apart (API key), even with the
+same history.
+
 Handles: an Anthropic thinking block's ``signature`` is ``base64url(entry_id[16] ||
 HMAC-SHA256(key, entry_id)[:16])``; a forged or foreign signature fails the MAC and is ignored
-(the turn falls back to rendering). Turns without a signature (OpenAI, chat mode) are found by a
-hash of their content view. Either way the client's view must equal the recorded view, or the
-turn is rendered from the client's view and counted as a divergence.
+(the turn falls back to rendering). Turns without a signature (OpenAI, chat mode) are found by
+their binding and a hash of their content view. Either way the binding must hold and the
+client's view must equal the recorded view, or the turn is rendered from the client's view.
 
-Invariant: an entry is used only when the client-visible view it recorded equals the client's
-view of that turn; memory is bounded by ``max_bytes`` (LRU).
+Invariant: an entry is used only when its binding equals the binding of the prefix in front of
+the turn and the client-visible view it recorded equals the client's view of that turn; memory
+is bounded by ``max_bytes`` (LRU).
 
 Persistence (``log``, a ``protocol.persist.KeyedLog``): every recorded entry is also put to the
 log and every hit refreshes it there, and a new ledger replays the log, so after a backend
@@ -58,6 +68,8 @@ class LedgerEntry:
     reasoning: str
     text_parts: tuple[str, ...]
     calls: tuple[tuple[str, Any], ...]  # (name, parsed arguments)
+    binding: bytes = b""  # the prefix it was generated from (module docstring); b"": matches nothing
+    persist: bool = True  # False: kept in memory only (a Responses reply with ``store: false``)
 
     def render_ids(self, with_reasoning: bool, end_think_id: int, eos_id: int) -> np.ndarray | None:
         """Ids standing in for the assistant message's rendering, or None if they cannot."""
@@ -86,6 +98,7 @@ def encode_entry(entry: LedgerEntry) -> bytes:
     meta = orjson.dumps({
         "thinking": entry.thinking, "think_end": entry.think_end, "reasoning": entry.reasoning,
         "text_parts": list(entry.text_parts), "calls": [[name, args] for name, args in entry.calls],
+        "binding": entry.binding.hex(),
     })
     ids = np.ascontiguousarray(entry.output_ids, dtype="<i4").tobytes()
     return len(meta).to_bytes(_META_LEN, "little") + meta + ids
@@ -102,15 +115,17 @@ def decode_entry(entry_id: bytes, raw: bytes) -> LedgerEntry:
         ids = np.frombuffer(body, dtype="<i4").astype(np.int32)
         return LedgerEntry(entry_id, ids, bool(meta["thinking"]), int(meta["think_end"]),
                            str(meta["reasoning"]), tuple(str(t) for t in meta["text_parts"]),
-                           tuple((str(name), args) for name, args in meta["calls"]))
-    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                           tuple((str(name), args) for name, args in meta["calls"]),
+                           bytes.fromhex(str(meta.get("binding", ""))))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed ledger record: {exc}") from None
 
 
-def content_key(text: str, calls: tuple[tuple[str, Any], ...]) -> int:
-    """Hash of the content view (text + calls); reasoning is checked separately because
-    OpenAI clients often drop ``reasoning_content``."""
+def content_key(text: str, calls: tuple[tuple[str, Any], ...], binding: bytes = b"") -> int:
+    """Hash of the binding and the content view (text + calls); reasoning is checked separately
+    because OpenAI clients often drop ``reasoning_content``."""
     h = xxhash.xxh3_128()
+    h.update(binding)
     h.update(text.encode("utf-8", "surrogatepass"))
     for name, args in calls:
         h.update(b"\x00")
@@ -132,20 +147,26 @@ class LedgerStats:
     num_evictions: int = 0
     num_bytes: int = 0
     num_restored: int = 0  # entries replayed from the persisted log at start
+    num_unbound: int = 0  # a genuine signature whose entry was made from another prefix or scope
 
 
 @dataclass(slots=True)
 class _Index:
     by_id: OrderedDict[bytes, LedgerEntry] = field(default_factory=OrderedDict)
     by_content: dict[int, bytes] = field(default_factory=dict)
+    visible: dict[int, int] = field(default_factory=dict)  # content key without binding -> entries
 
 
 class OutputLedger:
-    """Bounded store of generated turns, shared by all sessions. Thread-safe."""
+    """Bounded store of generated turns; an entry is reachable only through its binding (module
+    docstring). Thread-safe."""
 
     def __init__(self, key: bytes | None = None, max_bytes: int = 512 << 20,
                  log: KeyedLog | None = None) -> None:
         self._key = key if key is not None else os.urandom(32)
+        # the binding hash's seed: secret, so nobody can craft another prefix with the same binding
+        self._seed = int.from_bytes(hmac.new(self._key, b"ledger binding seed", hashlib.sha256)
+                                    .digest()[:8], "little")
         self.max_bytes = max_bytes
         self._idx = _Index()
         self._lock = threading.Lock()
@@ -166,6 +187,14 @@ class OutputLedger:
         self.stats.num_restored = len(self._idx.by_id)
         logger.info("output ledger: %d entries (%.1f MiB) restored from the persisted log",
                     self.stats.num_restored, self.stats.num_bytes / (1 << 20))
+
+    # --- bindings ----------------------------------------------------------------------------
+    def prefix_hasher(self, scope: bytes = b"") -> xxhash.xxh3_128:
+        """A hasher that, fed a prompt's ids in order (int32 bytes), gives at any point the
+        binding of the prefix fed so far (``digest()``). ``scope``: the caller's (b"": none)."""
+        h = xxhash.xxh3_128(seed=self._seed)
+        h.update(len(scope).to_bytes(2, "little") + scope)
+        return h
 
     # --- handles -----------------------------------------------------------------------------
     def new_entry_id(self) -> bytes:
@@ -189,7 +218,7 @@ class OutputLedger:
 
     # --- record / lookup ---------------------------------------------------------------------------
     def record(self, entry: LedgerEntry) -> None:
-        if self._insert(entry) and self._persist is not None:
+        if self._insert(entry) and self._persist is not None and entry.persist:
             try:
                 raw = encode_entry(entry)
             except TypeError as exc:  # e.g. an integer argument wider than 64 bits: memory only
@@ -201,14 +230,17 @@ class OutputLedger:
         size = entry.nbytes
         if size > self.max_bytes:
             return False
-        ckey = content_key("".join(entry.text_parts), entry.calls)
+        ckey = content_key("".join(entry.text_parts), entry.calls, entry.binding)
+        vkey = content_key("".join(entry.text_parts), entry.calls)
         with self._lock:
             idx = self._idx
             previous = idx.by_id.pop(entry.entry_id, None)  # a replayed log repeats refreshed entries
             if previous is not None:
                 self.stats.num_bytes -= previous.nbytes
+                _uncount(idx.visible, content_key("".join(previous.text_parts), previous.calls))
             idx.by_id[entry.entry_id] = entry
             idx.by_content[ckey] = entry.entry_id
+            idx.visible[vkey] = idx.visible.get(vkey, 0) + 1
             self.stats.num_bytes += size
             if not restored:
                 self.stats.num_recorded += 1
@@ -216,9 +248,10 @@ class OutputLedger:
                 old_id, old = idx.by_id.popitem(last=False)
                 self.stats.num_bytes -= old.nbytes
                 self.stats.num_evictions += 1
-                okey = content_key("".join(old.text_parts), old.calls)
+                okey = content_key("".join(old.text_parts), old.calls, old.binding)
                 if idx.by_content.get(okey) == old_id:
                     del idx.by_content[okey]
+                _uncount(idx.visible, content_key("".join(old.text_parts), old.calls))
         return True
 
     def _get(self, entry_id: bytes) -> LedgerEntry | None:
@@ -228,20 +261,39 @@ class OutputLedger:
                 self._idx.by_id.move_to_end(entry_id)
             return entry
 
+    def screen(self, signature: str | None, text_parts: list[str],
+               calls: list[tuple[str, Any]]) -> tuple[bool, str | None]:
+        """Whether any entry could serve this turn, whatever its binding (one the signature names,
+        or one with this visible content; False lets the caller skip computing the binding), and
+        the signature to pass to ``match``: None for a forged or foreign one (counted here)."""
+        if signature:
+            entry_id = self.verify_signature(signature)
+            if entry_id is None:
+                with self._lock:
+                    self.stats.num_bad_signatures += 1
+                signature = None
+            elif entry_id in self._idx.by_id:
+                return True, signature
+        return content_key("".join(text_parts), tuple(calls)) in self._idx.visible, signature
+
     def match(
         self,
+        binding: bytes,
         signature: str | None,
         reasoning: str | None,
         text_parts: list[str],
         calls: list[tuple[str, Any]],
         strict_parts: bool,
     ) -> LedgerEntry | None:
-        """The entry for a client's assistant turn, if the client's view equals it.
+        """The entry for a client's assistant turn, if it was generated from the prefix whose
+        binding is ``binding`` and the client's view equals it.
 
         ``reasoning`` None means the client sent no reasoning (then it is not compared).
         ``strict_parts``: compare text blocks one by one (Anthropic) instead of joined (OpenAI).
         """
         entry: LedgerEntry | None = None
+        if not binding:
+            return None
         if signature:
             entry_id = self.verify_signature(signature)
             if entry_id is None:
@@ -249,9 +301,13 @@ class OutputLedger:
                     self.stats.num_bad_signatures += 1
             else:
                 entry = self._get(entry_id)
+                if entry is not None and not hmac.compare_digest(entry.binding, binding):
+                    with self._lock:
+                        self.stats.num_unbound += 1
+                    entry = None
         calls_t = tuple(calls)
         if entry is None:
-            ckey = content_key("".join(text_parts), calls_t)
+            ckey = content_key("".join(text_parts), calls_t, binding)
             with self._lock:
                 eid = self._idx.by_content.get(ckey)
             if eid is None:
@@ -278,6 +334,14 @@ class OutputLedger:
                          _first_difference(entry, reasoning, text_parts, calls_t))
             return None
         return entry
+
+
+def _uncount(counts: dict[int, int], key: int) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _same_calls(a: tuple[tuple[str, Any], ...], b: tuple[tuple[str, Any], ...]) -> bool:

@@ -88,6 +88,11 @@ FUNCTION_OPEN = "\n<function>"
 FUNCTION_CLOSE = "</function>"
 
 Segment = tuple[SegmentKind, Any]
+# An assistant turn the output ledger may stand in for: segments [start, end) render it from the
+# client's view; the segment before ``start`` is the generation header (the prompt it was
+# generated from ends there); ``with_reasoning``: its reasoning is part of the prompt.
+AssistantSpan = tuple[int, int, Message, bool]
+GENERATION_HEADERS = frozenset({ASSISTANT + THINK, ASSISTANT + END_THINK})
 
 
 def to_json(value: Any) -> str:
@@ -215,11 +220,14 @@ def _drop_thinking(messages: list[Message]) -> list[Message]:
 
 # --- rendering ------------------------------------------------------------------------------------
 def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | None = None,
-           schema_text: SchemaText = tools_schema_text) -> list[Segment]:
+           schema_text: SchemaText = tools_schema_text,
+           spans: list[AssistantSpan] | None = None) -> list[Segment]:
     """Segments of the whole prompt, BOS first, generation header last.
 
     ``end_think_id`` / ``eos_id`` are needed only to splice ledger ids (IDS segments);
-    ``schema_text`` prints tool schemas (the protocol passes its ``ToolsTextCache.text``)."""
+    ``schema_text`` prints tool schemas (the protocol passes its ``ToolsTextCache.text``);
+    ``spans``, when given, receives each assistant turn rendered from the client's view right
+    after a generation header (the turns the ledger may replace, ``AssistantSpan``)."""
     msgs = _preprocess(conv.messages)
     has_tools = bool(conv.tools or conv.tool_catalog)  # deferred tools count: they can be loaded
     needs_system = has_tools or conv.response_format is not None
@@ -257,7 +265,11 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
             _render_user_blocks(m.blocks or [], conv.tool_catalog, schema_text, out)
         elif role == "assistant":
             with_reasoning = thinking and (not drop or i > last_user)
+            start = len(out)
             _render_assistant(m, with_reasoning, out, end_think_id, eos_id)
+            if (spans is not None and out[start][0] != IDS and out[start - 1][0] == OURS
+                    and out[start - 1][1] in GENERATION_HEADERS):
+                spans.append((start, len(out), m, with_reasoning))
         else:  # pragma: no cover - conversion never produces other roles
             raise AssertionError(f"unexpected role {role}")
         # generation header

@@ -35,7 +35,7 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> tuple[str, str | None]:
 
 
 def prepare_responses(proto: Protocol, data: dict[str, Any],
-                      headers: Mapping[str, str] | None) -> PreparedRequest:
+                      headers: Mapping[str, str] | None, scope: bytes = b"") -> PreparedRequest:
     try:
         req = R.ResponsesRequest.model_validate(data)
     except ValidationError as exc:
@@ -46,9 +46,9 @@ def prepare_responses(proto: Protocol, data: dict[str, Any],
     )
 
     proto._check_model(req.model)
-    conv, opts = responses_conversation(req, proto.responses_store, proto.ledger.signature)
-    hits, divergences = proto._match_ledger(conv, strict_parts=False)
-    ids = proto._tokenize(conv)
+    conv, opts = responses_conversation(req, proto.responses_store, proto.ledger.signature, scope)
+    bound = proto._tokenize(conv, scope, strict_parts=False)
+    ids = bound.ids
     tool_choice, tool_name = _tool_choice(req.tool_choice)
     check_tool_choice(tool_choice, tool_name,
                       {route.name for route in opts.routes.values()} | set(opts.routes))
@@ -68,9 +68,11 @@ def prepare_responses(proto: Protocol, data: dict[str, Any],
         tool_choice=tool_choice,
         tool_choice_name=tool_name,
         include_usage=True,
-        num_ledger_hits=hits,
-        num_ledger_divergences=divergences,
+        num_ledger_hits=bound.num_hits,
+        num_ledger_divergences=bound.num_divergences,
         tool_params=tool_params(conv),
         responses=opts,
+        ledger_binding=bound.binding,
+        caller_scope=scope,
     )
 

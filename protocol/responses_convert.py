@@ -49,6 +49,7 @@ class ToolRoute:
 class ResponsesOptions:
     routes: dict[str, ToolRoute] = field(default_factory=dict)  # prompt name -> route
     store: ResponseStore | None = None  # set when the response is to be stored
+    owner: bytes = b""  # the caller's scope: the stored response is found only by it
     previous_response_id: str | None = None
     input_items: list[dict[str, Any]] = field(default_factory=list)  # this request's items, for the store
     include_encrypted: bool = False
@@ -193,13 +194,14 @@ def _parse_item(raw: object, where: str) -> R.InputItem:
 
 
 def responses_conversation(req: R.ResponsesRequest, store: ResponseStore | None,
-                           signature_of: Callable[[bytes], str]) -> tuple[Conversation, ResponsesOptions]:
+                           signature_of: Callable[[bytes], str],
+                           owner: bytes = b"") -> tuple[Conversation, ResponsesOptions]:
     tools, routes = _tools(req.tools)
     own: list[dict[str, Any]] = ([{"type": "message", "role": "user", "content": req.input}]
                                  if isinstance(req.input, str) else list(req.input))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        found = store.history(req.previous_response_id) if store is not None else None
+        found = store.history(req.previous_response_id, owner) if store is not None else None
         if found is None:
             raise InvalidRequest(
                 f"previous_response_id {req.previous_response_id!r} is not stored here (responses are kept "
@@ -213,7 +215,7 @@ def responses_conversation(req: R.ResponsesRequest, store: ResponseStore | None,
         where = f"input.{k - len(history)}" if k >= len(history) else "previous_response_id"
         item = _parse_item(raw, where)
         if isinstance(item, R.ItemReference):
-            ref = store.item(item.id) if store is not None else None
+            ref = store.item(item.id, owner) if store is not None else None
             if ref is None:
                 raise InvalidRequest(f"{where}: item_reference {item.id!r} is not stored here; "
                                      "send the item itself", param=where, code="item_not_found")
@@ -234,6 +236,7 @@ def responses_conversation(req: R.ResponsesRequest, store: ResponseStore | None,
     opts = ResponsesOptions(
         routes=routes,
         store=store if req.store else None,
+        owner=owner,
         previous_response_id=req.previous_response_id,
         input_items=own,
         include_encrypted="reasoning.encrypted_content" in (req.include or ()),

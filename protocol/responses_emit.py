@@ -21,7 +21,7 @@ with ``status: "incomplete"`` and left out of the final ``output``.
 
 from __future__ import annotations
 
-import os
+import secrets
 import time
 from typing import Any
 
@@ -42,7 +42,7 @@ def responses_usage(num_prompt: int, num_cached: int, num_output: int, num_reaso
 
 
 def _new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
+    return prefix + secrets.token_hex(16)  # 128 random bits: an item id cannot be guessed
 
 
 class ResponsesEmitter:
@@ -214,7 +214,8 @@ class ResponsesEmitter:
         self.body = body
         store = self.opts.store
         if store is not None:
-            store.record(self.response_id, self.opts.previous_response_id, self.opts.input_items, self.items)
+            store.record(self.response_id, self.opts.owner, self.opts.previous_response_id,
+                         self.opts.input_items, self.items)
         return b"".join(out)
 
     def failed(self, code: str, message: str) -> bytes:

@@ -7,6 +7,12 @@ keeps only the items its request added, so a long chain costs its new items once
 bounded by bytes (LRU; the JSON size of the items); a reference to an evicted or unknown
 response or item is a 400 that says to send the full input instead. The store lives in the
 backend process: a restart empties it.
+
+Owner: each response is stored with its caller's scope (a hash of the API key it came with,
+``server/auth.caller_scope``; b"" without one) and is found only by that scope, together with
+its items: another caller's ``previous_response_id`` or ``item_reference`` reads as not stored.
+Ids are 128 random bits, so they cannot be guessed either (callers with no key, or behind a
+platform that shows one key for everyone, share one scope: then the id alone protects).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ MAX_CHAIN = 10_000  # previous_response_id links followed at most (a cycle canno
 
 @dataclass(slots=True)
 class StoredResponse:
+    owner: bytes
     previous_id: str | None
     input_items: list[dict[str, Any]]
     output_items: list[dict[str, Any]]
@@ -36,22 +43,22 @@ class ResponseStore:
     def __init__(self, max_bytes: int = 256 << 20) -> None:
         self.max_bytes = max_bytes
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._items: dict[str, dict[str, Any]] = {}
+        self._items: dict[str, tuple[bytes, dict[str, Any]]] = {}  # id -> (owner, item)
         self._lock = threading.Lock()
         self.num_bytes = 0
         self.num_evictions = 0
 
-    def record(self, response_id: str, previous_id: str | None, input_items: list[dict[str, Any]],
-               output_items: list[dict[str, Any]]) -> None:
+    def record(self, response_id: str, owner: bytes, previous_id: str | None,
+               input_items: list[dict[str, Any]], output_items: list[dict[str, Any]]) -> None:
         size = len(orjson.dumps(input_items)) + len(orjson.dumps(output_items)) + _OVERHEAD_BYTES
         if size > self.max_bytes:
             return
-        entry = StoredResponse(previous_id, input_items, output_items, size)
+        entry = StoredResponse(owner, previous_id, input_items, output_items, size)
         with self._lock:
             self._responses[response_id] = entry
             for item in output_items:
                 if isinstance(item.get("id"), str):
-                    self._items[item["id"]] = item
+                    self._items[item["id"]] = (owner, item)
             self.num_bytes += size
             while self.num_bytes > self.max_bytes and self._responses:
                 _, old = self._responses.popitem(last=False)
@@ -60,15 +67,15 @@ class ResponseStore:
                 for item in old.output_items:
                     self._items.pop(item.get("id"), None)  # type: ignore[arg-type]
 
-    def history(self, response_id: str) -> list[dict[str, Any]] | None:
+    def history(self, response_id: str, owner: bytes) -> list[dict[str, Any]] | None:
         """All items of the chain ending at ``response_id`` (oldest first), or None if any
-        response of the chain is not stored."""
+        response of the chain is not stored or not ``owner``'s."""
         chain: list[StoredResponse] = []
         with self._lock:
             rid: str | None = response_id
             while rid is not None and len(chain) < MAX_CHAIN:
                 entry = self._responses.get(rid)
-                if entry is None:
+                if entry is None or entry.owner != owner:
                     return None
                 self._responses.move_to_end(rid)
                 chain.append(entry)
@@ -79,6 +86,7 @@ class ResponseStore:
             items.extend(entry.output_items)
         return items
 
-    def item(self, item_id: str) -> dict[str, Any] | None:
+    def item(self, item_id: str, owner: bytes) -> dict[str, Any] | None:
         with self._lock:
-            return self._items.get(item_id)
+            found = self._items.get(item_id)
+        return found[1] if found is not None and found[0] == owner else None

@@ -248,8 +248,11 @@ class ResponseStream:
 
     def _record(self, engine_reason: str) -> None:
         if (self._ledger is None or self.stop_hit or engine_reason not in ("stop", "length")
-                or not self.output_ids):
+                or not self.output_ids or not self.prepared.ledger_binding):
             return
+        opts = self.prepared.responses
+        # a Responses reply with store: false never reaches the disk (memory only, see docs/responses.md)
+        persist = opts is None or opts.store is not None
         ids = np.asarray(self.output_ids, dtype=np.int32)
         think_end = self._think_end() if self.prepared.thinking else -1
         entry = LedgerEntry(
@@ -260,6 +263,8 @@ class ResponseStream:
             reasoning=self._reasoning_view() or "",
             text_parts=tuple(p for k, p in self._text_blocks() if k == TEXT),
             calls=tuple((c.name, c.arguments) for c in self._calls),
+            binding=self.prepared.ledger_binding,
+            persist=persist,
         )
         self._ledger.record(entry)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,7 +49,7 @@ from protocol.errors import (
     with_request_id,
 )
 from server.agent_hints import agent_hint
-from server.auth import ApiKeyCheck
+from server.auth import ApiKeyCheck, caller_scope
 from server.config import WorkloadConfig
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from server.prepare import RequestPreparer
@@ -101,17 +101,14 @@ class AppState:
 
 
 class RequestIds:
-    """Unique request ids without a global: a random per-process prefix plus a counter."""
+    """Request ids: 128 random bits each (``secrets``), never a counter. The id names the
+    reply (``msg_``/``chatcmpl-``/``resp_`` + id) and a stored Responses conversation, so one
+    caller's id must tell nothing about another's."""
 
-    __slots__ = ("_prefix", "_next")
-
-    def __init__(self) -> None:
-        self._prefix = os.urandom(6).hex()
-        self._next = 0
+    __slots__ = ()
 
     def __call__(self) -> str:
-        self._next += 1
-        return f"{self._prefix}{self._next:010x}"
+        return secrets.token_hex(16)
 
 
 def api_of_path(path: str) -> ApiName:
@@ -261,9 +258,12 @@ class Routes:
         self.auth = ApiKeyCheck(state.config.resolved_api_key())
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _check_auth(self, request: Request) -> None:
+    def _check_auth(self, request: Request) -> bytes:
+        """Raise unless authorised; the caller's scope (``server/auth.caller_scope``)."""
         headers = request.headers
-        self.auth.check(headers.get("x-api-key"), headers.get("authorization"))
+        x_api_key, authorization = headers.get("x-api-key"), headers.get("authorization")
+        self.auth.check(x_api_key, authorization)
+        return caller_scope(x_api_key, authorization)
 
     def _ready_parts(self) -> tuple[Protocol, ChatService]:
         protocol, service = self.state.protocol, self.state.service
@@ -286,7 +286,7 @@ class Routes:
         metrics = self.state.metrics
         request_id = self.state.request_ids()
         try:
-            self._check_auth(request)
+            scope = self._check_auth(request)
             check_declared_length(request, self.state.config.max_body_bytes)
             protocol, service = self._ready_parts()
             headers = request.headers
@@ -296,7 +296,8 @@ class Routes:
             hint = agent_hint(headers)  # Claude Code's agent/request-class headers (server/agent_hints.py)
             body = await read_body(request, self.state.config.max_body_bytes)
             prepare = {"anthropic": protocol.prepare_anthropic, "responses": protocol.prepare_responses}
-            prepared = await self.state.preparer.run(prepare.get(api, protocol.prepare_openai), body, headers)
+            prepared = await self.state.preparer.run(prepare.get(api, protocol.prepare_openai), body, headers,
+                                                     scope=scope)
             if prepared.stream:
                 async def run(write: Write) -> None:
                     await service.stream(prepared, request_id, write, arrival_s, hint)
@@ -330,10 +331,11 @@ class Routes:
     async def count_tokens(self, request: Request) -> Response:
         request_id = self.state.request_ids()
         try:
-            self._check_auth(request)
+            scope = self._check_auth(request)
             body = await read_body(request, self.state.config.max_body_bytes)
             protocol, _ = self._ready_parts()
-            num_tokens = await self.state.preparer.run(protocol.count_tokens_anthropic, body, request.headers)
+            num_tokens = await self.state.preparer.run(protocol.count_tokens_anthropic, body, request.headers,
+                                                       scope=scope)
             self.state.metrics.count_request("count_tokens", 200)
             return json_response(200, {"input_tokens": int(num_tokens)}, {"x-request-id": request_id})
         except Exception as exc:  # noqa: BLE001
@@ -442,4 +444,8 @@ def create_app(state: AppState) -> ServerApp:
         Route("/metrics", r.metrics, methods=["GET"]),
         Route("/", r.root, methods=["GET", "HEAD"]),
     ]
-    return ServerApp(r, Starlette(routes=routes, exception_handlers={HTTPException: _http_exception}))
+    fallback = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+    # no 307 to the path without its trailing slash: Starlette builds that redirect from the
+    # client's Host header (a reflected, attacker-chosen URL); a 404 in the API's shape instead
+    fallback.router.redirect_slashes = False
+    return ServerApp(r, fallback)

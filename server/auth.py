@@ -8,6 +8,7 @@ known. Comparison is constant-time, and the key never appears in a message or a 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from protocol.errors import AuthenticationError
@@ -48,3 +49,20 @@ class ApiKeyCheck:
             )
         if not hmac.compare_digest(presented.encode(), self._key):
             raise AuthenticationError("invalid API key")
+
+
+def caller_scope(x_api_key: str | None, authorization: str | None) -> bytes:
+    """Who is calling, as far as the server can tell: 16 bytes of SHA-256 over the credential
+    the request presented (``x-api-key``, else the ``Bearer`` value), b"" when it presented none.
+
+    The output ledger and the Responses store serve stored state only to the scope that made it.
+    With one configured key (or behind a platform that forwards its own key) every caller has the
+    same scope, so the ledger's prefix binding must hold alone; with no key configured, callers
+    that present different keys are still kept apart. The key itself is never kept."""
+    presented = x_api_key
+    if presented is None and authorization is not None:
+        scheme, _, value = authorization.strip().partition(" ")
+        presented = value.strip() if scheme.lower() == "bearer" else None
+    if not presented:
+        return b""
+    return hashlib.sha256(b"deepinfer-backend caller scope\x00" + presented.encode()).digest()[:16]

@@ -120,6 +120,11 @@ class WorkloadConfig(BaseModel):
     )
     load_timeout_seconds: float = Field(3600, gt=0, description="Limit for the ranks to load.")
     prefix_cache: bool = Field(True, description="L0 GPU prefix cache and session routing.")
+    prefix_cache_per_caller: bool = Field(
+        False, description="Salt the KV block hashes with the caller's API key hash (as vLLM's "
+        "cache_salt), so callers presenting different keys never share cached KV and cannot tell "
+        "whether another caller sent a prompt; costs the cross-caller reuse of shared prefixes."
+    )
     l1_cache: bool = Field(True, description="L1 pinned host-RAM tier for idle sessions.")
     l1_host_gb: float = Field(128, ge=0, description="L1 budget per rank, GiB (lowered to what RAM allows).")
     l2_dir: str | None = Field(

@@ -27,6 +27,7 @@ from cache.kv_tier import KVTier
 from cache.l2_format import L2Stamp
 from cache.l2_store import L2Store
 from server.config import WorkloadConfig
+from server.persist import derived_key, state_key
 
 if TYPE_CHECKING:
     from cache.l3_store import L3Store
@@ -73,7 +74,9 @@ async def open_l2(config: WorkloadConfig, group: RankClient, hash_salt: str) -> 
     assert config.l2_dir is not None and group.host_pool_path is not None
     host = HostSlots.map_file(group.host_pool_path, group.bytes_per_block, group.num_host_slots)
     stamp = _stamp(config, group, hash_salt)
-    store = L2Store(os.path.join(config.l2_dir, "kv"), int(config.l2_gb * GIB), stamp, host)
+    header_key = derived_key(await asyncio.to_thread(state_key, config.l2_dir), "kv extent headers")
+    store = L2Store(os.path.join(config.l2_dir, "kv"), int(config.l2_gb * GIB), stamp, host,
+                    header_key=header_key)
     await asyncio.to_thread(store.open)
     return store
 

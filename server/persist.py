@@ -2,7 +2,11 @@
 
 ``SegmentLog`` implements ``protocol.persist.KeyedLog`` as a bounded sequence of append-only
 segment files (``seg-00000001.log`` ...). A segment starts with a header (magic, stamp); then
-records ``key_len u32, value_len u32, key, value, xxh3_64(key || value) u64``. New records go
+records ``key_len u32, value_len u32, key, value, tag``, where ``tag`` is the first 16 bytes of
+HMAC-SHA256 under the backend's state key (``state_key``) over the header and the record's
+lengths, key and value. A record whose tag does not hold is never replayed: someone who can
+write ``l2_dir`` but not read the key cannot forge or edit a record (a ledger entry that would
+reach a prompt), nor move one between logs of another stamp. New records go
 to the newest segment; past ``segment_bytes`` a new one starts, and past ``max_bytes`` in all
 the oldest segment is deleted. ``refresh`` re-puts a key whose latest record sits in the older
 half of the segments, so what is in use survives while what is not ages out (LRU-like, with
@@ -11,12 +15,16 @@ each live record rewritten at most once per half a log).
 A process killed mid-record leaves a torn tail: replay stops at the first record whose length
 or checksum does not hold and the segment is cut there. A segment with another stamp (another
 tokenizer or model) or no magic makes the whole log start empty (its files are deleted): the
-ids it holds would be wrong. Write errors (disk full, directory gone) are logged at most once a
-minute and cost persistence only; the next write tries a fresh segment.
+ids it holds would be wrong. A record that fails its tag cuts the segment there, as a torn one
+does (a changed key, see ``state_key``, so empties the logs). Write errors (disk full, directory
+gone) are logged at most once a minute and cost persistence only; the next write tries a fresh
+segment.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -26,16 +34,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import xxhash
-
 from protocol.ledger import OutputLedger
 from protocol.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"DIBLOG1\x00"
+MAGIC = b"DIBLOG2\x00"
 _REC = struct.Struct("<II")
-_SUM = struct.Struct("<Q")
+_TAG_BYTES = 16
+STATE_KEY_ENV = "DIB_STATE_KEY"  # 64 hex digits: the state key, instead of <l2_dir>/state.key
 _SEG_RE = re.compile(r"^seg-(\d{8})\.log$")
 MAX_RECORD_BYTES = 1 << 30
 
@@ -43,12 +50,14 @@ MAX_RECORD_BYTES = 1 << 30
 class SegmentLog:
     """See the module docstring. Thread-safe (one lock around file writes)."""
 
-    def __init__(self, directory: str, max_bytes: int, stamp: str, *,
+    def __init__(self, directory: str, max_bytes: int, stamp: str, *, key: bytes,
                  segment_bytes: int | None = None) -> None:
+        """``key``: the records' HMAC key (``state_key``, or a key derived from it)."""
         self.directory = directory
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes or max(1 << 20, max_bytes // 8)
         self._header = MAGIC + struct.pack("<I", len(stamp.encode())) + stamp.encode()
+        self._mac = hmac.new(key, self._header, hashlib.sha256)  # copied per record
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}  # segment number -> bytes, oldest first
         self._where: dict[bytes, int] = {}  # key -> segment of its latest record
@@ -66,8 +75,8 @@ class SegmentLog:
                 yield key, value
 
     def put(self, key: bytes, value: bytes) -> None:
-        check = _SUM.pack(xxhash.xxh3_64_intdigest(key + value))
-        record = _REC.pack(len(key), len(value)) + key + value + check
+        body = _REC.pack(len(key), len(value)) + key + value
+        record = body + self._tag(body)
         if len(record) > min(self.segment_bytes, MAX_RECORD_BYTES):
             return
         with self._lock:
@@ -100,6 +109,11 @@ class SegmentLog:
     def close(self) -> None:
         with self._lock:
             self._close_fd()
+
+    def _tag(self, body: bytes | memoryview) -> bytes:
+        mac = self._mac.copy()
+        mac.update(body)
+        return mac.digest()[:_TAG_BYTES]
 
     @property
     def num_bytes(self) -> int:
@@ -135,17 +149,18 @@ class SegmentLog:
         pos = len(self._header)
         while pos + _REC.size <= len(data):
             klen, vlen = _REC.unpack_from(data, pos)
-            end = pos + _REC.size + klen + vlen + _SUM.size
+            end = pos + _REC.size + klen + vlen + _TAG_BYTES
             if end > len(data):
                 break
-            body = data[pos + _REC.size : end - _SUM.size]
-            if xxhash.xxh3_64_intdigest(body) != _SUM.unpack_from(data, end - _SUM.size)[0]:
+            if not hmac.compare_digest(self._tag(memoryview(data)[pos : end - _TAG_BYTES]),
+                                       data[end - _TAG_BYTES : end]):
                 break
+            body = data[pos + _REC.size : end - _TAG_BYTES]
             yield body[:klen], body[klen:]
             pos = end
         if pos < len(data):
-            log.warning("persisted log %s: segment %d has a torn or corrupt record at byte %d; cut there",
-                        self.directory, seg, pos)
+            log.warning("persisted log %s: segment %d has a torn, corrupt or unauthenticated record at byte "
+                        "%d; cut there", self.directory, seg, pos)
             with open(path, "r+b") as f:
                 f.truncate(pos)
             self._sizes[seg] = pos
@@ -204,6 +219,29 @@ def load_or_create_key(path: str) -> bytes:
     return key
 
 
+def state_key(l2_dir: str) -> bytes:
+    """The backend's key for state on disk (32 bytes): from ``DIB_STATE_KEY`` (64 hex digits)
+    when set, else ``<l2_dir>/state.key`` (mode 0600, made on first start). Every file under
+    ``l2_dir`` that can reach a prompt or the KV cache is authenticated with a key derived from
+    it (``derived_key``). A new key (rotation, a lost file) makes every such file unreadable:
+    the backend starts with empty state. Whoever can read it can forge state (docs/reliability.md)."""
+    env = os.environ.get(STATE_KEY_ENV)
+    if env:
+        try:
+            key = bytes.fromhex(env.strip())
+        except ValueError:
+            key = b""
+        if len(key) != 32:
+            raise ValueError(f"{STATE_KEY_ENV} must be 64 hex digits (32 bytes)")
+        return key
+    return load_or_create_key(os.path.join(l2_dir, "state.key"))
+
+
+def derived_key(key: bytes, purpose: str) -> bytes:
+    """An independent key for one use of the state key (HMAC-SHA256 of the purpose)."""
+    return hmac.new(key, b"deepinfer-backend " + purpose.encode(), hashlib.sha256).digest()
+
+
 LEDGER_LOG_BYTES = 512 << 20
 PIECES_LOG_BYTES = 256 << 20
 
@@ -217,9 +255,12 @@ def open_protocol_state(l2_dir: str, model_name: str, tokenizer: PromptTokenizer
     stamp = f"{model_name}:{tokenizer.fingerprint}"
     logs: list[SegmentLog] = []
     try:
-        logs.append(SegmentLog(os.path.join(base, "pieces"), PIECES_LOG_BYTES, stamp))
+        key = state_key(l2_dir)
+        logs.append(SegmentLog(os.path.join(base, "pieces"), PIECES_LOG_BYTES, stamp,
+                               key=derived_key(key, "pieces log")))
         num_pieces = tokenizer.cache.attach(logs[0])
-        logs.append(SegmentLog(os.path.join(base, "ledger"), LEDGER_LOG_BYTES, stamp))
+        logs.append(SegmentLog(os.path.join(base, "ledger"), LEDGER_LOG_BYTES, stamp,
+                               key=derived_key(key, "ledger log")))
         ledger = OutputLedger(key=load_or_create_key(os.path.join(base, "ledger.key")), log=logs[1])
     except OSError as exc:
         for opened in logs:

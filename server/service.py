@@ -109,6 +109,7 @@ class ChatService:
         self._metrics = metrics
         self._timeout_s = config.request_timeout_secs
         self._keep_blocks = config.prefix_cache
+        self._salt_per_caller = config.prefix_cache_per_caller
         # Between admission and submit: which admitted turn reaches the engine's queue when.
         self._gate = SubmitGate(config.scheduling_config(), clock=time.perf_counter)
         self._late: set[asyncio.Task[None]] = set()  # admissions waiting for an aborted request's end
@@ -176,8 +177,10 @@ class ChatService:
                              retry_after_s=RESTART_RETRY_AFTER_S)
         # the agent headers (server/agent_hints.py) with the protocol layer's session key
         session_hint = replace(hint or SessionHint(), key=prepared.session_key)
+        salt = prepared.caller_scope if self._salt_per_caller else b""
         async with self._cache.turn(prepared.prompt_ids, session_hint, prepared.max_tokens,
-                                    max_tokens_is_default=prepared.max_tokens_is_default) as turn:
+                                    max_tokens_is_default=prepared.max_tokens_is_default,
+                                    caller_salt=salt) as turn:
             await self._run_turn(turn, prepared, rs, flight, write)
 
     async def _run_turn(self, turn: Turn, prepared: PreparedRequest, rs: ResponseStream,

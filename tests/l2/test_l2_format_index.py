@@ -25,6 +25,18 @@ def test_header_round_trip_and_padding() -> None:
     assert decode_header(raw, STAMP, h.file_bytes) == h
 
 
+def test_a_header_rewritten_without_the_key_is_rejected() -> None:
+    """Someone who can write l2_dir but not read the key cannot file KV under other hashes."""
+    key = b"k" * 32
+    h = header(0, 4)
+    assert decode_header(h.encode(key), STAMP, h.file_bytes, key) == h
+    forged = h._replace(hashes=chain(9)[5:])  # the same bytes claimed for another prompt's blocks
+    for raw in (forged.encode(), forged.encode(b"another key")):
+        with pytest.raises(ExtentRejected) as err:
+            decode_header(raw, STAMP, forged.file_bytes, key)
+        assert err.value.reason == "corrupt"
+
+
 @pytest.mark.parametrize("change", [
     {"model": "reference:other-model"},
     {"block_size": 8},

@@ -15,6 +15,7 @@ from protocol.ledger import LedgerEntry, OutputLedger
 from protocol.tokenize import PromptTokenizer
 from server.persist import SegmentLog, load_or_create_key, open_protocol_state
 
+LOG_KEY = b"L" * 32
 MODEL = "deepseek-v4.1-flash"
 D = "｜DSML｜"
 EOS = "<｜end▁of▁sentence｜>"
@@ -24,7 +25,7 @@ EOS = "<｜end▁of▁sentence｜>"
 
 def test_segment_log_replays_in_order_and_cuts_a_torn_tail(tmp_path) -> None:
     d = str(tmp_path / "log")
-    log = SegmentLog(d, 1 << 20, "stamp-a")
+    log = SegmentLog(d, 1 << 20, "stamp-a", key=LOG_KEY)
     log.put(b"k1", b"v1")
     log.put(b"k2", b"v2" * 100)
     log.put(b"k1", b"v1-new")
@@ -32,27 +33,28 @@ def test_segment_log_replays_in_order_and_cuts_a_torn_tail(tmp_path) -> None:
     (seg,) = os.listdir(d)
     with open(os.path.join(d, seg), "ab") as f:
         f.write(b"\x05\x00\x00\x00\x09\x00")  # a record cut by a kill mid-write
-    log2 = SegmentLog(d, 1 << 20, "stamp-a")
+    log2 = SegmentLog(d, 1 << 20, "stamp-a", key=LOG_KEY)
     assert list(log2.replay()) == [(b"k1", b"v1"), (b"k2", b"v2" * 100), (b"k1", b"v1-new")]
     log2.put(b"k3", b"v3")  # goes to a fresh segment after the cut one
     log2.close()
-    assert [k for k, _ in SegmentLog(d, 1 << 20, "stamp-a").replay()] == [b"k1", b"k2", b"k1", b"k3"]
+    replayed = [k for k, _ in SegmentLog(d, 1 << 20, "stamp-a", key=LOG_KEY).replay()]
+    assert replayed == [b"k1", b"k2", b"k1", b"k3"]
 
 
 def test_segment_log_of_another_stamp_starts_empty(tmp_path, caplog) -> None:
     d = str(tmp_path / "log")
-    log = SegmentLog(d, 1 << 20, "model:tokenizer-A")
+    log = SegmentLog(d, 1 << 20, "model:tokenizer-A", key=LOG_KEY)
     log.put(b"k", b"ids of tokenizer A")
     log.close()
     with caplog.at_level(logging.WARNING):
-        other = SegmentLog(d, 1 << 20, "model:tokenizer-B")
+        other = SegmentLog(d, 1 << 20, "model:tokenizer-B", key=LOG_KEY)
     assert list(other.replay()) == [] and os.listdir(d) == []
     assert "another tokenizer" in caplog.text
 
 
 def test_segment_log_is_bounded_and_refresh_keeps_used_keys(tmp_path) -> None:
     d = str(tmp_path / "log")
-    log = SegmentLog(d, 64 << 10, "s", segment_bytes=8 << 10)
+    log = SegmentLog(d, 64 << 10, "s", key=LOG_KEY, segment_bytes=8 << 10)
     value = bytes(1000)
     log.put(b"hot", b"hot value")
     for i in range(300):  # ~300 KB through a 64 KiB log
@@ -61,13 +63,13 @@ def test_segment_log_is_bounded_and_refresh_keeps_used_keys(tmp_path) -> None:
         assert log.num_bytes <= 64 << 10
     log.close()
     assert sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)) <= 64 << 10
-    replayed = dict(SegmentLog(d, 64 << 10, "s").replay())
+    replayed = dict(SegmentLog(d, 64 << 10, "s", key=LOG_KEY).replay())
     assert replayed[b"hot"] == b"hot value" and b"k0" not in replayed and b"k299" in replayed
 
 
 def test_segment_log_write_errors_cost_persistence_only(tmp_path, caplog) -> None:
     d = tmp_path / "log"
-    log = SegmentLog(str(d), 1 << 20, "s")
+    log = SegmentLog(str(d), 1 << 20, "s", key=LOG_KEY)
     log.put(b"a", b"1")
     log.close()
     for name in os.listdir(d):
@@ -154,8 +156,9 @@ def test_ledger_entry_encoding_round_trips() -> None:
 
     calls = (("Read", {"file_path": "/p", "n": [1, 2.5, None]}), ("Bash", "not json"))
     ids = np.asarray([1, 2, 2**31 - 1], dtype=np.int32)
-    entry = LedgerEntry(b"x" * 16, ids, True, 1, "why", ("a", "b"), calls)
+    entry = LedgerEntry(b"x" * 16, ids, True, 1, "why", ("a", "b"), calls, b"p" * 16)
     back = decode_entry(entry.entry_id, encode_entry(entry))
+    assert back.binding == b"p" * 16
     assert back.output_ids.tolist() == entry.output_ids.tolist() and back.output_ids.dtype == np.int32
     assert (back.thinking, back.think_end, back.reasoning, back.text_parts) == (True, 1, "why", ("a", "b"))
     assert back.calls == entry.calls
@@ -173,11 +176,11 @@ def test_unusable_l2_dir_gives_an_in_memory_ledger(tmp_path, caplog) -> None:
 
 
 def test_an_entry_that_cannot_be_encoded_stays_in_memory(tmp_path) -> None:
-    log = SegmentLog(str(tmp_path / "ledger"), 1 << 20, "s")
+    log = SegmentLog(str(tmp_path / "ledger"), 1 << 20, "s", key=LOG_KEY)
     ledger = OutputLedger(key=b"k" * 32, log=log)
     entry = LedgerEntry(b"z" * 16, np.asarray([5], dtype=np.int32), False, -1, "", ("x",),
-                        (("Calc", {"n": 2**70}),))  # wider than JSON numbers orjson writes
+                        (("Calc", {"n": 2**70}),), b"b" * 16)  # wider than JSON numbers orjson writes
     ledger.record(entry)  # no exception reaches the request
-    assert ledger.match(None, None, ["x"], [("Calc", {"n": 2**70})], strict_parts=False) is entry
+    assert ledger.match(b"b" * 16, None, None, ["x"], [("Calc", {"n": 2**70})], strict_parts=False) is entry
     log.close()
-    assert list(SegmentLog(str(tmp_path / "ledger"), 1 << 20, "s").replay()) == []
+    assert list(SegmentLog(str(tmp_path / "ledger"), 1 << 20, "s", key=LOG_KEY).replay()) == []

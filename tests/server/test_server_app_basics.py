@@ -91,6 +91,13 @@ def test_unknown_route_and_method_in_route_shape(base_url: str) -> None:
     assert resp.status_code == 405 and resp.json()["type"] == "error"
 
 
+def test_trailing_slash_is_404_without_reflecting_the_host(base_url: str) -> None:
+    resp = httpx.post(base_url + "/v1/messages/", json={}, headers={"host": "evil.example"},
+                      follow_redirects=False)
+    assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
+    assert "location" not in resp.headers and "evil.example" not in resp.text
+
+
 def test_models_lists_served_names_in_both_shapes(base_url: str) -> None:
     resp = httpx.get(base_url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
     assert {m["id"] for m in resp.json()["data"]} == {"deepseek-v4.1-flash", "deepinfer-v41-flash", "default"}

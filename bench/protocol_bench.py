@@ -1,6 +1,7 @@
 """Protocol benchmark (not a test): prompt preparation on a 500K-token session, parser throughput.
 
-Run: ``python -m bench.protocol_bench [--tokens 500000] [--repeats 7]``
+Run: ``python -m bench.protocol_bench [--tokens 500000] [--repeats 7]``; ``--quick``: a 100K-token
+session, 3 repeats, no whole-prompt tokenization, a short stream (seconds; CI and the perf guard)
 
 Prints
 1. CPU ms from a parsed (validated) Anthropic request to prompt ids for a Claude-Code-like
@@ -195,17 +196,20 @@ def bench_stream(proto: Protocol, num_tokens: int, out: str) -> dict[str, float]
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=500_000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--stream-tokens", type=int, default=200_000)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: 100K tokens, 3 repeats, no naive")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.repeats, args.stream_tokens = 100_000, 3, 2_000
     tok = PromptTokenizer.load()
     proto = Protocol(tok, OutputLedger(), [MODEL], 1_064_960)
     body, turns = build_session(args.tokens)
     res = bench_prepare(proto, body, args.repeats)
-    naive_ms, cold_ms = bench_whole(proto, body, args.repeats)
+    naive_ms, cold_ms = (float("nan"), float("nan")) if args.quick else bench_whole(proto, body, args.repeats)
     print(f"session: {res['prompt_tokens']:,} prompt tokens, {turns} tool rounds, newest turn ~2K tokens, "
           f"{len(orjson.dumps(body)):,} body bytes")
     print("  parsed request -> prompt ids (convert+render+tokenize, warm piece cache): "

@@ -43,7 +43,8 @@ PROBES = (
         "parsed->ids ms": r"parsed request -> prompt ids[^:]*: ([\d.]+) ms",
         "body->ids ms": r"body bytes to ids ([\d.]+) ms",
     }),
-    Probe("cache admit/finish", "bench.cache_bench", ("--tokens", "200000", "--repeats", "7", "--skip-replay"), {
+    Probe("cache admit/finish", "bench.cache_bench",
+          ("--tokens", "200000", "--repeats", "7", "--skip-replay"), {
         "cold finish ms": r"cold: finish[^\n]*?([\d.]+) ms",
         "warm admit+finish ms": r"warm turn: admit \+ finish, total\s+([\d.]+) ms",
     }),
@@ -64,7 +65,8 @@ def run_probe(probe: Probe, tree: Path, timeout_s: float) -> dict[str, float]:
     cmd = [sys.executable, "-m", probe.module, *probe.args]
     if probe.module == "bench.decode_bench":
         cmd.append("--json")
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, check=False, cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"{probe.module} in {tree} exited {proc.returncode}:\n{proc.stdout[-2000:]}"
                            f"\n{proc.stderr[-2000:]}")
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = mn / mb if mb > 0 else 1.0
             bad = ratio > args.ratio
             failed |= bad
-            print(f"  {probe.name:<26}{figure:<24}{mb:>10.2f}{mn:>11.2f}{ratio:>7.2f}x{'  FAIL' if bad else ''}")
+            flag = "  FAIL" if bad else ""
+            print(f"  {probe.name:<26}{figure:<24}{mb:>10.2f}{mn:>11.2f}{ratio:>7.2f}x{flag}")
     for line in skipped:
         print(f"  skipped: {line}")
     print("perf guard: FAIL" if failed else "perf guard: pass")

@@ -39,9 +39,9 @@ from typing import Any
 
 import httpx
 
-from tests.support.bodies import chat_body, filler_text, path_of
-from tests.support.runtime_thread import RuntimeThread, cache_sizes
-from tests.support.sse import SseParser, error_body_problem, is_content_event, is_done_event, is_error_event
+from bench.support.bodies import chat_body, filler_text, path_of
+from bench.support.runtime_thread import RuntimeThread, cache_sizes
+from bench.support.sse import SseParser, error_body_problem, is_content_event, is_done_event, is_error_event
 
 
 def fault_config(*, num_ranks: int = 4, model: str = "null", **overrides: Any) -> dict[str, Any]:
@@ -334,7 +334,7 @@ async def run_fault(rt: RuntimeThread, fault: str, *, num_streams: int = 64, vic
 
 
 async def _settle(runtime: Any) -> dict[str, Any]:
-    from tests.support.runtime_thread import settle
+    from bench.support.runtime_thread import settle
 
     return await settle(runtime, 120.0)
 

@@ -31,6 +31,7 @@ import torch
 
 from rank.host_budget import host_pool_path, unlink_host_pool
 from rank.host_pool import HostPool
+from rank.pool_transfers import PoolTransfers
 from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
 V41_FLASH_BYTES_PER_BLOCK = 114_048
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     unlink_host_pool(path)
     host = HostPool(path, nbytes, pin=device.type == "cuda")
     host.open(bpb)
+    # The engine was built without a pool (its null model's row size); its transfers get this one.
     engine.host_pool = host
+    engine.transfers = PoolTransfers(engine.blocks, host, device)
     try:
         assert host.tensor is not None and host.num_slots == num_blocks
         # Random session bytes, written into the host slots once.

@@ -470,7 +470,7 @@ def scrape(url: str) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     from bench.loadgen.report import Criteria, step_stats
     from bench.multi_gpu.load import record_from_dict
-    from tests.support.runtime_thread import RuntimeThread
+    from bench.support.runtime_thread import RuntimeThread
 
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python -m bench.multi_gpu_run", *sys.argv[1:]])

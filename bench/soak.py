@@ -35,9 +35,9 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.support.bodies import filler_text
-from tests.support.runtime_thread import RuntimeThread
-from tests.support.sse import SseParser, is_done_event, is_error_event
+from bench.support.bodies import filler_text
+from bench.support.runtime_thread import RuntimeThread
+from bench.support.sse import SseParser, is_done_event, is_error_event
 
 
 def soak_config(*, num_ranks: int, model: str, **overrides: Any) -> dict[str, Any]:
@@ -377,7 +377,7 @@ async def soak(rt: RuntimeThread, *, minutes: float, num_agents: int, sample_s: 
         await sampler()
         await asyncio.gather(*tasks, return_exceptions=True)
     # after the load: everything idle and balanced
-    from tests.support.runtime_thread import settle
+    from bench.support.runtime_thread import settle
 
     try:
         final = await rt.acall(lambda: settle(rt.runtime, 120.0))

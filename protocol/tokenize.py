@@ -37,7 +37,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -321,12 +321,15 @@ class PromptTokenizer:
                 raise _OverBudget(num_ids, pos)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _piece_ids(self, text: str, use_cache: bool, budget: int | None) -> np.ndarray:
+    def _piece_ids(self, text: str, use_cache: bool, budget: int | None,
+                   on_miss: Callable[[], None]) -> np.ndarray:
         if not use_cache:
+            on_miss()
             return self.encode_plain(text, budget)
         key = _text_key(text)
         ids = self.cache.get(key)
         if ids is None:
+            on_miss()
             ids = self.encode_plain(text, budget)
             ids.setflags(write=False)
             self.cache.put(key, ids)
@@ -340,8 +343,10 @@ class PromptTokenizer:
         pieces come from the byte-bounded LRU as arrays. Few numpy calls per prompt. With
         ``max_tokens``, raises ``TokenBudgetExceeded`` as soon as the prompt is longer."""
         segments = list(segments)
-        if max_tokens is not None:
-            self._refuse_if_surely_over(segments, max_tokens)
+        # the cheap refusal runs once, at the first piece the caches miss, over the text from
+        # there on: a turn whose history is cached scans only its new part
+        unchecked = [max_tokens is not None]
+        at = [0]  # index of the segment being walked
         chunks: list[np.ndarray] = []
         small: list[int] = []
         pending: list[str] = []
@@ -353,9 +358,16 @@ class PromptTokenizer:
             pending.clear()
             if not text:
                 return
+            def on_miss() -> None:  # before the first encoding of this prompt
+                if unchecked[0]:
+                    unchecked[0] = False
+                    assert max_tokens is not None
+                    self._refuse_if_surely_over(text, segments[at[0]:], done.num_ids, max_tokens)
+
             if use_cache and len(text) <= _SMALL_PIECE_CHARS:
                 ids = small_cache.get(text)
                 if ids is None:
+                    on_miss()
                     ids = self.plain.encode(text, add_special_tokens=False).ids
                     if len(small_cache) >= _SMALL_CACHE_ENTRIES:
                         small_cache.clear()  # bounded; refills from the next prompts
@@ -368,7 +380,7 @@ class PromptTokenizer:
                 small.clear()
             budget = None if max_tokens is None else max_tokens - done.num_ids
             try:
-                piece = self._piece_ids(text, use_cache, budget)
+                piece = self._piece_ids(text, use_cache, budget, on_miss)
             except _OverBudget as over:
                 assert max_tokens is not None  # only a budget raises it
                 done.text(over.num_ids, over.num_chars)
@@ -376,7 +388,8 @@ class PromptTokenizer:
             chunks.append(piece)
             done.text(len(piece), len(text))
 
-        for kind, payload in segments:
+        for index, (kind, payload) in enumerate(segments):
+            at[0] = index
             if kind == CLIENT:
                 if payload:
                     pending.append(payload)
@@ -401,6 +414,7 @@ class PromptTokenizer:
                 raise AssertionError(f"bad segment kind {kind}")
             if max_tokens is not None and done.num_ids > max_tokens:
                 raise done.exceeded(segments, max_tokens)
+        at[0] = len(segments)
         if pending:
             flush_text()
         if max_tokens is not None and done.num_ids > max_tokens:
@@ -411,15 +425,17 @@ class PromptTokenizer:
             return np.zeros(0, dtype=np.int32)
         return np.concatenate(chunks) if len(chunks) > 1 else chunks[0].copy()
 
-    def _refuse_if_surely_over(self, segments: list[Segment], max_tokens: int) -> None:
-        """Raise ``TokenBudgetExceeded`` when a lower bound on the prompt's length (client text
-        by ``min_tokens``, ledger ids exactly; our template text not counted) is already over
-        ``max_tokens``: a 20 MB body is refused in milliseconds instead of after encoding a
-        million tokens. Only worth counting when the text is longer than the budget."""
-        texts = [p for kind, p in segments if kind == CLIENT and p]
-        if sum(len(t) for t in texts) <= max_tokens:
+    def _refuse_if_surely_over(self, text: str, rest: list[Segment], num_ids: int, max_tokens: int) -> None:
+        """Raise ``TokenBudgetExceeded`` when a lower bound on the prompt's length is already over
+        ``max_tokens``: ``num_ids`` counted so far, then ``text`` (the piece about to be encoded)
+        and the client text of the segments still to walk by ``min_tokens``, their ledger ids
+        exactly (our template text not counted). A 20 MB body is refused in milliseconds instead
+        of after encoding a million tokens. Only worth counting when the text is longer than the
+        budget left."""
+        texts = [text] + [p for kind, p in rest if kind == CLIENT and p]
+        if sum(len(t) for t in texts) <= max_tokens - num_ids:
             return
-        num_ids = sum(len(p) for kind, p in segments if kind == IDS)
+        num_ids += sum(len(p) for kind, p in rest if kind == IDS)
         # runs of adjacent segments may join in the prompt: one run per segment boundary less
         bound = num_ids + sum(min_tokens(t) for t in texts) - len(texts)
         if bound <= max_tokens:

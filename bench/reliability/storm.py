@@ -27,8 +27,8 @@ from typing import Any
 
 import orjson
 
-from tests.support.bodies import chat_body, filler_text, path_of
-from tests.support.runtime_thread import RuntimeThread
+from bench.support.bodies import chat_body, filler_text, path_of
+from bench.support.runtime_thread import RuntimeThread
 
 CUT_KINDS = ("in_headers", "in_body", "after_request", "in_response", "in_response", "in_response",
              "in_response", "read_to_end")
@@ -250,13 +250,13 @@ def _metric(runtime: Any, name: str) -> float:
 
 
 async def _sizes(runtime: Any) -> dict[str, Any]:
-    from tests.support.runtime_thread import cache_sizes
+    from bench.support.runtime_thread import cache_sizes
 
     return cache_sizes(runtime)
 
 
 async def _settle(runtime: Any) -> dict[str, Any]:
-    from tests.support.runtime_thread import settle
+    from bench.support.runtime_thread import settle
 
     return await settle(runtime, 120.0)
 

@@ -81,10 +81,43 @@ def run_probe(probe: Probe, tree: Path, timeout_s: float) -> dict[str, float]:
     return out
 
 
+def measure(probes: list[Probe], trees: dict[str, Path], rounds: int, timeout_s: float,
+            samples: dict[tuple[str, str, str], list[float]], errors: list[str]) -> None:
+    """``rounds`` interleaved runs of each probe on both sides, their figures added to ``samples``."""
+    for probe in probes:
+        for round_no in range(rounds):
+            order = ["baseline", "this tree"] if round_no % 2 == 0 else ["this tree", "baseline"]
+            for side in order:
+                try:
+                    figures = run_probe(probe, trees[side], timeout_s)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    errors.append(f"{probe.name} ({side}): {exc}")
+                    continue
+                for figure, value in figures.items():
+                    samples.setdefault((probe.name, figure, side), []).append(value)
+
+
+def ratios(probes: list[Probe], samples: dict[tuple[str, str, str], list[float]]
+           ) -> list[tuple[Probe, str, float, float, float]]:
+    """(probe, figure, baseline median, this tree's median, ratio) for every figure both sides have."""
+    rows = []
+    for probe in probes:
+        for figure in probe.figures:
+            b = samples.get((probe.name, figure, "baseline"))
+            n = samples.get((probe.name, figure, "this tree"))
+            if b and n:
+                mb, mn = statistics.median(b), statistics.median(n)
+                rows.append((probe, figure, mb, mn, mn / mb if mb > 0 else 1.0))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline-dir", required=True, type=Path, help="checkout of the baseline commit")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--confirm-rounds", type=int, default=4,
+                    help="extra interleaved rounds for a probe over the ratio; it fails only if the median "
+                    "over all its rounds is still over (0: no confirmation)")
     ap.add_argument("--ratio", type=float, default=1.25)
     ap.add_argument("--probe", action="append", default=None, help="run only probes whose name has this")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per probe run")
@@ -96,36 +129,29 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     errors: list[str] = []
     started = time.monotonic()
-    for probe in probes:
+    for probe in list(probes):
         if not (base / (probe.module.replace(".", "/") + ".py")).exists():
             skipped.append(f"{probe.name}: the baseline has no {probe.module}")
-            continue
-        for round_no in range(args.rounds):
-            order = ["baseline", "this tree"] if round_no % 2 == 0 else ["this tree", "baseline"]
-            for side in order:
-                try:
-                    figures = run_probe(probe, trees[side], args.timeout)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    errors.append(f"{probe.name} ({side}): {exc}")
-                    continue
-                for figure, value in figures.items():
-                    samples.setdefault((probe.name, figure, side), []).append(value)
+            probes.remove(probe)
+    measure(probes, trees, args.rounds, args.timeout, samples, errors)
+    # A shared machine's noise can put one short run over the line: a probe over the ratio runs
+    # more rounds, and is judged on the median of all of them.
+    suspects = list({id(p): p for p, _, _, _, r in ratios(probes, samples) if r > args.ratio}.values())
+    if suspects and args.confirm_rounds:
+        print(f"perf guard: over {args.ratio:.2f}x after {args.rounds} rounds: "
+              f"{', '.join(p.name for p in suspects)}; {args.confirm_rounds} more rounds to confirm",
+              flush=True)
+        measure(suspects, trees, args.confirm_rounds, args.timeout, samples, errors)
     failed = bool(errors)
-    print(f"perf guard: this tree vs baseline {base}, {args.rounds} interleaved rounds, "
-          f"fail above {args.ratio:.2f}x the baseline's median ({time.monotonic() - started:.0f} s)")
+    print(f"perf guard: this tree vs baseline {base}, {args.rounds} interleaved rounds "
+          f"(+{args.confirm_rounds} where over), fail above {args.ratio:.2f}x the baseline's median "
+          f"({time.monotonic() - started:.0f} s)")
     print(f"  {'probe':<26}{'figure':<24}{'baseline':>10}{'this tree':>11}{'ratio':>8}")
-    for probe in probes:
-        for figure in probe.figures:
-            b = samples.get((probe.name, figure, "baseline"))
-            n = samples.get((probe.name, figure, "this tree"))
-            if not b or not n:
-                continue
-            mb, mn = statistics.median(b), statistics.median(n)
-            ratio = mn / mb if mb > 0 else 1.0
-            bad = ratio > args.ratio
-            failed |= bad
-            flag = "  FAIL" if bad else ""
-            print(f"  {probe.name:<26}{figure:<24}{mb:>10.2f}{mn:>11.2f}{ratio:>7.2f}x{flag}")
+    for probe, figure, mb, mn, ratio in ratios(probes, samples):
+        bad = ratio > args.ratio
+        failed |= bad
+        flag = "  FAIL" if bad else ""
+        print(f"  {probe.name:<26}{figure:<24}{mb:>10.2f}{mn:>11.2f}{ratio:>7.2f}x{flag}")
     for line in skipped:
         print(f"  skipped: {line}")
     for line in errors:

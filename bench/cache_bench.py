@@ -10,7 +10,7 @@ Prints two things:
 2. The share of input tokens served from cache in a replay of simulated coding-agent sessions
    (default 32 sessions on 4 ranks, LocalRankGroup with the reference engine's null model, so
    the serving and cache code run for real and the model costs nothing). Turn shapes follow
-   ``../shared/reference/agent-workload.md``: an 18K-token system + tools prefix shared by all
+   the public agent traces in ``docs/loadtest.md``: an 18K-token system + tools prefix shared by all
    sessions, a lognormal first user message (p50 4K) after 0-130K tokens of earlier history
    (sessions join mid-conversation, as in AgentX), new input per turn lognormal (p50 700,
    p90 3.6K), output lognormal (p50 220, p90 900), 94% of turns end in a tool call. Steady state

@@ -13,7 +13,7 @@ What one fault run does (``run_fault``), against a real ``Runtime`` (HTTP server
    request and ``GET /healthz`` every ``probe_every_s`` until the group serves again;
 4. every stream must end with its API's own error frame (``event: error`` / an OpenAI error chunk);
 5. each failed stream is retried *without streaming* (what Claude Code does after a broken stream,
-   see shared/reference/claude-code-client.md section 6) until it succeeds, honouring no
+   see Claude Code's captured traffic, ``docs/claude-code.md``) until it succeeds, honouring no
    Retry-After longer than ``retry_poll_s`` so that the recovery time is measured, not waited;
 6. the cache is checked: right after the restart (a restart listener registered after the
    cache's) the L0 index and L1 hold nothing, and once everything settled the engine's

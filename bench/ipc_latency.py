@@ -1,5 +1,5 @@
 """Where a command round trip's fixed time goes: zmq (as the backend and a rank use it) against a
-Unix socket, with the receiving process idle or busy (issue 18 item 2's small restores).
+Unix socket, with the receiving process idle or busy (small restores).
 
     python -m bench.ipc_latency                          # both transports, child idle and busy
     python -m bench.ipc_latency --busy torch --pings 2000

@@ -14,7 +14,7 @@ What it measures, in one process and one run:
 * ``per-block``: one ``copy_`` per block (what a naive restore does), once, for contrast.
 
 The block pool uses DeepSeek-V4.1-Flash's row size (114,048 B per 128-token block, ~891 B per
-token, ``../shared/reference/deepinfer-engine.md`` section 3) instead of the reference model's,
+token, the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md``) instead of the reference model's,
 so a 1M-token session is 7,812 rows / 891 MB as on the real engine. Runs alternate between the
 two methods so clock and thermal drift hit both alike; the median of ``--repeats`` is reported.
 """

@@ -1,5 +1,5 @@
 """Event-loop benchmark (not a test): ``/healthz`` latency while 20 MB bodies are tokenized, and the
-time to refuse an over-long prompt (issue 15 item 4).
+time to refuse an over-long prompt.
 
 Run: ``python -m bench.loop_stall_bench [--body-mb 20] [--clients 2] [--bodies 3]``
 

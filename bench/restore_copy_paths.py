@@ -2,7 +2,7 @@
 
     python -m bench.restore_copy_paths --block-bytes 3145728 --blocks 54     # H200: medium, 128-token blocks
 
-Why (issue 18 item 2): in the serving run (``bench.multi_gpu_run``) an import's engine call, not
+Why: in the serving run (``bench.multi_gpu_run``) an import's engine call, not
 its messages, took most of a restore's round trip: 4.7 ms p50 / 10.8 ms p95 for a copy the link
 does in ~3.4 ms (``RankGroup.transfer_log``, ``rank/link.py`` ``TransferTiming``). The import moves
 consecutive host slots to a device staging buffer with one DMA and scatters it into the block rows

@@ -1,4 +1,4 @@
-"""An L1 restore's round trip against the copy of its bytes, while a rank steps (issue 18 item 2).
+"""An L1 restore's round trip against the copy of its bytes, while a rank steps.
 
     python -m bench.transfer_overlap                        # CPU, reference 'small', both modes
     python -m bench.transfer_overlap --device cuda --model medium --block-size 128 --blocks 54 \

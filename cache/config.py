@@ -3,7 +3,7 @@
 
 Only ``prefix_cache``, ``l1_cache`` and ``l1_host_gb`` come from the seed guide's keys; the
 rest are tuning knobs with defaults taken from the workload research
-(``../shared/reference/agent-workload.md``) and documented in ``docs/cache.md``.
+(the public agent traces in ``docs/loadtest.md``) and documented in ``docs/cache.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cache.admission import AdmissionConfig
 from cache.router import RouterConfig
 
-DEEPINFER_KV_WATERMARK = 0.9  # ../shared/reference/deepinfer-engine.md: prefill only at usage <= this
+DEEPINFER_KV_WATERMARK = 0.9  # DeepInfer 0.1.0 (docs/deepinfer.md): prefill only at usage <= this
 
 
 class CacheConfig(BaseModel):

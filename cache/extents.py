@@ -2,7 +2,7 @@
 
 Used by the L1 index to give each session one contiguous run of slots, so restoring it is one
 DMA from host to GPU plus a scatter into the block pool (per-block copies reach only a third of
-the link: ``../shared/reference/measurements.md``).
+the link: measured on the H200 host, ``docs/cache.md``).
 
 Invariants (``check``): free extents are disjoint, sorted by start, never adjacent (freeing
 coalesces with both neighbours), inside ``[0, num_slots)``; ``num_free_slots`` is their sum.

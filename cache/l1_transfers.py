@@ -13,7 +13,7 @@
 * **Retire** (``evicted`` + ``retire``): blocks an admission or a growing reply evicted are
   written to L1 where it lacks their session's chain, then released.
 * **Move** (``move``): a session handed to another rank goes through L1.
-* **L2** (issue 19, ``cache/kv_tier.py``): every committed L1 write is spilled to disk
+* **L2** (``cache/kv_tier.py``): every committed L1 write is spilled to disk
   (write-behind); a restore whose blocks L1 lacks fills the session's L1 entry from disk first;
   ``flush_to_l2`` writes idle sessions out at a graceful stop.
 

@@ -96,7 +96,7 @@ class CacheManager:
         self.num_ranks = client.num_ranks
         self.state = state = CacheState(client, config, metrics, clock)
         self.hasher = ChainHasher(client.block_size, config.hash_salt.encode())
-        if l2 is not None and config.prefix_cache:  # L2 below L1 (issue 19; ``cache/kv_tier.py``)
+        if l2 is not None and config.prefix_cache:  # L2 below L1 (``cache/kv_tier.py``)
             state.l2 = TierLink(state.l1, l2, self.hasher.root)
         self.router = Router(config.router(), client.block_size)
         self.transfers = L1Transfers(state)

@@ -4,7 +4,7 @@
   means every GPU block id of the old one is gone, so every L0 entry is dropped, the ledgers
   start over, and admissions of the old epoch are closed without touching the new engines
   (``CacheManager`` checks the epoch). L1's committed entries are kept: the host pool outlives
-  the ranks (issue 19; ``CacheState.reset``), so a session's next turn restores from L1.
+  the ranks (``CacheState.reset``), so a session's next turn restores from L1.
 * **Host pool** (``sync_l1``): the pool is allocated without blocking startup, so L1 turns on
   when the group reports host slots (checked at every admission until then).
 * **Unsupported** (``disable_l1_if_unsupported``): an engine that cannot copy blocks to or from

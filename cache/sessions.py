@@ -16,7 +16,7 @@ pins a rank (``cache/router.py``). ``docs/cache.md`` ("Routing rules") has the r
 
 Return-time model (what eviction weighs): a session that just ended a turn with a tool call is
 waiting on a tool (next turn in seconds: p50 9 s, p90 74 s in Claude Code traces,
-``../shared/reference/agent-workload.md``); one that ended its turn is waiting on a person
+the public agent traces in ``docs/loadtest.md``); one that ended its turn is waiting on a person
 (p50 ~90-130 s, heavy tail). Each session learns its own gaps per stop kind (EWMA seeded by the
 fleet-wide EWMA, which is seeded by those medians). ``expected_wait_s`` is the time we expect
 until the session's next turn; past its expected gap the wait grows with the idle time (a

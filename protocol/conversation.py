@@ -3,7 +3,7 @@
 A ``Conversation`` is what ``render.py`` turns into a V4.1 prompt. Conversion keeps client text
 verbatim (nothing is escaped or trimmed); the only thing dropped is Claude Code's per-request
 ``x-anthropic-billing-header`` system block (it changes every request and would break the
-prefix cache; reference/claude-code-client.md section 3).
+prefix cache; Claude Code's captured traffic, ``docs/claude-code.md``).
 
 Deferred tools (Anthropic ``defer_loading``): they stay out of ``tools`` (the prompt's tools
 block) and sit in ``tool_catalog``; a ``tool_reference`` in a tool result becomes a

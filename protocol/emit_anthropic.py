@@ -1,6 +1,6 @@
 """Parser events -> Anthropic Messages SSE events (``event:`` + ``data:`` lines) and bodies.
 
-Sequence (what Claude Code 2.1.197 accepted, reference/claude-code-client.md section 5):
+Sequence (what Claude Code 2.1.197 accepted; ``docs/claude-code.md``):
 message_start, content_block_start, ping (once, after the first block start),
 content_block_delta*, content_block_stop, ..., message_delta (stop_reason, usage), message_stop.
 Thinking blocks start with ``{"thinking":"","signature":""}`` and end with one

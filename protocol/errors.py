@@ -72,7 +72,7 @@ class ProtocolError(Exception):
     def headers(self) -> dict[str, str]:
         """Extra HTTP headers: ``retry-after`` for retryable errors, ``x-should-retry``.
 
-        Claude Code honours both (reference/claude-code-client.md section 6).
+        Claude Code honours both (Claude Code's captured traffic, ``docs/claude-code.md``).
         """
         out: dict[str, str] = {"x-should-retry": "true" if self.retryable else "false"}
         if self.retry_after_s is not None:

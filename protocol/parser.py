@@ -9,7 +9,7 @@ Events are tuples, cheap on the hot path:
 * ``(TOOL, ParsedCall)``: the call is complete; the ``TOOL_ARGS`` since its ``TOOL_START``
   join to exactly ``ParsedCall.arguments_json`` (see parser_args.py for what streams when).
 
-Behaviour (reference/deepseek-v41-protocol.md section 1.5, numbers refer to it):
+Behaviour (as vLLM's V4.1 parser, ``vllm/parser/deepseek_v41.py``, handles it):
 
 1. Holds back any suffix that may begin a tag (``<`` before ``｜DSML｜``, trailing whitespace
    before a block), so every split of the output gives the same events (merged per kind).

@@ -1,7 +1,7 @@
 """Conversation -> the exact DeepSeek-V4.1 prompt, as a list of segments.
 
-Follows the format facts of reference/deepseek-v41-protocol.md section 1.2 (the checkpoint's
-encoder). A segment is ``(kind, payload)``:
+Follows the checkpoint's encoder as vLLM implements it
+(``vllm/tokenizers/deepseek_v41_encoding.py``). A segment is ``(kind, payload)``:
 
 * ``OURS``: template text; it may contain special-token strings, which the tokenizer matches.
 * ``CLIENT``: client text (messages, tool results, tool schemas, tool names and arguments);

@@ -1,6 +1,6 @@
 """``Engine`` over DeepInfer 0.1.0's ``LLMEngine`` (one rank process per GPU, EP = DP = ``ep``).
 
-Facts this relies on are in ``../shared/reference/deepinfer-engine.md`` (DeepInfer's own source
+Facts this relies on are in the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md`` (DeepInfer's own source
 is cited there by file and line); the prefix-cache hooks come from
 ``patches/deepinfer-prefix-cache.patch`` (see ``docs/deepinfer.md``).
 

@@ -4,7 +4,7 @@
 before DeepInfer (and torch) are imported, because DeepInfer reads some knobs at import time.
 ``import_deepinfer`` gathers the classes the adapter (``rank/deepinfer_adapter.py``) uses, and
 ``patch_missing_reason`` says whether our prefix-cache patch is on them. See
-``../shared/reference/deepinfer-engine.md`` for DeepInfer's side.
+the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md`` for DeepInfer's side.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DeepInfer's cache refs and L1 copies, safe on the rank's transfer thread beside ``llm.step()``.
 
-Why (issue 18): through the adapter, DeepInfer ran L1 imports and exports on the loop thread
+Why: through the adapter, DeepInfer ran L1 imports and exports on the loop thread
 between steps, so a restore waited for the step in progress and the lockstep group stood for its
 copy. The simulator put that at TTFT p95 16.6 s at 500K x 200 (3 s pacing), against 14.4 s with
 copies beside the step (docs/loadtest.md). With this module the adapter declares

@@ -55,7 +55,7 @@ def make_engine(config: RankConfig, rank: int, host_pool: HostPool | None, *,
         return ReferenceEngine(ReferenceEngineConfig.from_rank_config(config), host_pool)
     if config.engine == "scripted":
         require_scripted_engine()
-        from standins.scripted_engine import ScriptedEngine  # issue 8
+        from standins.scripted_engine import ScriptedEngine
 
         return ScriptedEngine.from_config(config, rank, host_pool)
     if config.engine == "deepinfer":
@@ -65,7 +65,7 @@ def make_engine(config: RankConfig, rank: int, host_pool: HostPool | None, *,
 
 def make_deepinfer_engine(config: RankConfig, rank: int, host_pool: HostPool | None = None,
                           api_module: str | None = None) -> DeepInferEngine:
-    """Engine 'deepinfer' (issue 3 item 5): sets DeepInfer's environment, imports it, builds the
+    """Engine 'deepinfer': sets DeepInfer's environment, imports it, builds the
     adapter (``rank/deepinfer_adapter.py``).
 
     ``api_module`` (TESTS ONLY): import ``<api_module>.deepinfer_api()`` instead of ``deepinfer``,

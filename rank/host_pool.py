@@ -4,7 +4,7 @@ Layout: ``[num_slots, bytes_per_block]`` uint8, one slot = one KV block row of t
 device pools. Because the file is shared (``MAP_SHARED``) and named after the rank group, any
 rank can restore blocks another rank exported, which is what moving a session off an
 overloaded rank needs. On CUDA the mapping is page-locked with ``cudaHostRegister`` so copies are
-real DMA (pageable memory runs at a third of the link; see shared/reference/measurements.md).
+real DMA (pageable memory runs at a third of the link; measured on the H200 host, ``docs/cache.md``).
 
 Copies are shaped for the link. A session's blocks sit in consecutive slots but in scattered
 rows, so a transfer is split into runs of consecutive row ids. Where the runs are long enough
@@ -12,7 +12,7 @@ rows, so a transfer is split into runs of consecutive row ids. Where the runs ar
 its rows: the copy engines alone, no kernel and no staging buffer. Otherwise (many small rows) an
 export gathers the rows on the device into one staging tensor and moves it with one copy, and an
 import moves the slots with one copy into a staging buffer and scatters it with ``index_copy_``.
-Why the runs (issue 18 item 2, ``bench/restore_copy_paths.py``): beside a step, the scatter's
+Why the runs (``bench/restore_copy_paths.py``): beside a step, the scatter's
 kernel waits for streaming multiprocessors that the step's kernels hold, and its index tensor is
 uploaded synchronously first; per-run copies need neither. Both paths synchronize the stream they
 ran on before returning, so an exported slot is readable by every process, an imported block is

@@ -1,4 +1,4 @@
-"""The reference engine's L1 <-> KV pool copies, safe beside a step in progress (issue 18 item 2).
+"""The reference engine's L1 <-> KV pool copies, safe beside a step in progress.
 
 The rank worker's transfer thread (``rank/transfers.py``) calls ``export``/``import_`` while the
 loop thread runs ``ReferenceEngine.step``. Block bookkeeping is shared through the

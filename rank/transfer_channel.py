@@ -2,7 +2,7 @@
 ``export`` and ``import`` and their replies; and the command numbering that keeps every command
 in the order the backend sent it, whichever way it travelled.
 
-Why (issue 18 item 2): after restores stopped waiting for step boundaries, a small restore's
+Why: after restores stopped waiting for step boundaries, a small restore's
 round trip was mostly messaging. zmq moves each message through an I/O thread on both ends, so
 a command wakes three threads (the backend's I/O thread, the rank's, then the rank's transfer
 thread) and its reply three more. Measured on the H200 host (``python -m bench.ipc_latency``,

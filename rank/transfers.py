@@ -1,6 +1,6 @@
 """The rank worker's transfer thread: L1 restores and writes beside the step in progress.
 
-Why (issue 18 item 2): the loop thread reads commands only between steps. An ``import`` therefore
+Why: the loop thread reads commands only between steps. An ``import`` therefore
 waited for the step in progress and then queued behind the other commands. Measured on an H200
 (reference 'medium', 16 agents at 32K): a restore's round trip took 10x the copy of its bytes at
 p50, 30x at p95, where a decode step takes ~60 ms and the copy ~4 ms. With imports here but

@@ -1,7 +1,7 @@
 """The vote filler: a rank with nothing to prefill no longer vetoes DeepInfer's ALL vote points.
 
 DeepInfer picks each step's type by a vote across the ranks (``scheduler.hpp`` ``_schedule``;
-``../shared/reference/deepinfer-engine.md`` section 1): at an ALL point (``decode_step % 70 ==
+the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md``): at an ALL point (``decode_step % 70 ==
 0``, 0 included) a prompt step runs only if *every* rank wants one (KV usage <= 0.9 and a waiting
 head), at an ANY point (``decode_step % 100 == 0``, not 0) if one does. A prompt step resets
 ``decode_step`` to 0, so right after it comes an ALL point: prompts that the step's token budget

@@ -5,7 +5,7 @@
 # Versions: CODEX_VERSION (default: the oldest pin in scripts/codex-versions.txt; each version gets
 # its own directory, so the oldest and the newest sit side by side), OPENCODE_VERSION,
 # OPENAI_AGENTS_VERSION, AIDER_VERSION (defaults below, the versions
-# shared/reference/openai-agent-clients.md was observed on). Idempotent; `codex --version` is
+# docs/responses.md was observed on). Idempotent; `codex --version` is
 # checked offline after the install.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -23,7 +23,7 @@
 # The key hashes everything the build depends on: the sdist's sha256, the patch, the Python and torch
 # versions and RECIPE (bump it when this recipe changes). Builds on one machine are serialised by a
 # lock, so parallel runs (several engineers, CI) wait for one build instead of racing it.
-# Workarounds and the reasons for them: ../shared/reference/deepinfer-build.md, docs/deepinfer.md.
+# Workarounds and the reasons for them: docs/deepinfer.md.
 #
 # Environment: PYTHON (default: python3.12 on PATH, else pyenv's 3.12.x), DEEPINFER_CACHE_DIR (the cache
 # root), DEEPINFER_BUILD_DIR (use exactly this directory), CUDA_HOME (default /usr/local/cuda),

@@ -3,7 +3,7 @@
 DeepInfer takes prompts from a per-rank FIFO only at its step-type vote points, at most
 ``max_num_batched_tokens`` (16,384) prompt tokens per rank per prompt step, and a prompt longer
 than that is chunked: its next chunk waits for the next passing vote while the turns behind it
-wait too (``reference/deepinfer-engine.md`` sections 1-4). Whatever order turns reach that FIFO
+wait too (the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md``). Whatever order turns reach that FIFO
 is the order they are prefilled in. This module decides that order; the engine stays unchanged.
 
 Rule (``to_submit``; pure, so the service and ``bench/simulator`` run the same code):

@@ -1,7 +1,7 @@
 """A stand-in for the part of DeepInfer 0.1.0's Python API that ``rank/deepinfer_adapter.py`` uses.
 
 CI cannot run DeepInfer (its kernels need B200 GPUs), so the adapter is tested against this
-module. It follows the engine's documented semantics (``../shared/reference/deepinfer-engine.md``
+module. It follows the engine's documented semantics (the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md``
 sections 2, 4 and 6; the C++ in ``csrc/engine/{scheduler,block_manager,sequence}.hpp``) and it
 FAILS ON MISUSE where the engine would (with ``RuntimeError``, which is what pybind turns a
 failed ``TORCH_CHECK`` into), so a careless adapter is caught here rather than on a GPU node:

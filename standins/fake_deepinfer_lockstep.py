@@ -15,7 +15,7 @@ the SM100 forward and ``LLMEngine``'s step loop around it are this stand-in's (n
 stub on a GPU-less machine).
 
 The in-process stand-in is one rank voting alone. This module adds what DeepInfer does *across*
-ranks (facts: ``../shared/reference/deepinfer-engine.md`` section 1), so the rank worker's lockstep
+ranks (facts: the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md``), so the rank worker's lockstep
 is tested against the same shape of collectives:
 
 * ``LLMEngine`` construction creates torch.distributed's *default* group itself (gloo,

@@ -9,7 +9,7 @@ tried, docs/loadtest.md). Each run's JSON lies in
 ``<out>/onoff.json``):
 
 * the steady window's TTFT, per-agent speed, cache hit and errors, the admission queue, and the
-  L1 restores' wall time against the pinned-copy time of their bytes (issue 18 item 2 asks for
+  L1 restores' wall time against the pinned-copy time of their bytes (the target:
   <= 1.5x at the p50 and <= 3x at the p95);
 * the simulator's prediction for the same setup (``bench/simulator``, virtual time) with the
   same levers on and off: the deployment is the run's (ranks, GPU blocks, L1, block size, the
@@ -47,7 +47,7 @@ POLICIES: dict[str, dict[str, bool]] = {
     "off": {"place_homeless": False, "submit_gate": False},
     "on": {"place_homeless": True, "submit_gate": False},  # the gate hurt everywhere (docs/loadtest.md)
 }
-RESTORE_TARGETS = (1.5, 3.0)  # wall / copy at the p50 and the p95 (issue 18 item 2)
+RESTORE_TARGETS = (1.5, 3.0)  # wall / copy at the p50 and the p95
 
 
 def _num(v: Any) -> float:

@@ -1,6 +1,6 @@
 """Ports (rendezvous, HTTP) and the NCCL / NVLink multicast / RDMA settings the node needs.
 
-Facts used (reference/deepinfer-engine.md section 1 and 9, the prebuilt package notes):
+Facts used (the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md``, the prebuilt package notes):
 DeepInfer's rendezvous is ``tcp://$MASTER_ADDR:($MASTER_PORT-50+engine_group_rank)`` (default
 localhost:23333); a container holding part of a node cannot create NVLink multicast objects
 (CUDA error 401) unless NVLS is off; without RDMA devices Engram needs the local path

@@ -8,7 +8,7 @@ host, then applies that same function; it also caps the pool at what ``/dev/shm`
 pool is a shared-memory mapping every rank maps), which RAM alone does not show.
 
 Engine host memory per rank: DeepInfer pins an 8 GB multimodal pool per rank unless
-``DEEPINFER_USE_MULTIMODAL_POOL=0`` (reference/deepinfer-engine.md section 9) plus an estimated
+``DEEPINFER_USE_MULTIMODAL_POOL=0`` (the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md``) plus an estimated
 12 GiB for torch, the CUDA context and graphs; the reference engine about 2 GiB.
 """
 

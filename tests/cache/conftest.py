@@ -1,6 +1,6 @@
 """Every cache test runs on virtual time (``bench/simulator/vclock.py``): its timers (queue
 rechecks, force/fail deadlines, release waits, staggered starts, engine steps of ``step_s``) fire
-in an order that depends on the test alone, not on the machine's load (issue 15 item 9)."""
+in an order that depends on the test alone, not on the machine's load."""
 
 from __future__ import annotations
 

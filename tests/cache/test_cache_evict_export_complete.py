@@ -81,7 +81,7 @@ async def _eight_agents(wall_s_per_step: float) -> list[int]:
 
 
 def test_evicted_sessions_restore_their_whole_prefix_from_l1() -> None:
-    """Issue 15 item 9: this test passed on a fresh clone, then failed 8 of 8 times at another
+    """This test passed on a fresh clone, then failed 8 of 8 times at another
     load (no turn counted an L1 restore: the agents' turns no longer overlapped). On virtual time
     (tests/cache/conftest.py) with engine steps of a fixed virtual duration, the run is the same
     whatever the machine does: a second run whose every step burns 3 ms of real time restores

@@ -1,4 +1,4 @@
-"""The cache's load gauges follow the state without a new request (issue 15 item 8): after a
+"""The cache's load gauges follow the state without a new request: after a
 burst they used to keep the values of the burst's last admit/finish for as long as no request
 came (30+ s seen), so alerts on free blocks or load fired falsely. Runs on virtual time."""
 

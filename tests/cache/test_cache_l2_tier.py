@@ -1,4 +1,4 @@
-"""L2 through the cache manager (issue 19 item 2), on virtual time with the store's I/O inline
+"""L2 through the cache manager, on virtual time with the store's I/O inline
 (``io_threads=0``), over LocalRankGroup + the reference engine ('null': its KV rows are the
 token ids, so a wrong restore would show up as wrong rows).
 

@@ -114,7 +114,7 @@ def test_manager_abort_and_double_close_release_everything() -> None:
 
 
 def test_manager_restart_drops_l0_and_keeps_l1() -> None:
-    """Issue 19 item 1: a restart kills GPU block ids only. L1's committed copies survive (the
+    """A restart kills GPU block ids only. L1's committed copies survive (the
     host pool outlives the ranks), so the session's next turn restores from L1 instead of
     recomputing (before: every entry dropped, ``num_cached_tokens == 0`` after a restart)."""
 

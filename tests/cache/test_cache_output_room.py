@@ -1,5 +1,5 @@
-"""A reply longer than its admission's reservation completes when idle cached blocks can make room
-(issue 15 item 2), on the reference engine, the scripted engine and the DeepInfer adapter over
+"""A reply longer than its admission's reservation completes when idle cached blocks can make room,
+on the reference engine, the scripted engine and the DeepInfer adapter over
 its stand-in; a max_tokens that can never fit is refused before the first token.
 
 The turn loop below does what ``server/service.py`` does: it reports the output count to

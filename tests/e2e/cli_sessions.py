@@ -26,7 +26,7 @@ from tests.e2e.e2e_harness import API_KEY, ClaudeRun, claude_env, parsed_run, st
 class StreamJsonSession:
     """``claude -p --input-format stream-json --output-format stream-json``: prompts written to
     stdin one at a time, each answered by a ``result`` event. Stdin stays open while the CLI works
-    (it exits without a word on EOF, reference/claude-code-client.md section 0)."""
+    (it exits without a word on EOF, Claude Code's captured traffic, ``docs/claude-code.md``)."""
 
     def __init__(self, binary: Path, project: Path, base_url: str) -> None:
         self.project = project

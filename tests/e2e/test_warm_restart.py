@@ -1,4 +1,4 @@
-"""Issue 19: sessions stay warm across a rank SIGKILL (from L1) and a full backend restart (from L2).
+"""Sessions stay warm across a rank SIGKILL (from L1) and a full backend restart (from L2).
 
 Real pieces: ``python -m deepinfer_backend serve`` as a subprocess (the product's entry point),
 its ``RankGroup`` of 2 CPU rank processes with the reference engine (``null`` model by default,

@@ -139,7 +139,7 @@ CASES: list[dict] = [
          events=[("call", "Read", {"file_path": {"html": "</p> <a>"}})]),
     dict(name="reasoning_trailing_newline_kept", thinking=True, out=["Plan.\n</think>Go", E],
          events=[("r", "Plan.\n"), ("t", "Go")]),
-    # --- DSML corners (issue 17): when a DSML token opens a block; text is never dropped ---------
+    # --- DSML corners: when a DSML token opens a block; text is never dropped ---------
     dict(name="calls_tag_in_prose_stays_text", thinking=False, out=[f"Use <{D} calls> to call tools.", E],
          events=[("t", f"Use <{D} calls> to call tools.")]),
     dict(name="calls_tag_in_reasoning_prose_stays_reasoning", thinking=True,

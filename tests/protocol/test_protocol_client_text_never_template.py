@@ -1,4 +1,4 @@
-"""Issue 15 item 6: no client string is ever template text, on any route.
+"""No client string is ever template text, on any route.
 
 Every client-controlled string of a request (block and part types, ids, names, keys, values,
 system text, schemas, ...) carries a marker wrapped in special-token strings. The rendered

@@ -1,4 +1,4 @@
-"""Issue 15 item 7: JSON nested deeper than ``MAX_JSON_DEPTH`` is a 400 naming the field on every
+"""JSON nested deeper than ``MAX_JSON_DEPTH`` is a 400 naming the field on every
 route and in every place (tool schemas, tool_use.input, response_format, metadata, argument
 strings, double-encoded argument strings), never RecursionError -> 500.
 

@@ -144,7 +144,7 @@ def test_long_random_text_round_trips(tok: PromptTokenizer, table: TokenTable) -
     assert got == [("t", text)]  # trailing whitespace of real text is kept at the end
 
 
-# --- streamed tool arguments (issue 17) -----------------------------------------------------------
+# --- streamed tool arguments -----------------------------------------------------------
 def _feed_text(parser: StreamParser, pieces: list[str]) -> list[tuple[int, Any]]:
     events: list[tuple[int, Any]] = []
     for piece in pieces:

@@ -1,4 +1,4 @@
-"""Issue 15 item 8: validation as the APIs do it. Anthropic refuses an empty ``messages``; a
+"""Validation as the APIs do it. Anthropic refuses an empty ``messages``; a
 ``tool_choice`` that forces a tool call without tools, or names an undeclared tool, is a 400 on
 all three APIs; count_tokens checks the model name.
 

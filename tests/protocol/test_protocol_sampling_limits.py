@@ -1,4 +1,4 @@
-"""Issue 15 item 1 (boundary side): sampling values a client may send either become values every
+"""Boundary side: sampling values a client may send either become values every
 engine runs (``protocol/sampling.py``) or a 400 naming the field; never a sampler failure."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 15 item 4, tokenizer side: long pieces are encoded in exact chunks, the cheap lower bound
+"""Tokenizer side: long pieces are encoded in exact chunks, the cheap lower bound
 on the token count is a lower bound, and an over-long prompt is refused without encoding it all.
 
 All on the real DeepSeek-V4 tokenizer. Work is measured in characters handed to the BPE encoder

@@ -1,4 +1,4 @@
-"""Imports and exports on a second thread while the reference engine steps (issue 18 item 2).
+"""Imports and exports on a second thread while the reference engine steps.
 
 In process, real threads, CPU: the transfer thread's side of ``rank/transfers.py`` calls
 ``import_blocks``/``export_blocks``, and ``release`` for some of its restores, while the main

@@ -117,7 +117,7 @@ def test_budget_is_lowered_to_what_the_machine_allows() -> None:
 
 @pytest.mark.timeout(240)
 def test_pool_bytes_survive_a_rank_sigkill() -> None:
-    """Issue 19 item 1: the pool file outlives a rank-group restart. Blocks exported before a
+    """The pool file outlives a rank-group restart. Blocks exported before a
     rank is SIGKILLed are byte-identical after it, in the backend's own mapping of the file, and
     the next epoch's ranks import them (re-exported elsewhere, they still match)."""
     import asyncio

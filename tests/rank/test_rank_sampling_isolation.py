@@ -1,4 +1,4 @@
-"""Issue 15 item 1 (rank side): no sampling value kills a rank; a bad request fails alone.
+"""Rank side: no sampling value kills a rank; a bad request fails alone.
 
 A property test over random sampling parameters, run against REAL rank processes (``RankGroup``,
 2 ranks in gloo lockstep): the reference engine with the 'tiny' model (real logits, the torch

@@ -1,6 +1,6 @@
 """A client that goes away ends its engine request, on every chat route, streaming or not.
 
-Issue 15 item 3: a non-streaming request whose client left at 120 s ran 352 s (181K tokens);
+A non-streaming request whose client left at 120 s ran 352 s (181K tokens);
 nobody watched the connection while ``service.complete`` ran. Here each route and mode starts a
 reply far longer than the test lets it run (null model, ``ignore`` of EOS: it never stops by
 itself), the raw-socket client waits until the engine runs it, then closes the connection. The

@@ -1,4 +1,4 @@
-"""Issue 7 item 2: 1,000 streams cut by their clients at random points.
+"""1,000 streams cut by their clients at random points.
 
 Raw-socket clients (``bench/reliability/storm.py``) cut in the request headers, in the body, after
 the request, or after a random number of response bytes, with FIN or RST. Afterwards every engine

@@ -1,4 +1,4 @@
-"""Issue 15 item 1: a failure the client sees names a request id, never the internals (gloo peer
+"""A failure the client sees names a request id, never the internals (gloo peer
 addresses, engine messages); the log keeps the details under that id.
 
 Real pieces: ``Runtime`` with its HTTP server and the in-process rank group (reference engine,

@@ -1,4 +1,4 @@
-"""Issue 7 item 3: bad input on every route, property-based and schema-driven.
+"""Bad input on every route, property-based and schema-driven.
 
 300 generated requests per route in the default suite, the full 5,000 per route under
 ``-m slow`` (the ``[full-...]`` cases; RELIABILITY_FUZZ_EXAMPLES overrides both), driven
@@ -29,7 +29,7 @@ from tests.support.runtime_thread import RuntimeThread
 
 _OVERRIDE = os.environ.get("RELIABILITY_FUZZ_EXAMPLES")
 NUM_EXAMPLES = int(_OVERRIDE or 300)  # the default suite: a few hundred per route
-NUM_EXAMPLES_FULL = int(_OVERRIDE or 5000)  # -m slow: the volume issue 7 asks for
+NUM_EXAMPLES_FULL = int(_OVERRIDE or 5000)  # -m slow: the full volume
 _HTTP_OVERRIDE = os.environ.get("RELIABILITY_FUZZ_HTTP_EXAMPLES")
 NUM_HTTP_EXAMPLES = int(_HTTP_OVERRIDE or 100)
 NUM_HTTP_EXAMPLES_FULL = int(_HTTP_OVERRIDE or 300)

@@ -1,4 +1,4 @@
-"""Issue 15 item 5: connection limits of the HTTP server (server/http_limits.py), over raw sockets
+"""Connection limits of the HTTP server (server/http_limits.py), over raw sockets
 against the real ``Runtime`` (uvicorn + httptools, in-process rank group).
 
 Waits are liveness bounds ("closed within 60 s"), never measurements. Red before: uvicorn

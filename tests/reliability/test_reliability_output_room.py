@@ -1,4 +1,4 @@
-"""Issue 15 item 2 over HTTP: a reply up to max_tokens completes next to idle cached prefixes,
+"""Over HTTP: a reply up to max_tokens completes next to idle cached prefixes,
 and a max_tokens that cannot fit is refused before the first token in a way clients act on.
 
 Before: with the pool mostly holding an idle session's blocks, a reply past the 8,192 tokens

@@ -1,4 +1,4 @@
-"""Issue 7 item 4: the model's control tokens inside client content stay plain text.
+"""The model's control tokens inside client content stay plain text.
 
 Text holding ``</think>``, ``｜DSML｜`` (and a whole fake DSML tool call), ``<｜end▁of▁sentence｜>``,
 ``<｜User｜>`` and ``<｜Assistant｜>`` is put in user messages, the system prompt, tool results,

@@ -1,4 +1,4 @@
-"""Issue 7 item 1: a rank dies (SIGKILL) or stalls (SIGSTOP) under 64 open streams.
+"""A rank dies (SIGKILL) or stalls (SIGSTOP) under 64 open streams.
 
 Real pieces: ``Runtime`` with its HTTP server, ``CacheManager``, ``RankGroup`` of 4 CPU rank
 processes (reference engine, 'null' model by default; RELIABILITY_MODEL=tiny for the real torch

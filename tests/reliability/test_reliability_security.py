@@ -1,4 +1,4 @@
-"""Issue 7 item 6: loopback by default, the API key (constant-time, never logged), no prompts or
+"""Loopback by default, the API key (constant-time, never logged), no prompts or
 outputs in info logs, rank processes without secrets, and publish.py packaging nothing but code."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def test_healthz_loading_is_503_with_reasons(base_url: str) -> None:
 
 @pytest.mark.parametrize("headers", [{}, {"x-api-key": "wrong"}, {"authorization": "Basic abc"}])
 def test_healthz_without_the_key_is_the_status_only(base_url: str, headers: dict[str, str]) -> None:
-    """Issue 15 item 8. Red before: reasons and warnings (and, loaded, the ranks' pids and the
+    """Red before: reasons and warnings (and, loaded, the ranks' pids and the
     last failure's text) went to anyone."""
     resp = httpx.get(base_url + "/healthz", headers=headers)
     assert resp.status_code == 503 and resp.json() == {"status": "loading"}

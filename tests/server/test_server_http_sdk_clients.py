@@ -138,7 +138,7 @@ def test_anthropic_stop_sequence_ends_stream_and_aborts_engine(
     _no_leaks(server[0], server[1])
 
 
-# What Claude Code 2.1.332 sends in stream-json mode (reference/claude-code-client.md, addendum)
+# What Claude Code 2.1.332 sends in stream-json mode (Claude Code's captured traffic, ``docs/claude-code.md``)
 BETAS_2_1_332 = ("claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
                  "mid-conversation-tool-changes-2026-07-01,thinking-token-count-2026-05-13,"
                  "advanced-tool-use-2025-11-20,effort-2025-11-24,thinking-display-updates-2026-08-18")

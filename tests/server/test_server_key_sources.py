@@ -1,4 +1,4 @@
-"""Issue 15 item 8: the API key from a file or an environment variable (``--api-key`` shows in
+"""The API key from a file or an environment variable (``--api-key`` shows in
 ``ps``), and ``/metrics`` behind the key on request (``metrics_require_key``).
 
 Red before: there was no ``api_key_file`` key, no ``--api-key-file`` flag, no

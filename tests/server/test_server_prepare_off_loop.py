@@ -1,4 +1,4 @@
-"""Issue 15 item 4, server side: request bodies are parsed and tokenized off the event loop, in
+"""Server side: request bodies are parsed and tokenized off the event loop, in
 two lanes, so a huge body neither stalls the loop nor queues in front of ordinary requests.
 
 Ordering, not timing: the tests check what completed *while* something else was still running.

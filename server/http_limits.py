@@ -104,13 +104,20 @@ def effective_cap(max_connections: int) -> int:
     return max(16, min(max_connections, soft - FD_RESERVE))
 
 
-def error_bytes(perr: ProtocolError, path: bytes | None) -> bytes:
-    """A complete ``Connection: close`` HTTP/1.1 response carrying ``perr``."""
+OPENAI_BODY_ROUTES = (b"/v1/chat/completions", b"/v1/responses")
+
+
+def error_bytes(perr: ProtocolError, path: bytes | None, anthropic_client: bool = False) -> bytes:
+    """A complete ``Connection: close`` HTTP/1.1 response carrying ``perr``, in the API the
+    routes would answer in: Anthropic's on ``/v1/messages``, OpenAI's on the OpenAI routes, and
+    elsewhere Anthropic's for a client that sends ``anthropic-version`` (as ``server/app.py``)."""
     if path is None:
         inner = perr.openai_body()["error"] | {"type": perr.anthropic_type}
         body = orjson.dumps({"type": "error", "error": inner})
     else:
-        body = orjson.dumps(perr.body("anthropic" if path.startswith(b"/v1/messages") else "openai"))
+        anthropic = path.startswith(b"/v1/messages") or (
+            anthropic_client and not path.startswith(OPENAI_BODY_ROUTES))
+        body = orjson.dumps(perr.body("anthropic" if anthropic else "openai"))
     head = [STATUS_LINE[perr.http_status], b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body), b"connection: close\r\n"]
     head += [f"{k}: {v}\r\n".encode("latin-1") for k, v in perr.headers().items()]
@@ -390,7 +397,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._stop_body_timer()
         path = bytes(self.url).split(b"?", 1)[0] if getattr(self, "url", b"") else None
         if not self.transport.is_closing():
-            self.transport.write(error_bytes(perr, path))
+            anthropic_client = any(name == b"anthropic-version" for name, _ in self.headers or ())
+            self.transport.write(error_bytes(perr, path, anthropic_client))
             self.transport.close()
 
     # -- header timer ------------------------------------------------------------------------------

@@ -154,6 +154,8 @@ def test_pipelined_requests_are_not_read_far_ahead(rt: RuntimeThread) -> None:
             sent += s.send(data[sent:sent + 65536])
         except BlockingIOError:
             time.sleep(0.01)
+        except (ConnectionResetError, BrokenPipeError):
+            break  # the server stopped reading and closed already: what the test wants to see
     queued = [len(c.pipeline) for c in _connections(rt)]  # type: ignore[attr-defined]
     assert max(queued, default=0) <= 8, queued
     end = time.monotonic() + 60

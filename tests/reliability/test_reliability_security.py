@@ -192,7 +192,7 @@ def test_rank_processes_get_only_what_they_need(monkeypatch: pytest.MonkeyPatch)
 # ------------------------------------------------------------------ publish.py
 
 def _copy_backend(dst: Path) -> None:
-    for name in ("deepinfer_backend.py", "requirements.txt", "pyproject.toml"):
+    for name in ("deepinfer_backend.py", "requirements.txt", "requirements.lock", "pyproject.toml"):
         shutil.copy2(REPO / name, dst / name)
     for package in publish.CODE_PACKAGES:
         shutil.copytree(REPO / package, dst / package, ignore=shutil.ignore_patterns("__pycache__"))

@@ -16,6 +16,7 @@ random stream of their own, so a parent's own turns are the same with subagents 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import numpy as np
@@ -56,9 +57,8 @@ class SubagentParams(BaseModel):
     def mean_subagent_requests(self) -> float:
         """Requests per spawn: mean count x mean steps (the steps' clipped lognormal, estimated)."""
         lo, hi = self.per_spawn
-        steps = np.clip(np.random.default_rng(0).lognormal(self.steps.mu, self.steps.sigma, 20_000),
-                        self.steps.min_value, self.steps.max_value).round()
-        return (lo + hi) / 2 * float(steps.mean())
+        s = self.steps
+        return (lo + hi) / 2 * _mean_steps(s.mu, s.sigma, s.min_value, s.max_value)
 
     @property
     def spawn_probability(self) -> float:
@@ -70,6 +70,13 @@ class SubagentParams(BaseModel):
             return 0.03
         share = self.target_request_share
         return share / (1 - share) / self.mean_subagent_requests()
+
+
+@functools.lru_cache(maxsize=16)
+def _mean_steps(mu: float, sigma: float, lo: float, hi: float) -> float:
+    """The mean of a clipped, rounded lognormal (estimated on a fixed draw)."""
+    draws = np.random.default_rng(0).lognormal(mu, sigma, 20_000)
+    return float(np.clip(draws, lo, hi).round().mean())
 
 
 def subagent_params(mix: str, size_scale: float = 1.0) -> SubagentParams:

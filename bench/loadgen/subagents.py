@@ -51,6 +51,10 @@ class SubagentParams(BaseModel):
     size_scale: float = 1.0
 
     @property
+    def prefix_tokens(self) -> int:
+        return max(1, round(self.sibling_prefix_tokens * self.size_scale))
+
+    @property
     def enabled(self) -> bool:
         return self.mix != "off" and self.session_share > 0
 
@@ -115,7 +119,7 @@ class SpawnSource:
         lo, hi = p.per_spawn
         count = int(self.rng.integers(lo, hi + 1))
         return [SubagentPlan(agent_id=self.new_agent_id(),
-                             first_tokens=max(p.sibling_prefix_tokens,
+                             first_tokens=max(p.prefix_tokens + 1,
                                               round(p.first_context.sample(self.rng) * p.size_scale)),
                              steps=max(1, p.steps.sample_int(self.rng)))
                 for _ in range(count)]

@@ -225,7 +225,7 @@ async def _turn(run: _AgentRun, session: str, hint: SessionHint | None, tokens: 
 
 def subagent_prefix(params: SubagentParams) -> np.ndarray:
     """A subagent type's system prompt and tools: the same ids for every subagent (one fixed draw)."""
-    return np.random.default_rng(11).integers(1000, 120_000, params.sibling_prefix_tokens, dtype=np.int32)
+    return np.random.default_rng(11).integers(1000, 120_000, params.prefix_tokens, dtype=np.int32)
 
 
 async def _subagent(run: _AgentRun, session: str, plan: SubagentPlan, spawns: SpawnSource,
@@ -275,7 +275,7 @@ async def _agent(
     loop = asyncio.get_running_loop()
     rng = np.random.default_rng(config.seed * 1_000_003 + agent_id)
     # Fan-outs come from a stream of their own: the parent's turns are the same with them on or off.
-    spawns = SpawnSource(subagent_params(config.subagent_mix()),
+    spawns = SpawnSource(subagent_params(config.subagent_mix(), params.size_scale),
                          np.random.default_rng([config.seed, agent_id, 34]))
     source = ParametricTurnSource(params)
     request_ids = itertools.count()

@@ -119,7 +119,7 @@ class SpawnSource:
         lo, hi = p.per_spawn
         count = int(self.rng.integers(lo, hi + 1))
         return [SubagentPlan(agent_id=self.new_agent_id(),
-                             first_tokens=max(p.prefix_tokens + 1,
+                             first_tokens=max(p.prefix_tokens,
                                               round(p.first_context.sample(self.rng) * p.size_scale)),
                              steps=max(1, p.steps.sample_int(self.rng)))
                 for _ in range(count)]

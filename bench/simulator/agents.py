@@ -8,6 +8,9 @@ ids are synthetic: a conversation is an int32 array that the agent extends with 
 the engine returned (so the next prompt hits the cache exactly like the protocol layer's output
 ledger makes it) plus fresh ids for the tool result. Per turn the agent does what the server's
 service does: tokenize (modelled delay), ``admit``, ``submit``, read the stream, ``finish``.
+Subagent fan-outs (``SimConfig.subagent_mix``, ``bench/loadgen/subagents.py``) run as branches
+under the parent's session id with the hint the server builds from Claude Code's agent headers;
+the parent waits for them.
 """
 
 from __future__ import annotations

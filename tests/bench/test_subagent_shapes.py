@@ -158,3 +158,22 @@ def test_simulated_fanouts_hints_and_the_parent_waiting() -> None:
             assert not any(lo < m.t_start < hi for lo, hi in spans)
     off = run_virtual(simulate_step(_small("off"), 60_000, 4))
     assert not any(r.subagent_id for r in off.records)
+
+
+def test_seed_model_routes_a_subagent_chain_to_its_parents_rank() -> None:
+    from bench.simulator.engine import SimGroup
+    from bench.simulator.model import SeedPolicy
+    from bench.simulator.seed_cache import SeedCacheManager
+
+    async def go() -> tuple[int, int, int]:
+        group = SimGroup(Deployment(num_ranks=2, gpu_kv_tokens_per_rank=100_000, l1_tokens_per_rank=1_000_000,
+                                    block_tokens=256), EngineModel())
+        seed = SeedCacheManager(group, SeedPolicy(), asyncio.get_running_loop().time)
+        ids = np.arange(1000, 5000, dtype=np.int32)
+        seed.home["s1"] = 1  # not the least loaded rank (all are empty: rank 0)
+        parent = await seed.admit(ids, "s1", 16)
+        sub = await seed.admit(ids[::-1].copy(), "s1/agent:a1", 16)
+        other = await seed.admit(ids, "s2/agent:a2", 16)
+        return parent.rank, sub.rank, other.rank
+
+    assert run_virtual(go()) == (1, 1, 0)

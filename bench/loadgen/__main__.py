@@ -63,6 +63,10 @@ def _workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="JSONL trace replacing the per-step distributions")
     p.add_argument("--no-system-message", action="store_true",
                    help="omit the mid-conversation system message")
+    p.add_argument("--subagents", choices=["off", "light", "heavy"], default="light",
+                   help="subagent fan-outs under the parent's session id with an x-claude-code-agent-id "
+                   "(bench/loadgen/subagents.py): light (3%% of conversations spawn, as in public Claude "
+                   "Code traces), heavy (~40%% of requests, as in corpora chosen for subagents), off")
 
 
 def _params(args: argparse.Namespace) -> WorkloadParams:
@@ -85,6 +89,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         seed=args.seed,
         request_timeout_s=args.timeout,
         mid_conversation_system=not getattr(args, "no_system_message", False),
+        subagents=getattr(args, "subagents", "light"),
     )
 
 
@@ -117,6 +122,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "url": args.url,
         "params": params.model_dump(),
         "trace": args.trace,
+        "subagents": args.subagents,
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "criteria": criteria.model_dump(),

@@ -36,6 +36,7 @@ class RequestRecord:
     stop_reason: str | None = None
     cold: bool = False  # first request of a conversation
     context_tokens_sent: int = 0  # the agent's own estimate before sending
+    subagent_id: str | None = None  # the x-claude-code-agent-id it was sent with (a subagent's request)
     blocks: list[dict[str, Any]] = field(default_factory=list)
 
     @property

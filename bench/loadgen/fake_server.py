@@ -56,7 +56,9 @@ def build_app(tokens_per_s: float = 200.0) -> Starlette:
             return JSONResponse({"type": "error",
                                  "error": {"type": "invalid_request_error", "message": "messages"}}, 400)
         prompt = orjson.dumps(_strip_markers([body.get("system"), body.get("tools"), body["messages"]]))
-        sid = request.headers.get("x-claude-code-session-id", "")
+        # A subagent's conversation is its own prompt under its parent's session id.
+        sid = (request.headers.get("x-claude-code-session-id", "") + "/"
+               + request.headers.get("x-claude-code-agent-id", ""))
         prev = state.last_prompt.get(sid, b"")
         common = os.path.commonprefix([prev, prompt[: len(prev)]]) if prev else b""
         state.last_prompt[sid] = prompt

@@ -10,6 +10,7 @@ not counted). A cold-start run sends N fresh conversations of one size at once, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ from bench.loadgen.distributions import (
     initial_context_tokens,
     next_turn,
 )
-from bench.loadgen.session import AgentSession, build_tools
+from bench.loadgen.session import SUBAGENT_TOOLS, AgentSession, build_tools
+from bench.loadgen.subagents import SpawnSource, SubagentPlan, subagent_params
 from bench.loadgen.textgen import TextSynth
 
 
@@ -42,6 +44,8 @@ class RunConfig:
     seed: int = 0
     mid_conversation_system: bool = True
     error_backoff_s: float = 1.0
+    # Subagent fan-outs (bench/loadgen/subagents.py): off, light (3% of sessions), heavy (~40% of requests).
+    subagents: str = "light"
 
     @property
     def url(self) -> str:
@@ -121,7 +125,11 @@ class Agent:
         self.tools = tools
         self.config = config
         self.rng = np.random.default_rng(seed)
+        # Fan-outs come from a stream of their own: the parent's turns are the same with them on or off.
+        self.spawns = SpawnSource(subagent_params(config.subagents, params.size_scale),
+                                  np.random.default_rng([seed, 34]))
         self.session = self._new_session()
+        self.spawning = self.spawns.conversation_spawns()
         self.cold = True
         self.turn: TurnSpec = next_turn(source, self.rng, agent_id)
 
@@ -142,6 +150,62 @@ class Agent:
             headers["x-api-key"] = self.config.api_key
         return headers
 
+    async def _send(self, client: httpx.AsyncClient, session: AgentSession, output_tokens: int,
+                    records: list[RequestRecord], counters: LiveCounters, cold: bool) -> RequestRecord:
+        record = RequestRecord(self.agent_id, session.session_id, time.monotonic(), cold=cold,
+                               subagent_id=session.agent_id)
+        record.context_tokens_sent = session.context_tokens
+        headers = session.headers()
+        if self.config.api_key:
+            headers["x-api-key"] = self.config.api_key
+        counters.in_flight += 1
+        try:
+            await stream_message(client, self.config.url, session.body_bytes(output_tokens), headers, record,
+                                 self.config.request_timeout_s)
+        finally:
+            counters.in_flight -= 1
+        records.append(record)
+        counters.num_requests += 1
+        if record.error is not None:
+            counters.num_errors += 1
+            await asyncio.sleep(self.config.error_backoff_s)
+            return record
+        counters.input_tokens += record.total_input_tokens
+        counters.cached_tokens += record.cached_tokens
+        counters.output_tokens += record.output_tokens
+        if record.ttft_s is not None:
+            counters.recent_ttft_s.append(record.ttft_s)
+            if len(counters.recent_ttft_s) > 1000:
+                del counters.recent_ttft_s[:500]
+        session.observe_usage(record.total_input_tokens, record.output_tokens)
+        return record
+
+    async def _subagent(self, client: httpx.AsyncClient, plan: SubagentPlan, records: list[RequestRecord],
+                        counters: LiveCounters, stop_at: float) -> int:
+        """One subagent: a fresh conversation under the parent's session id with its own agent id,
+        ``plan.steps`` requests (fewer if it would pass the context target); its report's size."""
+        rng = self.spawns.rng
+        sub = AgentSession(self.params, self.synth, self.tools[:SUBAGENT_TOOLS], rng, plan.first_tokens,
+                           self.config.model, mid_conversation_system=False,
+                           session_id=self.session.session_id, agent_id=plan.agent_id)
+        output = next_turn(self.source, rng, self.agent_id).output_tokens
+        step, report = 0, 0
+        while step < plan.steps and time.monotonic() < stop_at:
+            record = await self._send(client, sub, output, records, counters, cold=step == 0)
+            if record.error is not None:
+                continue  # the same request again
+            step += 1
+            report = record.output_tokens
+            drawn = next_turn(self.source, rng, self.agent_id)
+            turn = TurnSpec("tool", self.spawns.step_input_tokens(), drawn.output_tokens, 1, drawn.thinking,
+                            drawn.gap_s)
+            if step == plan.steps or not sub.fits(turn):
+                break  # its answer ends the turn: the report goes to the parent
+            sub.append_response(record.blocks, turn)
+            output = turn.output_tokens
+            await asyncio.sleep(turn.gap_s)
+        return report
+
     async def run(
         self,
         client: httpx.AsyncClient,
@@ -152,36 +216,23 @@ class Agent:
     ) -> None:
         await asyncio.sleep(start_delay_s)
         while time.monotonic() < stop_at:
-            record = RequestRecord(self.agent_id, self.session.session_id, time.monotonic(), cold=self.cold)
-            record.context_tokens_sent = self.session.context_tokens
-            body = self.session.body_bytes(self.turn.output_tokens)
-            counters.in_flight += 1
-            try:
-                await stream_message(client, self.config.url, body, self.headers(), record,
-                                     self.config.request_timeout_s)
-            finally:
-                counters.in_flight -= 1
-            records.append(record)
-            counters.num_requests += 1
+            record = await self._send(client, self.session, self.turn.output_tokens, records, counters,
+                                      self.cold)
             if record.error is not None:
-                counters.num_errors += 1
-                await asyncio.sleep(self.config.error_backoff_s)
                 continue  # resend the same conversation (the client retries)
-            counters.input_tokens += record.total_input_tokens
-            counters.cached_tokens += record.cached_tokens
-            counters.output_tokens += record.output_tokens
-            if record.ttft_s is not None:
-                counters.recent_ttft_s.append(record.ttft_s)
-                if len(counters.recent_ttft_s) > 1000:
-                    del counters.recent_ttft_s[:500]
             self.cold = False
-            self.session.observe_usage(record.total_input_tokens, record.output_tokens)
             turn = self.turn
             self.turn = next_turn(self.source, self.rng, self.agent_id)
+            plans = self.spawns.spawn(turn.kind == "tool") if self.spawning else []
+            if plans:  # the parent waits for its subagents; their reports join its tool result
+                reports = await asyncio.gather(*(self._subagent(client, plan, records, counters, stop_at)
+                                                 for plan in plans))
+                turn = dataclasses.replace(turn, new_input_tokens=turn.new_input_tokens + sum(reports))
             self.session.append_response(record.blocks, turn)
             if not self.session.fits(self.turn):
                 counters.compactions += 1
                 self.session = self._new_session()
+                self.spawning = self.spawns.conversation_spawns()
                 self.cold = True
             await asyncio.sleep(turn.gap_s)
 

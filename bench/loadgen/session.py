@@ -23,6 +23,7 @@ import numpy as np
 import orjson
 
 from bench.loadgen.distributions import TurnSpec, WorkloadParams
+from bench.loadgen.subagents import subagent_headers
 from bench.loadgen.textgen import TextSynth
 
 TOOL_NAMES = ["Agent", "Bash", "CronCreate", "CronDelete", "CronList", "Edit", "EnterWorktree",
@@ -31,6 +32,8 @@ TOOL_NAMES = ["Agent", "Bash", "CronCreate", "CronDelete", "CronList", "Edit", "
               "WebFetch", "WebSearch", "Workflow", "Write"]
 SCHEMA_URL = "https://json-schema.org/draft/2020-12/schema"
 AGENT_LINE = "You are a Claude agent, built on Anthropic's Claude Agent SDK."
+SUBAGENT_LINE = "You are an agent for Claude Code, Anthropic's official CLI for Claude."
+SUBAGENT_TOOLS = 8  # a general-purpose subagent's tool set (Claude Code 2.1.332: 8 of the parent's 12)
 BLOCK_OVERHEAD_TOKENS = 12  # rendering overhead per content block (role tags, tool-result wrapper)
 
 
@@ -80,13 +83,21 @@ class AgentSession:
         initial_tokens: int,
         model: str,
         mid_conversation_system: bool = True,
+        *,
+        session_id: str | None = None,
+        agent_id: str | None = None,
     ) -> None:
+        """``agent_id``: a subagent's conversation under its parent's ``session_id`` (its own system
+        prompt, the same for every subagent; the caller passes its smaller tool set)."""
         self.params = params
         self.synth = synth
         self.tools = tools
         self.rng = rng
         self.model = model
         self.session_id = str(uuid.UUID(int=int(rng.integers(0, 2**63)) << 64 | int(rng.integers(0, 2**63))))
+        if session_id is not None:
+            self.session_id = session_id
+        self.agent_id = agent_id
         self.device_id = hashlib.sha256(self.session_id.encode()).hexdigest()
         self.messages: list[dict[str, Any]] = []
         self.num_turns = 0
@@ -97,11 +108,13 @@ class AgentSession:
                                 params.first_user.scaled(params.size_scale).sample_int(rng)))
         prompt = synth.text(prompt_tokens, rng)
         suffix = hashlib.sha256(prompt.encode()).hexdigest()[:3]
+        system_seed = 11 if agent_id is None else 13  # every subagent shares its own system prompt
         self.system = [
             {"type": "text",
              "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix}; cc_entrypoint=sdk-cli;"},
-            {"type": "text", "text": AGENT_LINE, "cache_control": {"type": "ephemeral"}},
-            {"type": "text", "text": synth.text(system_tokens, np.random.default_rng(11)),
+            {"type": "text", "text": AGENT_LINE if agent_id is None else SUBAGENT_LINE,
+             "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": synth.text(system_tokens, np.random.default_rng(system_seed)),
              "cache_control": {"type": "ephemeral"}},
         ]
         reminder = (
@@ -181,7 +194,7 @@ class AgentSession:
 
     # -- request ----------------------------------------------------------------------------
     def headers(self) -> dict[str, str]:
-        return {
+        headers = {
             "Content-Type": "application/json",
             "Accept": "application/json",
             "User-Agent": "claude-cli/2.1.197 (external, sdk-cli)",
@@ -191,6 +204,9 @@ class AgentSession:
                                "context-management-2025-06-27"),
             "x-app": "cli",
         }
+        if self.agent_id is not None:  # what Claude Code adds on a subagent's requests
+            headers.update(subagent_headers(self.session_id, self.agent_id))
+        return headers
 
     def _marked_messages(self) -> list[dict[str, Any]]:
         """Messages with the single moving cache_control marker on the last non-system message."""

@@ -6,6 +6,7 @@
     python -m bench.simulator nodes --nodes 2,4 --agents-per-node 100   # sticky vs random routing
     python -m bench.simulator nodes --routings random --l3-gbps 2       # + rows with L3 shared by all
     python -m bench.simulator all --out bench/results/simulator.json   # seed table, 500K x 200, capacity
+    python -m bench.simulator subagents --context 500000 --agents 200   # fan-outs: imbalance, step time
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import orjson
 
 from bench.loadgen.report import StepStats, format_table
-from bench.simulator import calibration
+from bench.simulator import calibration, fanout
 from bench.simulator.agents import simulate_step
 from bench.simulator.model import ARRIVALS, Deployment, OursPolicy, SimConfig
 from bench.simulator.nodes import L3Model, simulate_nodes
@@ -38,7 +39,10 @@ def run_detail(config: SimConfig, context: int, agents: int,
           file=sys.stderr, flush=True)
     if result.pool is not None:
         print(result.pool.summary(result.group.num_blocks - 1, result.group.block_size))
-    return result.stats, {**result.group.counters.summary(), **result.phases()}
+    lo, hi = result.t_measure
+    window = [r for r in result.records if lo <= r.t_start < hi]
+    share = sum(r.subagent_id is not None for r in window) / max(1, len(window))
+    return result.stats, {**result.group.counters.summary(), **result.phases(), "subagent_share": share}
 
 
 def run_one(config: SimConfig, context: int, agents: int) -> StepStats:
@@ -265,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="L1 copies beside the step (the reference engine's transfer thread); at "
                         "step boundaries, stalling the group (DeepInfer without the transfer thread: both); "
                         "fenced: beside, imports after the decode step in progress (DeepInfer's path)")
+    parser.add_argument("--subagents", choices=["auto", "off", "light", "heavy"], default="auto",
+                        help="subagent fan-outs (bench/loadgen/subagents.py): heavy (~40%% of requests), "
+                        "light (3%% of sessions), off; auto: the arrivals' own (seed off, steady heavy, "
+                        "fresh light)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("seed-table", help="calibration: seed model vs the seed's published rows")
     p.add_argument("--out", default=None)
@@ -300,6 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routings", default="sticky,random")
     p.add_argument("--policy", choices=["seed", "ours"], default="ours")
     p.add_argument("--out", default=None)
+    p = sub.add_parser("subagents",
+                       help="fan-outs in lockstep: imbalance and step time, branch routing on/off")
+    p.add_argument("--context", type=int, default=500_000)
+    p.add_argument("--agents", type=int, default=200)
+    p.add_argument("--mix", choices=["light", "heavy"], default="heavy")
+    p.add_argument("--rows", default=",".join(fanout.ROWS), help="comma-separated: " + ", ".join(fanout.ROWS))
+    p.add_argument("--out", default=None)
+    add_lever_args(p)
     p = sub.add_parser("all",
                        help="calibration table, the 500K x 200 verdicts (seed model and ours), capacity")
     p.add_argument("--out", default=None)
@@ -309,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                    "prefill_any_attempt_interval; DeepInfer's defaults are 70,100)")
     args = parser.parse_args(argv)
     config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
-                       arrivals=ARRIVALS[args.arrivals], pacing=args.pacing,
+                       arrivals=ARRIVALS[args.arrivals], pacing=args.pacing, subagents=args.subagents,
                        deployment=Deployment(block_tokens=args.block_tokens))
     if args.transfers != "beside":  # the seed model's rows too: its restores are L1 copies as well
         config = config.with_engine(imports_at_boundary=args.transfers in ("boundary", "imports-at-boundary"),
@@ -331,6 +347,17 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table([s]))
         print(format_engine(args.context, args.agents, s, engine))
         doc["step"] = {**s.model_dump(exclude={"timeline"}), "engine": engine}
+    if args.cmd == "subagents":
+        base = config.model_copy(update={"ours": ours_policy(args)})
+        rows = [r for r in args.rows.split(",") if r]
+        configs = [fanout.row_config(base, r, args.mix) for r in rows]
+        detailed = run_many([(c, args.context, args.agents) for c in configs], args.jobs)
+        print(f"\n{args.context // 1000}K x {args.agents}, subagents {args.mix}, seed {args.seed}, "
+              f"arrivals {arrivals_name(config)}:")
+        print(fanout.format_rows([(fanout.ROWS[r], s, e) for r, (s, e) in zip(rows, detailed, strict=True)]))
+        doc["subagents"] = [{"row": r, **s.model_dump(exclude={"timeline"}), "engine": e,
+                             "lockstep": fanout.lockstep_figures(e)}
+                            for r, (s, e) in zip(rows, detailed, strict=True)]
     if args.cmd == "ladder":
         doc["ladder"] = ladder(config.model_copy(update={"policy": args.policy}), args.context,
                                [int(n) for n in args.agents.split(",")], args.jobs)

@@ -8,26 +8,36 @@ ids are synthetic: a conversation is an int32 array that the agent extends with 
 the engine returned (so the next prompt hits the cache exactly like the protocol layer's output
 ledger makes it) plus fresh ids for the tool result. Per turn the agent does what the server's
 service does: tokenize (modelled delay), ``admit``, ``submit``, read the stream, ``finish``.
+Subagent fan-outs (``SimConfig.subagent_mix``, ``bench/loadgen/subagents.py``) run as branches
+under the parent's session id with the hint the server builds from Claude Code's agent headers;
+the parent waits for them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from bench.loadgen.client import RequestRecord
-from bench.loadgen.distributions import ParametricTurnSource, WorkloadParams, initial_context_tokens
+from bench.loadgen.distributions import ParametricTurnSource, TurnSpec, WorkloadParams, initial_context_tokens
 from bench.loadgen.report import Criteria, StepStats, step_stats
+from bench.loadgen.subagents import (
+    SpawnSource,
+    SubagentParams,
+    SubagentPlan,
+    subagent_hint,
+    subagent_params,
+)
 from bench.simulator.engine import SimGroup
 from bench.simulator.model import SimConfig
 from bench.simulator.pool_probe import PoolProbe
 from bench.simulator.seed_cache import SeedCacheManager
-from cache.sessions import StopKind
+from cache.sessions import SessionHint, StopKind
 from rank.engine import FinishReason, SamplingParams
 from server.scheduling import SchedulingConfig, SubmitGate
 
@@ -99,6 +109,162 @@ def restart_limit(config: SimConfig, params: WorkloadParams) -> int:
     return config.max_model_len
 
 
+@dataclass(slots=True)
+class _AgentRun:
+    """What one agent's turns share (its parent's and its subagents')."""
+
+    agent_id: int
+    config: SimConfig
+    place: Placement
+    records: list[RequestRecord]
+    totals: SimTotals
+    request_ids: Iterator[int]
+    first_turn: bool = True  # the agent's first turn (prefilled at no cost under ``prewarm``)
+
+
+async def _turn(run: _AgentRun, session: str, hint: SessionHint | None, tokens: np.ndarray, new_tokens: int,
+                turn: TurnSpec, rng: np.random.Generator, stop: StopKind | None = None) -> list[int] | None:
+    """One request as the service runs it: tokenize, admit, submit, read the stream, finish. The
+    output ids, or None when it failed (after the client's back-off where it waits one).
+    ``hint``: the subagent's session hint (``subagents.subagent_hint``); None: the main thread's
+    plain session key. ``stop``: the stop kind to tell the cache (default: from ``turn``)."""
+    config, totals = run.config, run.totals
+    loop = asyncio.get_running_loop()
+    group, manager, gate = run.place(session, rng)
+    record = RequestRecord(run.agent_id, session, loop.time(), cold=new_tokens == len(tokens),
+                           subagent_id=None if hint is None else hint.agent_id)
+    retokenized = (len(tokens)
+                   if config.seed_policy.full_retokenize and config.policy == "seed" else new_tokens)
+    await asyncio.sleep(retokenized / config.deployment.tokenize_tokens_per_s)
+    # Ours reads the agent headers' hint; the seed's model keys a subagent's chain apart and
+    # routes it on the session id alone (seed_cache.py), as the seed's backend did.
+    route: SessionHint | str = session
+    if hint is not None:
+        route = hint if config.policy == "ours" else f"{session}/agent:{hint.agent_id}"
+    try:
+        adm = await manager.admit(tokens, route, turn.output_tokens)
+    except Exception as exc:  # Overloaded / PromptTooLong from the real manager
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+        record.t_end = loop.time()
+        run.records.append(record)
+        totals.num_failed += 1
+        await asyncio.sleep(1.0)
+        return None
+    request = adm.engine_request(f"{session}-{next(run.request_ids)}", tokens,
+                                 SamplingParams(max_tokens=turn.output_tokens, ignore_eos=True))
+    if config.arrivals.prewarm and run.first_turn:
+        group.prewarmed_ids.add(request.request_id)
+    run.first_turn = False
+    # What the service does between admission and submit (server/scheduling.py).
+    t_admitted = loop.time()
+    await gate.hold(adm.rank, request.request_id, len(tokens) - adm.num_cached_tokens, record.t_start)
+    t_submit = loop.time()
+    totals.num_submitted += 1
+    totals.output_tokens_expected += turn.output_tokens
+    try:
+        stream = group.submit(adm.rank, request)
+    except Exception as exc:
+        gate.done(adm.rank, request.request_id)
+        manager.abort(adm)
+        record.error = f"submit: {exc}"[:200]
+        run.records.append(record)
+        totals.num_failed += 1
+        return None
+    out_ids: list[int] = []
+    t_first = t_last = None
+    last = None
+    make_room = getattr(manager, "make_room", None)  # ours: grow the KV room as the reply decodes
+    async for out in stream:
+        if out.token_ids or out.finished:
+            gate.started(adm.rank, request.request_id)
+        if out.token_ids:
+            now = loop.time()
+            t_first = now if t_first is None else t_first
+            t_last = now
+            out_ids.extend(out.token_ids)
+            if make_room is not None:
+                make_room(adm, len(out_ids))
+        last = out
+    assert last is not None and last.finished
+    if last.finish_reason == FinishReason.ERROR:  # preempted: DeepInfer failed the request
+        manager.abort(adm)
+        totals.num_failed_in_engine += 1
+        totals.output_tokens_received += len(out_ids)
+        totals.output_tokens_lost += turn.output_tokens - len(out_ids)
+        record.error = f"engine: {last.error}"
+        record.t_end = loop.time()
+        run.records.append(record)
+        await asyncio.sleep(1.0)  # the load generator's retry: the same conversation again
+        return None
+    # What the service tells the cache (server/service.py: _stop_kind): a reply that ends in
+    # tool calls comes back in seconds, one that ends the turn waits for a person, one cut at
+    # max_tokens is unknown (SimConfig.reply_end).
+    if config.reply_end == "length":
+        stop = StopKind.UNKNOWN
+    elif stop is None:
+        stop = StopKind.TOOL_USE if turn.kind == "tool" else StopKind.END_TURN
+    manager.finish(adm, tokens, out_ids, last, stop)
+    totals.num_finished += 1
+    totals.output_tokens_received += len(out_ids)
+    record.t_end = loop.time()
+    record.status = 200
+    record.output_tokens = len(out_ids)
+    # What the engine really started from (the usage a client is told); the seed's L0 can
+    # drop a queued turn's prefix after admission, so this may be less than the admission's.
+    num_cached = last.num_cached_tokens
+    record.cached_tokens = num_cached
+    record.input_tokens = len(tokens) - num_cached
+    totals.prompt_tokens += len(tokens)
+    totals.cached_tokens += num_cached
+    if t_first is not None:
+        record.ttft_s = t_first - record.t_start
+        totals.phases.append((record.t_start, t_admitted - record.t_start, t_submit - t_admitted,
+                              t_first - t_submit, getattr(adm, "queue_time_s", 0.0),
+                              getattr(adm, "restore_s", 0.0)))
+        record.decode_s = (t_last or t_first) - t_first
+    run.records.append(record)
+    return out_ids
+
+
+def subagent_prefix(params: SubagentParams) -> np.ndarray:
+    """A subagent type's system prompt and tools: the same ids for every subagent (one fixed draw)."""
+    return np.random.default_rng(11).integers(1000, 120_000, params.prefix_tokens, dtype=np.int32)
+
+
+async def _subagent(run: _AgentRun, session: str, plan: SubagentPlan, spawns: SpawnSource,
+                    params: WorkloadParams, limit: int, stop_at: float) -> int:
+    """One subagent: a fresh context under the parent's session id and its own agent id, grown
+    step by step; its last step ends the turn (its report). Returns the report's size."""
+    loop = asyncio.get_running_loop()
+    rng = spawns.rng
+    source = ParametricTurnSource(params)
+    hint = subagent_hint(session, plan.agent_id)
+    prefix = subagent_prefix(spawns.params)
+    tokens = rng.integers(1000, 120_000, max(plan.first_tokens, len(prefix) + 1), dtype=np.int32)
+    tokens[:len(prefix)] = prefix
+    new_tokens = len(tokens)
+    report = 0
+    step = 0
+    while step < plan.steps and loop.time() < stop_at:
+        turn = source.next_turn(rng)
+        addition = spawns.step_input_tokens()
+        last = step + 1 == plan.steps or len(tokens) + turn.output_tokens + addition > limit
+        out_ids = await _turn(run, session, hint, tokens, new_tokens, turn, rng,
+                              StopKind.END_TURN if last else StopKind.TOOL_USE)
+        if out_ids is None:
+            continue  # the same request again
+        step += 1
+        report = len(out_ids)
+        if last:
+            break
+        tail = np.concatenate([np.asarray(out_ids, dtype=np.int32),
+                               rng.integers(1000, 120_000, addition, dtype=np.int32)])
+        tokens = np.concatenate([tokens, tail])
+        new_tokens = len(tail)
+        await asyncio.sleep(turn.gap_s)
+    return report
+
+
 async def _agent(
     agent_id: int,
     params: WorkloadParams,
@@ -111,117 +277,43 @@ async def _agent(
 ) -> None:
     loop = asyncio.get_running_loop()
     rng = np.random.default_rng(config.seed * 1_000_003 + agent_id)
+    # Fan-outs come from a stream of their own: the parent's turns are the same with them on or off.
+    spawns = SpawnSource(subagent_params(config.subagent_mix(), params.size_scale),
+                         np.random.default_rng([config.seed, agent_id, 34]))
     source = ParametricTurnSource(params)
     request_ids = itertools.count()
+    run = _AgentRun(agent_id, config, place, records, totals, request_ids)
     limit = restart_limit(config, params)
     await asyncio.sleep(start_delay_s)
 
     shared = shared_prefix(config)
 
-    def new_conversation(first: bool = False) -> tuple[np.ndarray, str]:
+    def new_conversation(first: bool = False) -> tuple[np.ndarray, str, bool]:
         size = conversation_size(config, params, rng, first)
         ids = rng.integers(1000, 120_000, size, dtype=np.int32)
         n = min(size, len(shared))
         ids[:n] = shared[:n]  # drawn first, then overwritten: the agent's rng stream is the same
-        return ids, f"a{agent_id}-c{next(request_ids)}"
+        return ids, f"a{agent_id}-c{next(request_ids)}", spawns.conversation_spawns()
 
-    tokens, session = new_conversation(first=True)
-    totals_first_turn = True
+    tokens, session, spawning = new_conversation(first=True)
     new_tokens = len(tokens)
     turn = source.next_turn(rng)
     while loop.time() < stop_at:
-        group, manager, gate = place(session, rng)
-        record = RequestRecord(agent_id, session, loop.time(), cold=new_tokens == len(tokens))
-        retokenized = (len(tokens)
-                       if config.seed_policy.full_retokenize and config.policy == "seed" else new_tokens)
-        await asyncio.sleep(retokenized / config.deployment.tokenize_tokens_per_s)
-        try:
-            adm = await manager.admit(tokens, session, turn.output_tokens)
-        except Exception as exc:  # Overloaded / PromptTooLong from the real manager
-            record.error = f"{type(exc).__name__}: {exc}"[:200]
-            record.t_end = loop.time()
-            records.append(record)
-            totals.num_failed += 1
-            await asyncio.sleep(1.0)
+        out_ids = await _turn(run, session, None, tokens, new_tokens, turn, rng)
+        if out_ids is None:
             continue
-        request = adm.engine_request(f"{session}-{next(request_ids)}", tokens,
-                                     SamplingParams(max_tokens=turn.output_tokens, ignore_eos=True))
-        if config.arrivals.prewarm and totals_first_turn:
-            group.prewarmed_ids.add(request.request_id)
-        totals_first_turn = False
-        # What the service does between admission and submit (server/scheduling.py).
-        t_admitted = loop.time()
-        await gate.hold(adm.rank, request.request_id, len(tokens) - adm.num_cached_tokens, record.t_start)
-        t_submit = loop.time()
-        totals.num_submitted += 1
-        totals.output_tokens_expected += turn.output_tokens
-        try:
-            stream = group.submit(adm.rank, request)
-        except Exception as exc:
-            gate.done(adm.rank, request.request_id)
-            manager.abort(adm)
-            record.error = f"submit: {exc}"[:200]
-            records.append(record)
-            totals.num_failed += 1
-            continue
-        out_ids: list[int] = []
-        t_first = t_last = None
-        last = None
-        make_room = getattr(manager, "make_room", None)  # ours: grow the KV room as the reply decodes
-        async for out in stream:
-            if out.token_ids or out.finished:
-                gate.started(adm.rank, request.request_id)
-            if out.token_ids:
-                now = loop.time()
-                t_first = now if t_first is None else t_first
-                t_last = now
-                out_ids.extend(out.token_ids)
-                if make_room is not None:
-                    make_room(adm, len(out_ids))
-            last = out
-        assert last is not None and last.finished
-        if last.finish_reason == FinishReason.ERROR:  # preempted: DeepInfer failed the request
-            manager.abort(adm)
-            totals.num_failed_in_engine += 1
-            totals.output_tokens_received += len(out_ids)
-            totals.output_tokens_lost += turn.output_tokens - len(out_ids)
-            record.error = f"engine: {last.error}"
-            record.t_end = loop.time()
-            records.append(record)
-            await asyncio.sleep(1.0)  # the load generator's retry: the same conversation again
-            continue
-        # What the service tells the cache (server/service.py: _stop_kind): a reply that ends in
-        # tool calls comes back in seconds, one that ends the turn waits for a person, one cut at
-        # max_tokens is unknown (SimConfig.reply_end).
-        if config.reply_end == "length":
-            stop = StopKind.UNKNOWN
-        else:
-            stop = StopKind.TOOL_USE if turn.kind == "tool" else StopKind.END_TURN
-        manager.finish(adm, tokens, out_ids, last, stop)
-        totals.num_finished += 1
-        totals.output_tokens_received += len(out_ids)
-        record.t_end = loop.time()
-        record.status = 200
-        record.output_tokens = len(out_ids)
-        # What the engine really started from (the usage a client is told); the seed's L0 can
-        # drop a queued turn's prefix after admission, so this may be less than the admission's.
-        num_cached = last.num_cached_tokens
-        record.cached_tokens = num_cached
-        record.input_tokens = len(tokens) - num_cached
-        totals.prompt_tokens += len(tokens)
-        totals.cached_tokens += num_cached
-        if t_first is not None:
-            record.ttft_s = t_first - record.t_start
-            totals.phases.append((record.t_start, t_admitted - record.t_start, t_submit - t_admitted,
-                                  t_first - t_submit, getattr(adm, "queue_time_s", 0.0),
-                                  getattr(adm, "restore_s", 0.0)))
-            record.decode_s = (t_last or t_first) - t_first
-        records.append(record)
         # The next prompt: this one + the output the engine produced + the tool result.
         next_turn = source.next_turn(rng)
         addition = rng.integers(1000, 120_000, turn.new_input_tokens, dtype=np.int32)
+        plans = spawns.spawn(turn.kind == "tool") if spawning else []
+        if plans:  # the parent waits for its subagents; their reports join its tool result
+            sub_limit = min(limit, params.context_target_tokens)
+            reports = await asyncio.gather(*(_subagent(run, session, plan, spawns, params, sub_limit, stop_at)
+                                             for plan in plans))
+            reported = spawns.rng.integers(1000, 120_000, sum(reports), dtype=np.int32)
+            addition = np.concatenate([addition, reported])
         if len(tokens) + len(out_ids) + len(addition) + next_turn.output_tokens > limit:
-            tokens, session = new_conversation()
+            tokens, session, spawning = new_conversation()
             new_tokens = len(tokens)
         else:
             tokens = np.concatenate([tokens, np.asarray(out_ids, dtype=np.int32), addition])

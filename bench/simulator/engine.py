@@ -120,6 +120,8 @@ class EngineCounters:
     max_seq_s: float = 0.0  # decode-time integral of the largest rank's running sequences
     min_seq_s: float = 0.0
     transfer_stall_s: float = 0.0  # the group stood for copies at step boundaries (*_at_boundary)
+    decode_steps: int = 0
+    prefill_steps: int = 0
 
     def mean_running(self) -> float:
         return self.seq_s / self.decode_s if self.decode_s else 0.0
@@ -142,7 +144,8 @@ class EngineCounters:
                 "min_running": round(self.min_seq_s / self.decode_s if self.decode_s else 0, 2),
                 "prefill_mean_s": round(self.prefill_mean_s, 1),
                 "decode_mean_s": round(self.decode_mean_s, 1),
-                "transfer_stall_s": round(self.transfer_stall_s, 1)}
+                "transfer_stall_s": round(self.transfer_stall_s, 1),
+                "decode_steps": self.decode_steps, "prefill_steps": self.prefill_steps}
 
 
 class SimGroup:
@@ -574,6 +577,7 @@ class SimGroup:
                                             sum(d for d, _ in results) / len(results))
         await self._steps(step_s, 1, prompt=True)
         self.counters.prefill_s += step_s
+        self.counters.prefill_steps += 1
         for r in self.ranks:
             r.in_step = []
         self.num_steps += 1
@@ -617,6 +621,7 @@ class SimGroup:
         c, dt = self.counters, steps * step_s
         c.decode_mean_s += steps * sum(rank_step_s) / self.num_ranks
         c.decode_s += dt
+        c.decode_steps += steps
         c.seq_s += dt * sum(running) / self.num_ranks
         c.max_seq_s += dt * max(running)
         c.min_seq_s += dt * min(running)

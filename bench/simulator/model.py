@@ -180,6 +180,9 @@ class Arrivals(BaseModel):
     )
     prewarm: bool = Field(False,
                           description="each agent's first turn is prefilled at no cost (a cold start before)")
+    subagents: Literal["off", "light", "heavy"] = Field(
+        "off", description="subagent fan-outs when SimConfig.subagents is 'auto' "
+        "(bench/loadgen/subagents.py)")
     compact_at_target: bool = Field(
         True, description="a conversation that would pass the target starts over as a new session (one cold "
         "turn); otherwise only one that would pass max_model_len does",
@@ -192,11 +195,14 @@ ARRIVALS: dict[str, Arrivals] = {
     # sessions as "about 120 sessions of 450K tokens" filling the 57M-token pool; its 98% hit at 128K
     # is what the per-turn new tokens alone leave (no compaction in the window); and its 4.4 s TTFT p95
     # at 500K x 50 rules out cold 250-475K-token turns in the window (docs/loadtest.md, section 2).
+    # The seed's test sent no subagents.
     "seed": Arrivals(start_fraction=(0.8, 0.95), prewarm=True, compact_at_target=False),
     # Steady state of endless agents (the earlier default): sizes spread over a conversation's life.
-    "steady": Arrivals(steady=True, prewarm=True),
+    # Subagents as in the corpora AgentX replays (chosen for them: ~40% of requests off the main thread).
+    "steady": Arrivals(steady=True, prewarm=True, subagents="heavy"),
     # The project's load generator (bench/loadgen): fresh 0.4-0.6 conversations, cold first turns.
-    "fresh": Arrivals(),
+    # Subagents as in the public Claude Code traces (3% of sessions).
+    "fresh": Arrivals(subagents="light"),
 }
 
 
@@ -212,7 +218,7 @@ class OursPolicy(BaseModel):
     scheduling: SchedulingConfig = SchedulingConfig()
     place_homeless: bool = True
     vote_filler: bool = True
-    cache: dict[str, float] = Field(default_factory=dict,
+    cache: dict[str, float | bool] = Field(default_factory=dict,
                                     description="other CacheConfig overrides (exploration)")
 
 
@@ -248,7 +254,12 @@ class SimConfig(BaseModel):
         "(the load generator's system prompt and tools, identical in every request: the cache holds "
         "them once per rank); 0 = every conversation's ids are its own",
     )
+    subagents: Literal["auto", "off", "light", "heavy"] = Field(
+        "auto", description="subagent fan-outs (bench/loadgen/subagents.py); auto: the arrivals' own")
     seed: int = 0
+
+    def subagent_mix(self) -> str:
+        return self.arrivals.subagents if self.subagents == "auto" else self.subagents
 
     def uses_vote_filler(self) -> bool:
         return self.policy == "ours" and self.ours.vote_filler

@@ -80,10 +80,13 @@ class SeedCacheManager:
     async def admit(self, prompt_ids: np.ndarray, session_hint: str | None,
                     num_output_tokens_hint: int) -> SeedAdmission:
         sid = session_hint or f"anon-{id(prompt_ids)}"
-        rank = self.home.get(sid)
+        # The seed routed on the session id alone: a subagent's chain ("<session>/agent:<id>", a
+        # prompt of its own) goes to its parent's rank.
+        route = sid.split("/agent:", 1)[0]
+        rank = self.home.get(route)
         if rank is None:
             rank = self._least_loaded()
-            self.home[sid] = rank
+            self.home[route] = rank
         n = len(prompt_ids)
         entry = self.l0[rank].get(sid)
         restored = 0

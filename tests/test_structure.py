@@ -17,6 +17,7 @@ dependency) and under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,44 @@ def test_an_install_holds_only_the_product() -> None:
     found = find_packages(str(REPO), include=config["packages"]["find"]["include"])
     assert {name.split(".")[0] for name in found} == set(PRODUCT), found
     assert config["py-modules"] == ["deepinfer_backend"]
+
+
+# Code and docs speak to a reader of the repository: no "issue N" / "session N" (the tracker
+# and the team's work sessions mean nothing in a clone) and no path to material beside the
+# checkout (it does not exist in a clone); facts from outside cite their public source.
+UNREADABLE = re.compile(r"\b[Ii]ssues? #?\d+\b|\b[Ss]ession \d+\b(?![.,%]\d)"
+                        r"|shared/reference|/work/shared|\breference/[a-z0-9-]+\.md")
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".txt"}
+NOT_OURS = {".venv", ".git", "node_modules", "results", "captures", "__pycache__", ".mypy_cache",
+            ".pytest_cache", ".hypothesis"}
+
+
+def unreadable_references(paths: list[Path]) -> list[str]:
+    bad = []
+    for path in paths:
+        for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if UNREADABLE.search(line):
+                bad.append(f"{path.relative_to(REPO)}:{lineno}: {line.strip()[:120]}")
+    return bad
+
+
+def repository_text_files() -> list[Path]:
+    return [p for p in sorted(REPO.rglob("*"))
+            if p.suffix in TEXT_SUFFIXES and p.is_file() and p != Path(__file__).resolve()
+            and not NOT_OURS.intersection(p.relative_to(REPO).parts)]
+
+
+def test_code_and_docs_cite_what_a_clone_can_read() -> None:
+    bad = unreadable_references(repository_text_files())
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_the_reference_check_sees_a_planted_one(tmp_path: Path) -> None:
+    planted = REPO / "docs" / "_planted_reference_check.md"
+    planted.write_text("Fixed in issue 31 (session 10); see ../shared/reference/measurements.md.\n"
+                       "A session 99.1% cached, 1,610 sessions: fine.\n", encoding="utf-8")
+    try:
+        bad = unreadable_references([planted])
+    finally:
+        planted.unlink()
+    assert len(bad) == 1 and bad[0].endswith("measurements.md."), bad

@@ -1,6 +1,6 @@
 """Turn-size distributions of a simulated coding agent, with defaults from public agent traces.
 
-Every default below comes from ``/work/shared/reference/agent-workload.md`` section 1, which cites
+Every default below comes from the public agent traces listed in ``docs/loadtest.md``, which cites
 the sources; the tags in brackets are that note's:
 
 * [W3] counts over the public kv-cache-tester Claude Code traces (github.com/callanjfox/kv-cache-tester,

@@ -1,6 +1,6 @@
 """Per-step statistics, the seed's pass/fail verdict, a text table, JSON and PNG charts.
 
-Pass criteria (the seed deployment's, ``/work/shared/seeds/000_44346cd874f649af.txt``, "Results on
+Pass criteria (the seed deployment guide, "Run DeepInfer with InferenceKey", "Results on
 4x B200"): TTFT p95 <= 15 s, per-agent speed p50 >= 20 tok/s and p10 >= 10 tok/s, cache hit
 >= 90 %, errors < 1 %. Speed is per stream (each request's decode rate as its agent saw it).
 Cache hit = sum(cache_read_input_tokens) / sum(all input tokens) over the requests that started

@@ -1,7 +1,7 @@
 """One simulated Claude Code conversation: Claude Code-shaped request bodies that grow turn by turn.
 
-The shape follows what Claude Code 2.1.197 was seen to send (``reference/claude-code-client.md``
-sections 3-4): ``system`` is a list of three text blocks (billing header, agent line, main prompt;
+The shape follows what Claude Code 2.1.197 was seen to send (``docs/claude-code.md``):
+``system`` is a list of three text blocks (billing header, agent line, main prompt;
 the last two with ``cache_control``); 24 tools with JSON-schema inputs; the first user message
 is a ``<system-reminder>`` block plus the prompt, followed by a ``system``-role message; thinking
 ``adaptive``; ``context_management`` and ``output_config``; ``stream: true``; one moving

@@ -1,6 +1,6 @@
 """The seed's published figures and the calibration table: simulated / published / residual per cell.
 
-The seed guide (``/work/shared/seeds/000_44346cd874f649af.txt``) publishes, for 4x B200:
+The seed deployment guide ("Run DeepInfer with InferenceKey") publishes, for 4x B200:
 
 * "Results on 4x B200": four steps with TTFT p50 / p95, per-agent tok/s p50 / p10 and cache hit;
 * "Limits": at 500K, 200 agents "exceed the pool ... the cache hit fell to 41 % and TTFT p50 rose

@@ -11,7 +11,7 @@ blocks are handed to the cache (its seq refs become cache refs); ``release`` dro
 ``import_blocks`` allocates fresh blocks with one cache ref each or raises ``CapacityExhausted``
 with nothing changed. ``check_accounting`` asserts all of it.
 
-Scheduling per rank, as DeepInfer does it (``reference/deepinfer-engine.md``): FIFO admission with
+Scheduling per rank, as DeepInfer 0.1.0 does it (``docs/deepinfer.md``): FIFO admission with
 head-of-line blocking (a head whose prompt blocks do not fit waits; ``pressure_hook`` may free
 cache blocks first, which is how the seed's LRU eviction is modelled), at most ``max_num_seqs``
 running, prefill chunks of at most ``max_num_batched_tokens`` per step, prefill and decode never

@@ -1,11 +1,11 @@
 """The modelled deployment: pool sizes, engine cost model, the load test's arrivals, and the fit.
 
-Published figures of the seed deployment (``/work/shared/seeds/000_44346cd874f649af.txt``, 4x B200,
+Published figures of the seed deployment (its guide, "Run DeepInfer with InferenceKey", 4x B200,
 DeepSeek-V4.1-Flash on DeepInfer, ep 4): 14.3M tokens of GPU KV pool and 154M tokens of L1 per rank,
 ``max_num_seqs`` 128, ``max_num_batched_tokens`` 16384 per rank and ``max_model_len`` 1,064,960; a
 1M-token session restores from L1 in about 60 ms; cold start of 397 conversations of ~440K tokens in
 14.6 min (176M tokens: 50.2K prefill tokens/s per GPU). The prebuilt package's notes
-(``/work/shared/seeds/004_d3bc655c15dde4d7.txt``) measured about 88K prefill tokens/s per GPU with
+(the prebuilt DeepInfer package's notes) measured about 88K prefill tokens/s per GPU with
 138K-token prompts.
 
 Cost model of one rank (lockstep: every step of the group lasts as long as its slowest rank):
@@ -21,7 +21,7 @@ Cost model of one rank (lockstep: every step of the group lasts as long as its s
   (``DEEPINFER_USE_NEXTN_DECODE``; variable-length MTP is off by default) and keeps the accepted
   drafts, so a request's speed depends on its content. ``decode_tokens_per_step`` is the mean,
   ``decode_accept_sigma`` the spread between requests (fitted, see below).
-* DeepInfer's step-type vote (``reference/deepinfer-engine.md`` section 1; scheduler.hpp
+* DeepInfer's step-type vote (the ``deepinfer==0.1.0`` sdist, ``docs/deepinfer.md``; scheduler.hpp
   ``_schedule`` in the 0.1.0 sdist): a prompt step happens at ``decode_step % 70 == 0`` (0
   included, so right after a prompt step) if every rank wants one, or at ``decode_step % 100 == 0``
   (not 0) if any rank does; a rank wants one when its KV usage (every non-free block, cached ones
@@ -124,12 +124,12 @@ class Deployment(BaseModel):
     gpu_kv_tokens_per_rank: int = Field(14_300_000, ge=1)
     l1_tokens_per_rank: int = Field(154_000_000, ge=0)
     block_tokens: int = Field(0, ge=0, description="simulated block size (DeepInfer: 128); 0 = context / 256")
-    kv_bytes_per_token: int = Field(890, ge=1, description="~890 B/token (reference/measurements.md)")
+    kv_bytes_per_token: int = Field(890, ge=1, description="~890 B/token (docs/cache.md)")
     restore_tokens_per_s: float = Field(16.7e6, gt=0, description="seed: ~60 ms per 1M-token session")
     tokenize_tokens_per_s: float = Field(
         500_000.0, gt=0,
         description="fitted: 2x the 0.25M tokens/s measured on one core of the loaded 2-core build VM "
-        "(reference/measurements.md); the seed's host is an idle server CPU",
+        "(measured on the H200 host, ``docs/cache.md``); the seed's host is an idle server CPU",
     )
 
     def for_context(self, context_tokens: int) -> Deployment:
@@ -207,7 +207,7 @@ ARRIVALS: dict[str, Arrivals] = {
 
 
 class OursPolicy(BaseModel):
-    """The backend's own levers on top of the real ``cache/`` code (issue 18 item 2), with the
+    """The backend's own levers on top of the real ``cache/`` code, with the
     service's defaults: late binding of sessions L1 can restore anywhere (``cache/router.py``
     rule 4, on), the vote filler (``rank/vote_filler.py``, on; modelled in ``SimGroup``) and the
     submit gate (``server/scheduling.py``, off; docs/loadtest.md, "Moving the tail").

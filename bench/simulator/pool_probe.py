@@ -2,7 +2,7 @@
 
     python -m bench.simulator step --context 500000 --agents 200 --pool-probe 5
 
-Issue 18 item 2 asks whether admission can hold more turns in flight. Each sample splits a rank's
+The question: can admission hold more turns in flight? Each sample splits a rank's
 blocks into: held by admitted turns (the chains of pinned blocks: their prefixes), filed but held
 by nobody (idle: what admission may evict), reserved (blocks open admissions may still
 allocate), releasing (evicted, their release not landed yet), the keep-out

@@ -10,7 +10,7 @@ raises ``SimulationDeadlock`` (the bookkeeping tests rely on that instead of han
 The cache tests run on it too (``tests/cache/conftest.py`` installs ``VirtualTimePolicy``, so each
 ``asyncio.run`` gets a virtual-time loop): work that is ready takes no virtual time and timers fire
 in virtual-time order, so which callbacks run in which order, and what time the policy sees, is a
-function of the test alone, not of the machine's speed or load (issue 15 item 9).
+function of the test alone, not of the machine's speed or load.
 """
 
 from __future__ import annotations

@@ -136,7 +136,9 @@ class Machine:
         code = ("import importlib.metadata as m, re\n"
                 "print(' '.join(re.sub(r'[-_.]+', '-', d.metadata['Name']).lower() + '==' + d.version "
                 "for d in m.distributions()))")
-        res = run([str(self.backend_venv / "bin" / "python"), "-c", code])
+        # -I: the venv's own packages only (not the checkout's egg-info that an editable install
+        # leaves in the current directory, nor PYTHONPATH)
+        res = run([str(self.backend_venv / "bin" / "python"), "-I", "-c", code], cwd=self.work)
         return dict(item.split("==", 1) for item in res.stdout.split())
 
 

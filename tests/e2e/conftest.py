@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from tests.e2e.e2e_harness import find_claude, running_backend
+from tests.e2e.e2e_harness import Backend, find_claude, running_backend
 
 # tests/e2e/projects/* are the projects the scenarios hand to Claude Code (their own tests run
 # inside the scenario, in a temp copy), not part of this suite.
@@ -23,3 +25,12 @@ def shared_backend():
     includes their scripts, each scoped to a phrase of its prompt): saves a start per scenario."""
     with running_backend("shared.json") as backend:
         yield backend
+
+
+@pytest.fixture
+def backends() -> Iterator[list[Backend]]:
+    """Backends a test starts (``_start`` in test_warm_restart.py); each is stopped at the end."""
+    started: list[Backend] = []
+    yield started
+    for backend in started:
+        backend.stop()

@@ -21,7 +21,6 @@ import shutil
 import signal
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +100,6 @@ def _wait_l1_written(backend: Backend, timeout_s: float = 60) -> None:
             return
         time.sleep(0.1)
     raise AssertionError("the first turn was never written through to L1")
-
-
-@pytest.fixture
-def backends(tmp_path: Path) -> Iterator[list[Backend]]:
-    started: list[Backend] = []
-    yield started
-    for backend in started:
-        backend.stop()
 
 
 def _start(backends: list[Backend], tmp_path: Path, config: dict[str, Any]) -> Backend:

@@ -18,14 +18,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e.e2e_harness import Backend
-from tests.e2e.test_warm_restart import _cached_share, _first_turn, _next_turn, _wait_restarted
+from tests.e2e.test_warm_restart import _cached_share, _first_turn, _next_turn, _start, _wait_restarted
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,22 +35,6 @@ def _idle_pool_config(l2_dir: Path) -> dict[str, Any]:
     return {"engine": "reference", "reference_model": "null", "block_size": 16, "reference_num_blocks": 2048,
             "max_model_len": 3800, "max_num_batched_tokens": 4096, "l1_host_gb": 0.05,
             "l2_dir": str(l2_dir), "l2_gb": 0.5}
-
-
-@pytest.fixture
-def backends() -> Iterator[list[Backend]]:
-    started: list[Backend] = []
-    yield started
-    for backend in started:
-        backend.stop()
-
-
-def _start(backends: list[Backend], tmp_path: Path, config: dict[str, Any]) -> Backend:
-    script = tmp_path / "unused-script.txt"
-    script.write_text("")
-    backend = Backend.start(script, ranks=2, config=config, timeout_s=300)
-    backends.append(backend)
-    return backend
 
 
 def test_idle_pool_session_survives_a_rank_sigkill(tmp_path: Path, backends: list[Backend]) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,16 +30,11 @@ import pytest
 
 from tests.e2e.e2e_harness import API_KEY, REPO, Backend
 from tests.e2e.test_warm_restart import _cached_share, _first_turn, _next_turn, _wait_restarted
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(900)
 
 EXIT_BOUND_S = 120.0  # the backend's own bound is 60 s of cleanup (+10 s hard exit); generous here
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(l2_dir: Path, **extra: Any) -> dict[str, Any]:
@@ -53,7 +47,7 @@ def _config(l2_dir: Path, **extra: Any) -> dict[str, Any]:
 def _sdk_serve(config: dict[str, Any], timeout_s: float = 300) -> tuple[Backend, Path]:
     """The SDK's serve with our backend; returns it as a ``Backend`` (native URL) and its stderr file."""
     workdir = Path(tempfile.mkdtemp(prefix="e2e-sdk-"))
-    sdk_port, http_port = _free_port(), _free_port()
+    sdk_port, http_port = free_port(), free_port()
     log_path, err_path = workdir / "serve.log", workdir / "serve.err"
     with log_path.open("wb") as out, err_path.open("wb") as err:
         proc = subprocess.Popen(

@@ -38,6 +38,7 @@ import pytest
 from cache.l3_client import mooncake_available
 from tests.e2e.e2e_harness import API_KEY, Backend
 from tests.support.bodies import filler_text
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 BLOCK = 16
@@ -59,15 +60,9 @@ def _master_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("mooncake_master")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Master:
     def __init__(self, workdir: Path) -> None:
-        self.rpc_port, self.http_port = _free_port(), _free_port()
+        self.rpc_port, self.http_port = free_port(), free_port()
         self.log = workdir / "mooncake_master.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.ports import free_port
 from tests.support.process_bridge import anthropic_client, openai_client
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,19 +39,13 @@ ASK = [{"role": "user", "content": "What is in README.md?"}]
 LONG = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(SDK serve URL, native URL) of one backend process."""
     tmp = tmp_path_factory.mktemp("process")
     script = tmp / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    sdk_port, native_port = _free_port(), _free_port()
+    sdk_port, native_port = free_port(), free_port()
     config = {"engine": "scripted", "script_file": str(script), "ep": 1, "block_size": 16,
               "reference_num_blocks": 1024, "max_num_seqs": 8, "max_model_len": 8192, "l1_cache": False,
               "ready_timeout_secs": 120, "port": native_port}

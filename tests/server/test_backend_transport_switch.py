@@ -22,16 +22,11 @@ from inferencekey.errors import BackendSetupError
 
 import deepinfer_backend
 from deepinfer_backend import DeepInferBackend
+from tests.support.ports import free_port
 
 SCRIPT = {"tokens_per_step": 1, "step_delay_s": 0.02, "replies": [
     {"name": "slow", "match": "go slow", "text": " ".join(f"w{i}" for i in range(600))}],
     "default": {"text": "Hello from the scripted model."}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(tmp: Path, **extra: Any) -> dict[str, Any]:
@@ -53,7 +48,7 @@ def started(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Any]:
     running: list[tuple[Any, DeepInferBackend]] = []
 
     def start(env: dict[str, str] | None, **extra: Any) -> tuple[DeepInferBackend, str, int, str]:
-        native = _free_port()
+        native = free_port()
         config = _config(tmp_path, port=native, **({"env": env} if env is not None else {}), **extra)
         backend = DeepInferBackend()
         with caplog.at_level(logging.INFO, logger="deepinfer.backend"):

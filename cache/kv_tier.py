@@ -33,6 +33,10 @@ from cache.sessions import SessionId
 
 
 class KVTier(Protocol):
+    # True for a store other nodes write to (its holdings must be asked with ``probe``); False
+    # for a local one, whose index is in memory, so the turn's path skips the probe altogether.
+    shared: bool
+
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the chain the tier holds (cheap; no I/O)."""
         ...
@@ -98,6 +102,10 @@ class TierLink:
 
     def stored(self, hashes: Sequence[BlockHash]) -> int:
         return self.tier.stored(hashes)
+
+    @property
+    def shared(self) -> bool:
+        return self.tier.shared
 
     async def probe(self, hashes: Sequence[BlockHash], held: int) -> None:
         """Ask a shared store what it holds of a prompt whose first ``held`` blocks this node's

@@ -95,6 +95,8 @@ class L2Store:
     bound is ``min(max_bytes, our files + free space - min_free_bytes)``, re-read before every
     save, so a disk shared with other data shrinks L2 instead of failing writes."""
 
+    shared = False  # one node's disk (cache/kv_tier.py)
+
     def __init__(
         self, directory: str, max_bytes: int, stamp: L2Stamp, host: HostSlots, *,
         io_threads: int = 4, chunk_bytes: int = 16 * MIB, direct: bool = True,

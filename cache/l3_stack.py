@@ -18,6 +18,8 @@ from cache.l3_store import L3Store
 
 
 class StackedTier:
+    shared = True  # L3 below it (cache/kv_tier.py)
+
     def __init__(self, l2: KVTier | None, l3: L3Store) -> None:
         self.l2 = l2
         self.l3 = l3

@@ -75,6 +75,8 @@ class L3Store:
     """See the module docstring. ``connect`` makes a ``RemoteKV`` (blocking; run on a thread).
     ``root``: the chain's root hash (parent of block 0). One event loop."""
 
+    shared = True  # every worker's store (cache/kv_tier.py)
+
     def __init__(
         self, connect: Callable[[], RemoteKV], stamp: L2Stamp, host: HostSlots, root: BlockHash, *,
         namespace: str = "dib", staging_bytes: int = 64 * MIB, call_timeout_s: float = 2.0,

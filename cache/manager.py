@@ -230,7 +230,7 @@ class CacheManager:
             self.branches.retire(session, retired, hashes)
         self.sessions.record_arrival(session, now, len(tokens))
         s.idle.update(session, now)
-        if s.l2 is not None and hashes:  # a store shared with other nodes (L3) looks the prompt up
+        if s.l2 is not None and s.l2.shared and hashes:  # a store other nodes write to (L3): ask it
             await s.l2.probe(hashes, max(self.l0.match_all(hashes)))
         await self.transfers.await_prefetch(session.session_id)
         matches = self.l0.match_all(hashes)

@@ -40,6 +40,8 @@ class SharedStore:
 
 
 class SimL3:
+    shared = True
+
     def __init__(self, store: SharedStore, bytes_per_block: int, block_tokens: int, bytes_per_s: float,
                  latency_s: float, prefill_tokens_per_s: float) -> None:
         self.store = store

@@ -4,22 +4,16 @@ every stream complete, and each rank's step profile written and read back."""
 
 from __future__ import annotations
 
-import socket
-
 from bench.decode_bench import parse_args, run
+from tests.support.ports import free_port
 
 RANKS, SEQS, TOKENS = 2, 3, 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_decode_bench_streams_everything_and_profiles_each_rank(tmp_path, capsys) -> None:
     args = parse_args(["--core", "stand-in", "--ranks", str(RANKS), "--seqs", str(SEQS), "--max-tokens",
-                       str(TOKENS), "--py-spy", "off", "--prefill-interval", "1", "--port", str(_free_port()),
+                       str(TOKENS), "--py-spy", "off", "--prefill-interval", "1", "--port", str(free_port()),
                        "--work-dir", str(tmp_path)])
     figures = run(args)
     assert figures["errors"] == 0 and figures["output_tokens"] == RANKS * SEQS * TOKENS

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from typing import Any
 
@@ -20,12 +19,7 @@ from rank.group import RankGroup
 from rank.launch import rank_python
 from server.config import WorkloadConfig
 from tests.rank.rank_stream_helpers import collect
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.ports import free_port
 
 
 def _config(**overrides: Any) -> WorkloadConfig:
@@ -54,7 +48,7 @@ def test_rank_python_is_the_deepinfer_venvs_whatever_the_engine() -> None:
 
 @pytest.mark.timeout(240)
 def test_configured_master_port_is_used_in_every_epoch() -> None:
-    port = _free_port()
+    port = free_port()
 
     async def scenario() -> None:
         group = RankGroup(_config(deepinfer_env={"MASTER_PORT": str(port)}).rank_config(),

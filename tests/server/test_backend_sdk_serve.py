@@ -25,15 +25,11 @@ from inferencekey.errors import BackendSetupError
 
 from deepinfer_backend import DeepInferBackend
 from server.config import ConfigError
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = {"replies": [{"name": "hello", "text": "Hello from the scripted model."}]}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(tmp: Path, **extra: Any) -> dict[str, Any]:
@@ -48,7 +44,7 @@ def _config(tmp: Path, **extra: Any) -> dict[str, Any]:
 def sdk_server(
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
     tmp = tmp_path_factory.mktemp("sdk")
-    sdk_port, http_port = _free_port(), _free_port()
+    sdk_port, http_port = free_port(), free_port()
     config = _config(tmp, port=http_port, api_key="k-native")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log = (tmp / "serve.log").open("wb")
@@ -143,7 +139,7 @@ def test_serve_backend_python_api_streams_chat_chunks(tmp_path: Path) -> None:
 
 
 def test_native_port_equal_to_the_sdk_port_is_refused_naming_both(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     with pytest.raises(BackendSetupError, match=f"config key 'port': {port} is the SDK server's own port"):
         serve_backend(DeepInferBackend, port=port, config=_config(tmp_path, port=port), block=False)
 
@@ -158,7 +154,7 @@ def test_native_port_in_use_fails_naming_the_key(tmp_path: Path) -> None:
 
 
 def test_sdk_and_native_servers_on_their_own_ports_and_unknown_keys_warn(tmp_path: Path) -> None:
-    native = _free_port()
+    native = free_port()
     backend = DeepInferBackend()
     httpd, _ = serve_backend(backend, port=0, config=_config(tmp_path, port=native, ik_platform_key="x"),
                              block=False)
@@ -189,7 +185,7 @@ def test_sigterm_while_loading_stops_the_ranks_and_leaves_nothing(tmp_path: Path
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "inferencekey.backend.serve", "--port", str(_free_port()), "--backend",
+            [sys.executable, "-m", "inferencekey.backend.serve", "--port", str(free_port()), "--backend",
              "deepinfer_backend:DeepInferBackend"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir),
                  "IK_BACKEND_CONFIG": json.dumps(config)})

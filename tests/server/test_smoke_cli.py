@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import deepinfer_backend
-from tests.server.test_backend_process_jobs import SCRIPT, _free_port
+from tests.server.test_backend_process_jobs import SCRIPT
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "smoke-key"
@@ -30,7 +31,7 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = {"block_size": 16, "reference_num_blocks": 1024, "max_num_seqs": 8, "max_model_len": 8192,
               "l1_cache": False}
     (tmp / "config.json").write_text(json.dumps(config))
-    port = _free_port()
+    port = free_port()
     log_path = tmp / "serve.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -37,6 +36,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SDK_REQUIREMENT = "inferencekey==0.260725.739"
@@ -60,11 +61,6 @@ GPU_MACHINE_CHECKS = "gpu,model_dir,model_fs,model_read_speed,nccl_env,ready_tim
 def log(engine: str, message: str) -> None:
     print(f"[standin {engine}] {message}", flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:

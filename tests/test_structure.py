@@ -173,3 +173,17 @@ def test_the_reference_check_sees_a_planted_one(tmp_path: Path) -> None:
     finally:
         planted.unlink()
     assert len(bad) == 1 and bad[0].endswith("measurements.md."), bad
+
+
+# Docs are reference (how a thing works, how to run and read its benchmarks, one current results
+# table); history lives in git and CHANGELOG.md. A doc past this many lines has turned back into
+# a lab notebook: split it by topic or cut what is superseded.
+MAX_DOC_LINES = 550
+
+
+def test_no_doc_over_the_size_limit() -> None:
+    sizes = {p.name: len(p.read_text(encoding="utf-8").splitlines())
+             for p in sorted((REPO / "docs").glob("*.md"))}
+    assert sizes, "no docs found"
+    over = {name: n for name, n in sizes.items() if n > MAX_DOC_LINES}
+    assert not over, f"docs over {MAX_DOC_LINES} lines (split by topic, drop superseded history): {over}"

@@ -15,7 +15,7 @@ payload is random bytes and every restore is compared byte for byte with what wa
 Printed per tier (median of ``--repeats``): save and restore wall time and GB/s, and for L3 the
 existence query of the whole chain (``probe``, what a turn waits before it is planned). Prefill is
 the node's recompute rate (``--prefill-tokens-per-s``, default 352K tokens/s: 4 H200 ranks of
-V4.1-Flash, docs/cache.md "L2 figures"), the bar a restore must beat (``l3.prefill_tokens_per_sec``).
+V4.1-Flash, docs/tiers.md), the bar a restore must beat (``l3.prefill_tokens_per_sec``).
 Nothing passes or fails on a stopwatch. Needs Mooncake's client (scripts/setup_l3.sh).
 """
 

@@ -25,9 +25,9 @@ from bench.simulator.engine import SimGroup
 from bench.simulator.model import OursPolicy, SimConfig
 from bench.simulator.vclock import run_virtual
 
-V41_BYTES_PER_BLOCK = 891 * 128  # docs/cache.md "L2 figures": 114,048 B per 128-token block
+V41_BYTES_PER_BLOCK = 891 * 128  # docs/tiers.md: 114,048 B per 128-token block
 LINK_GBPS = 45.0  # host <-> GPU per H200, measured (docs/cache.md, L1 restore)
-DISK_SAVE_GBPS = 2.04  # the H200 host's local L2 save rate, 4 I/O threads (docs/cache.md)
+DISK_SAVE_GBPS = 2.04  # the H200 host's local L2 save rate, 4 I/O threads (docs/tiers.md)
 
 
 def run(context: int, agents: int, duration_s: float, watermark: float) -> dict[str, Any]:

@@ -133,7 +133,10 @@ def bench_l3(num_blocks: int, bytes_per_block: int, repeats: int, staging_mb: in
                     port=port)
     address = f"127.0.0.1:{port}"
     object_bytes = bytes_per_block + 64
-    segment = int(num_blocks * object_bytes * (repeats + 1.2)) + (64 << 20)  # every round's own keys
+    # Every round (the warm one too) saves its own keys; the master evicts once its pool is 90% full
+    # (mooncake_master --eviction_high_watermark_ratio, default 0.9), so the holder lends room for
+    # all of them at under 80%.
+    segment = int(num_blocks * object_bytes * (repeats + 1) / 0.8) + (64 << 20)
     holder = _start([sys.executable, "-c", _HOLDER, address, str(segment)], work / "holder.log",
                     ready="holding")
     slots = HostSlots.in_memory(bytes_per_block, 2 * num_blocks)
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = args.tokens // BLOCK_SIZE
     tokens = num_blocks * BLOCK_SIZE
     l3 = bench_l3(num_blocks, args.bytes_per_block, args.repeats, args.staging_mb)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
     l2 = bench_l2(args.dir, num_blocks, args.bytes_per_block, 4, args.repeats, 16 << 20, True)
     prefill_s = tokens / args.prefill_tokens_per_s
     nbytes = l3["bytes"]

@@ -25,7 +25,7 @@ Anthropic thinking blocks carry the ledger handle as their ``signature``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -33,7 +33,7 @@ import xxhash
 from pydantic import BaseModel, ValidationError
 
 from protocol import anthropic_schema as A, openai_schema as O
-from protocol.api_types import PreparedRequest
+from protocol.api_types import PreparedRequest, check_tool_choice
 from protocol.bound_prompt import BoundPrompt, encode_bound
 from protocol.conversation import Conversation, anthropic_conversation, openai_conversation
 from protocol.depth import check_json_depth
@@ -43,7 +43,7 @@ from protocol.ledger import OutputLedger
 from protocol.render import AssistantSpan, ToolsTextCache, render
 from protocol.responses_api import prepare_responses
 from protocol.responses_store import ResponseStore
-from protocol.sampling import engine_sampling
+from protocol.sampling import EngineSampling, engine_sampling
 from protocol.stream import ResponseStream
 from protocol.tokenize import PromptTokenizer, TokenBudgetExceeded
 
@@ -95,17 +95,6 @@ def _load_body(body: bytes | dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def check_tool_choice(tool_choice: str, name: str | None, declared: Collection[str]) -> None:
-    """As the APIs do: a forced tool call needs tools, and a named tool must be declared (a
-    400 instead of a request the model cannot satisfy)."""
-    if tool_choice == "required" and not declared:
-        raise InvalidRequest("tool_choice requires a tool call, but the request declares no tools",
-                             param="tool_choice")
-    if tool_choice == "named" and name not in declared:
-        raise InvalidRequest(f"tool_choice names the tool {name!r}, which is not in tools",
-                             param="tool_choice")
-
-
 class Protocol:
     """Holds the tokenizer (with its piece cache), the token table, the ledger and the tool
     schema text cache."""
@@ -135,11 +124,9 @@ class Protocol:
         apart); the output ledger serves a turn only to the scope and prefix it was made in."""
         data = _load_body(body)
         req = _validate(A.MessagesRequest, data)
-        self._check_model(req.model)
+        self.check_model(req.model)
         conv = anthropic_conversation(req, data.get("tools"))
-        bound = self._tokenize(conv, scope, strict_parts=True)
-        ids = bound.ids
-        max_tokens = self._max_tokens(len(ids), req.max_tokens)
+        bound = self.encode_prompt(conv, scope, strict_parts=True)
         tool_choice, tool_name = "auto", None
         if req.tool_choice is not None:
             tool_choice = {"auto": "auto", "any": "required", "tool": "named",
@@ -147,40 +134,25 @@ class Protocol:
             tool_name = req.tool_choice.name
             check_tool_choice(tool_choice, tool_name,
                               [t["name"] for t in conv.tools] + list(conv.tool_catalog))
-        return PreparedRequest(
-            api="anthropic",
-            model=req.model,
-            stream=req.stream,
-            prompt_ids=ids,
-            num_prompt_tokens=len(ids),
-            session_key=self._session_key(headers, conv, req.metadata),
-            max_tokens=max_tokens,
-            **self._sampling(req.temperature, req.top_p, req.top_k, None),
+        return PreparedRequest.build(
+            "anthropic", req.model, req.stream, prompt=bound, conv=conv,
+            session_key=self.session_key(headers, conv, req.metadata),
+            max_tokens=self.max_tokens_for(len(bound.ids), req.max_tokens),
+            sampling=self.engine_sampling(req.temperature, req.top_p, req.top_k, None),
             stop=tuple(req.stop_sequences or ()),
-            thinking=conv.thinking,
-            reasoning_effort=conv.effort if conv.thinking else None,
-            tool_names=tuple(t["name"] for t in conv.callable_tools()),
-            tool_choice=tool_choice,
-            tool_choice_name=tool_name,
-            include_usage=True,
+            tool_choice=tool_choice, tool_choice_name=tool_name, include_usage=True,
             show_reasoning=req.thinking is None or req.thinking.display not in HIDDEN_REASONING_DISPLAYS,
-            num_ledger_hits=bound.num_hits,
-            num_ledger_divergences=bound.num_divergences,
-            tool_params=_tool_params(conv),
-            ledger_binding=bound.binding,
-            caller_scope=scope,
+            scope=scope,
         )
 
     def prepare_openai(self, body: bytes | dict[str, Any],
                        headers: Mapping[str, str] | None = None, scope: bytes = b"") -> PreparedRequest:
         data = _load_body(body)
         req = _validate(O.ChatCompletionRequest, data)
-        self._check_model(req.model)
+        self.check_model(req.model)
         conv = openai_conversation(req, data.get("tools"))
-        bound = self._tokenize(conv, scope, strict_parts=False)
-        ids = bound.ids
+        bound = self.encode_prompt(conv, scope, strict_parts=False)
         requested = req.max_completion_tokens or req.max_tokens
-        max_tokens = self._max_tokens(len(ids), requested)
         tool_choice, tool_name = "auto", None
         if isinstance(req.tool_choice, str):
             tool_choice = req.tool_choice
@@ -188,29 +160,14 @@ class Protocol:
             tool_choice, tool_name = "named", req.tool_choice.function["name"]
         check_tool_choice(tool_choice, tool_name, [t.get("name", "") for t in conv.tools])
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        return PreparedRequest(
-            api="openai",
-            model=req.model,
-            stream=req.stream,
-            prompt_ids=ids,
-            num_prompt_tokens=len(ids),
-            session_key=self._session_key(headers, conv, req.metadata, data.get("prompt_cache_key"),
-                                          req.user),
-            max_tokens=max_tokens,
-            max_tokens_is_default=not requested,
-            **self._sampling(req.temperature, req.top_p, req.top_k, req.seed),
-            stop=stop,
-            thinking=conv.thinking,
-            reasoning_effort=conv.effort if conv.thinking else None,
-            tool_names=tuple(t.get("name", "") for t in conv.callable_tools()),
-            tool_choice=tool_choice,
-            tool_choice_name=tool_name,
+        return PreparedRequest.build(
+            "openai", req.model, req.stream, prompt=bound, conv=conv,
+            session_key=self.session_key(headers, conv, req.metadata, data.get("prompt_cache_key"), req.user),
+            max_tokens=self.max_tokens_for(len(bound.ids), requested), max_tokens_is_default=not requested,
+            sampling=self.engine_sampling(req.temperature, req.top_p, req.top_k, req.seed),
+            stop=stop, tool_choice=tool_choice, tool_choice_name=tool_name,
             include_usage=bool(req.stream_options and req.stream_options.include_usage) or not req.stream,
-            num_ledger_hits=bound.num_hits,
-            num_ledger_divergences=bound.num_divergences,
-            tool_params=_tool_params(conv),
-            ledger_binding=bound.binding,
-            caller_scope=scope,
+            scope=scope,
         )
 
     def prepare_responses(self, body: bytes | dict[str, Any],
@@ -224,19 +181,20 @@ class Protocol:
         a prompt no request could send (over ``max_model_len - 1``) is refused like a request."""
         data = _load_body(body)
         req = _validate(A.CountTokensRequest, data)
-        self._check_model(req.model)
+        self.check_model(req.model)
         conv = anthropic_conversation(req, data.get("tools"))
-        return len(self._tokenize(conv, scope, strict_parts=True).ids)
+        return len(self.encode_prompt(conv, scope, strict_parts=True).ids)
 
     def new_stream(self, prepared: PreparedRequest, request_id: str) -> ResponseStream:
         return ResponseStream(prepared, request_id, self.table, self.ledger)
 
-    # --- helpers ---------------------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
+    # --- the steps every prepare_* takes (protocol/responses_api.py takes them too) ------------------
+    def check_model(self, model: str) -> None:
+        """Refuse a model name this endpoint does not serve (``ModelNotAvailable``)."""
         if self.served_model_names and model not in self.served_model_names:
             raise ModelNotAvailable(model)
 
-    def _tokenize(self, conv: Conversation, scope: bytes, strict_parts: bool) -> BoundPrompt:
+    def encode_prompt(self, conv: Conversation, scope: bytes, *, strict_parts: bool) -> BoundPrompt:
         """The prompt ids, assistant turns from the ledger where it holds them under this scope
         and prefix (protocol/bound_prompt.py); a prompt over ``max_model_len - 1`` tokens is
         refused as soon as that is known (the tokenizer stops there), with an estimate of its
@@ -250,19 +208,21 @@ class Protocol:
         except TokenBudgetExceeded as exc:
             raise PromptTooLong(exc.num_tokens, limit) from None
 
-    def _sampling(self, temperature: float | None, top_p: float | None, top_k: int | None,
-                  seed: int | None) -> dict[str, Any]:
-        """Engine sampling values (protocol/sampling.py) as PreparedRequest fields."""
-        es = engine_sampling(temperature, top_p, top_k, seed, self.table.size)
-        return {"temperature": es.temperature, "top_p": es.top_p, "top_k": es.top_k, "seed": es.seed}
+    def engine_sampling(self, temperature: float | None, top_p: float | None, top_k: int | None,
+                        seed: int | None) -> EngineSampling:
+        """The client's sampling values (``None``: not sent) as the engines run them
+        (protocol/sampling.py; ``top_k`` at or past the vocabulary is off)."""
+        return engine_sampling(temperature, top_p, top_k, seed, self.table.size)
 
-    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+    def max_tokens_for(self, num_prompt_tokens: int, requested: int | None) -> int:
+        """The output budget: ``requested`` (``None`` or 0: not sent) clamped to the room left in
+        ``max_model_len`` after the prompt, at least 1."""
         room = self.max_model_len - num_prompt_tokens
         return max(1, min(requested, room) if requested else room)
 
     @staticmethod
-    def _session_key(headers: Mapping[str, str] | None, conv: Conversation, metadata: dict[str, Any] | None,
-                     prompt_cache_key: object = None, user: str | None = None) -> str:
+    def session_key(headers: Mapping[str, str] | None, conv: Conversation, metadata: dict[str, Any] | None,
+                    prompt_cache_key: object = None, user: str | None = None) -> str:
         """The session key (docs/protocol.md). OpenAI's ``user`` names an end user, not a
         conversation: it scopes the conversation-head hash, so two users' conversations that
         open alike stay two sessions, while one user's conversations stay apart too."""
@@ -292,13 +252,3 @@ class Protocol:
                 break
         return "h:" + hasher.hexdigest()
 
-
-def _tool_params(conv: Conversation) -> dict[str, frozenset[str]]:
-    """Declared parameter names of each tool the model is offered (deferred tools only once a
-    reference loaded them): the parser's wrapper collapse and bare-invoke recovery use them."""
-    out: dict[str, frozenset[str]] = {}
-    for t in conv.callable_tools():
-        params = t.get("parameters") or {}
-        props = params.get("properties") if isinstance(params, dict) else None
-        out[str(t.get("name", ""))] = frozenset(props) if isinstance(props, dict) else frozenset()
-    return out

@@ -1,15 +1,26 @@
-"""PreparedRequest: the record passed from the facade to the engine side and the stream."""
+"""PreparedRequest: the record passed from the facade to the engine side and the stream.
+
+Every route builds it through ``PreparedRequest.build`` (``protocol/api.py``'s Anthropic and
+chat completions, ``protocol/responses_api.py``'s Responses API), so the fields that come from
+the tokenized prompt, the conversation and the sampling values are filled in one place.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from protocol.errors import InvalidRequest
+
 if TYPE_CHECKING:
+    from protocol.bound_prompt import BoundPrompt
+    from protocol.conversation import Conversation
     from protocol.responses_convert import ResponsesOptions
+    from protocol.sampling import EngineSampling
 
 
 # Which API a request came in on: its error shape, its stream format and its metric label.
@@ -66,3 +77,61 @@ class PreparedRequest:
     # (protocol/ledger.py); b"" (a request built by hand): the reply is not recorded
     ledger_binding: bytes = b""
     caller_scope: bytes = b""  # the caller's scope (server/auth.caller_scope); b"": not told apart
+
+    @classmethod
+    def build(cls, api: ApiName, model: str, stream: bool, *, prompt: BoundPrompt, conv: Conversation,
+              session_key: str, max_tokens: int, sampling: EngineSampling, tool_choice: str,
+              tool_choice_name: str | None, include_usage: bool, scope: bytes,
+              max_tokens_is_default: bool = False, stop: tuple[str, ...] = (), show_reasoning: bool = True,
+              responses: ResponsesOptions | None = None) -> PreparedRequest:
+        """The request of a validated body: ``prompt`` (``Protocol.encode_prompt``) gives the
+        ids and their ledger binding, ``conv`` the thinking mode and the tools the model is
+        offered, ``scope`` the caller's scope; the rest is the API's own reading of its body."""
+        names: list[str] = []
+        params: dict[str, frozenset[str]] = {}
+        for tool in conv.callable_tools():
+            name = str(tool.get("name", ""))
+            names.append(name)
+            declared = tool.get("parameters") or {}
+            props = declared.get("properties") if isinstance(declared, dict) else None
+            params[name] = frozenset(props) if isinstance(props, dict) else frozenset()
+        ids = prompt.ids
+        return cls(
+            api=api,
+            model=model,
+            stream=stream,
+            prompt_ids=ids,
+            num_prompt_tokens=len(ids),
+            session_key=session_key,
+            max_tokens=max_tokens,
+            max_tokens_is_default=max_tokens_is_default,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            stop=stop,
+            thinking=conv.thinking,
+            reasoning_effort=conv.effort if conv.thinking else None,
+            tool_names=tuple(names),
+            tool_choice=tool_choice,
+            tool_choice_name=tool_choice_name,
+            include_usage=include_usage,
+            show_reasoning=show_reasoning,
+            num_ledger_hits=prompt.num_hits,
+            num_ledger_divergences=prompt.num_divergences,
+            tool_params=params,
+            responses=responses,
+            ledger_binding=prompt.binding,
+            caller_scope=scope,
+        )
+
+
+def check_tool_choice(tool_choice: str, name: str | None, declared: Collection[str]) -> None:
+    """As the APIs do: a forced tool call needs tools, and a named tool must be declared (a
+    400 instead of a request the model cannot satisfy)."""
+    if tool_choice == "required" and not declared:
+        raise InvalidRequest("tool_choice requires a tool call, but the request declares no tools",
+                             param="tool_choice")
+    if tool_choice == "named" and name not in declared:
+        raise InvalidRequest(f"tool_choice names the tool {name!r}, which is not in tools",
+                             param="tool_choice")

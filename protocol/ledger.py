@@ -9,7 +9,7 @@ Scope: an entry belongs to the conversation that produced it. It records a *bind
 128-bit hash (xxh3-128 under a secret seed) of the caller's scope and the exact prompt ids the
 turn was generated from. A later request can use the entry for an assistant turn only when the
 prompt ids in front of that turn, under the same scope, hash to the same binding
-(``Protocol._tokenize`` computes it while it tokenizes, one pass over the ids). Two
+(``Protocol.encode_prompt`` computes it while it tokenizes, one pass over the ids). Two
 conversations that share a visible turn but not the history before it never share its hidden
 part (reasoning, exact ids); nor do two callers the server tells apart (API key), even with the
 same history.

@@ -24,7 +24,7 @@ input.api") when it has both. The marks are listed in ``ANTHROPIC_KEYS``/``OPENA
 ...), tool definitions (``input_schema`` / ``type: function``), ``tool_choice``'s form and the
 messages' roles, fields and content block types.
 
-Session hint: ``Protocol._session_key`` derives it from the body exactly as for the native
+Session hint: ``Protocol.session_key`` derives it from the body exactly as for the native
 routes (``prompt_cache_key``, ``metadata.user_id``'s ``session_id``, ``user``, the conversation
 head) and from ``headers`` when given; nothing here reads a session.
 

@@ -118,7 +118,7 @@ def test_old_conveniences_and_envelope_keys() -> None:
 
 def test_session_hint_is_the_native_routes() -> None:
     """metadata.user_id (Claude Code), prompt_cache_key and forwarded headers name the session
-    through the same Protocol._session_key the native routes use."""
+    through the same Protocol.session_key the native routes use."""
     proto = Protocol(PromptTokenizer.load(), OutputLedger(), ["default"], 1_064_960)
     uid = json.dumps({"device_id": "d", "session_id": "cc-session"})
     job = parse_input({"model": "default", "max_tokens": 8, "system": "s", "metadata": {"user_id": uid},

@@ -17,6 +17,7 @@ dependency) and under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
@@ -187,3 +188,208 @@ def test_no_doc_over_the_size_limit() -> None:
     assert sizes, "no docs found"
     over = {name: n for name, n in sizes.items() if n > MAX_DOC_LINES}
     assert not over, f"docs over {MAX_DOC_LINES} lines (split by topic, drop superseded history): {over}"
+
+
+# ---------------------------------------------------------------------------------------------
+# No import cycle at run time. The layer rule above keeps imports pointing down between layers;
+# inside a layer (and through a lazy import that routes back up, into the stand-ins for example)
+# two modules can still need each other. A cycle works only while every import in it stays lazy
+# or the modules happen to be imported in one order; it is a seam that was never drawn. So the
+# graph of run-time imports of the product (and the stand-ins it routes into) must have none.
+# What counts: every import statement at module level or inside a function, and
+# ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name. What does not:
+# imports under ``if TYPE_CHECKING:`` (never run). A call to ``import_module`` whose name is not a
+# literal must be declared here with the modules it may import, so that its route is in the graph.
+GRAPH_PACKAGES = (*PRODUCT, "standins")
+DYNAMIC_IMPORTS: dict[str, tuple[str, ...]] = {
+    # DIB_DEEPINFER_MODULE (tests only): the stand-in for DeepInfer's Python API
+    "rank/engines.py": ("standins.fake_deepinfer_lockstep",),
+}
+_IMPORT_FUNCS = {"import_module", "__import__"}
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def runtime_imports(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import the module may run: import statements anywhere but
+    under ``if TYPE_CHECKING:``, and ``import_module``/``__import__`` calls with a literal name.
+    A call with any other argument raises unless ``DYNAMIC_IMPORTS`` lists the file's routes."""
+    rel = path.relative_to(root)
+    package = rel.with_suffix("").parts[:-1]
+    out: list[tuple[int, str]] = []
+    unresolved: list[int] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1])
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            out.extend((node.lineno, f"{name}.{alias.name}") for alias in node.names)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in _IMPORT_FUNCS and node.args:
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    name = arg.value
+                    if name.startswith("."):  # relative to the literal package argument
+                        anchor = node.args[1] if len(node.args) > 1 else None
+                        if isinstance(anchor, ast.Constant) and isinstance(anchor.value, str):
+                            name = anchor.value + name
+                    out.append((node.lineno, name.lstrip(".")))
+                else:
+                    unresolved.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+    if unresolved:
+        routes = DYNAMIC_IMPORTS.get(str(rel))
+        if routes is None:
+            raise AssertionError(f"{rel}:{unresolved[0]}: import_module of a computed name; declare "
+                                 "the modules it may import in DYNAMIC_IMPORTS")
+        out.extend((unresolved[0], name) for name in routes)
+    return out
+
+
+def import_graph(paths: list[Path], root: Path = REPO) -> dict[str, dict[str, int]]:
+    """module -> {imported module: line of the first import}, over the modules in ``paths``.
+    ``a.b.c`` imports the packages ``a`` and ``a.b`` too (their ``__init__`` runs first)."""
+    known = {module_name(p, root) for p in paths}
+    graph: dict[str, dict[str, int]] = {}
+    for path in paths:
+        edges = graph.setdefault(module_name(path, root), {})
+        for line, name in runtime_imports(path, root):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):
+                target = ".".join(parts[:i])
+                if target in known:
+                    edges.setdefault(target, line)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (first module repeated last) per strongly connected component that has one
+    (Tarjan's algorithm, iterative), each from its alphabetically first module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, ()):
+                    components.append(component)
+    return [_cycle_in(graph, component) for component in components]
+
+
+def _cycle_in(graph: dict[str, dict[str, int]], component: set[str]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first inside it)."""
+    first = min(component)
+    came_from: dict[str, str] = {}
+    frontier = [first]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph.get(node, ())):
+                if child not in component:
+                    continue
+                if child == first:
+                    path = [node]
+                    while path[-1] != first:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), first]
+                if child not in came_from:
+                    came_from[child] = node
+                    nxt.append(child)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {first} in {sorted(component)}")
+
+
+def describe_cycle(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    """``a:12 -> b:3 -> a``: module ``a`` imports ``b`` at its line 12, ``b`` imports ``a`` at 3."""
+    return "  " + " -> ".join(f"{a}:{graph[a][b]}" for a, b in itertools.pairwise(cycle)) + f" -> {cycle[-1]}"
+
+
+def graph_files() -> list[Path]:
+    files = product_files()
+    for package in GRAPH_PACKAGES:
+        if package not in PRODUCT:
+            files += sorted((REPO / package).rglob("*.py"))
+    return files
+
+
+def test_no_import_cycle_at_run_time() -> None:
+    graph = import_graph(graph_files())
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(describe_cycle(graph, c) for c in cycles)
+
+
+def test_the_cycle_check_sees_lazy_and_importlib_routes_but_not_type_checking(tmp_path: Path) -> None:
+    """A cycle closed by an import inside a function and an ``importlib.import_module`` route is
+    found; an edge back under ``TYPE_CHECKING`` is not a cycle; a computed module name must be
+    declared."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    sources = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from pkg import b\n    return b\n",
+        "b.py": "import importlib\ndef g():\n    return importlib.import_module('pkg.c')\n",
+        "c.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n"
+                 "from .a import f\n"),
+        "d.py": "from pkg import c\n",
+    }
+    for name, text in sources.items():
+        (pkg / name).write_text(text, encoding="utf-8")
+    files = sorted(pkg.glob("*.py"))
+    graph = import_graph(files, tmp_path)
+    cycles = import_cycles(graph)
+    assert cycles == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]], cycles
+    assert describe_cycle(graph, cycles[0]) == "  pkg.a:2 -> pkg.b:3 -> pkg.c:4 -> pkg.a"
+    (pkg / "e.py").write_text("import importlib\nNAME = 'pkg.a'\nimportlib.import_module(NAME)\n")
+    with pytest.raises(AssertionError, match="pkg/e.py:3: import_module of a computed name"):
+        import_graph([*files, pkg / "e.py"], tmp_path)

@@ -3,6 +3,7 @@
 Callers use the manager's context manager instead of hand-written admit/try/abort/finish::
 
     async with cache.turn(prompt_ids, session_hint, max_tokens) as turn:
+        sampling = SamplingParams(max_tokens=turn.admission.max_output_tokens, ...)
         stream = client.submit(turn.rank, turn.engine_request(request_id, sampling))
         async for out in stream:
             turn.feed(out)            # collects the output, grows the KV room ahead of decode
@@ -13,6 +14,12 @@ exit it is filed (``finish``) when its last output is terminal, else aborted; on
 a cancellation it is aborted. ``finish``/``settle``/``abort`` settle it earlier (a second settle is
 a no-op), and ``hand_off`` leaves it to the caller past the block (a stream that must be drained
 in the background first: ``server/service.py``).
+
+A caller drives the turn through its methods only: ``feed``/``feed_batch`` while it listens,
+``keep`` for outputs that arrive after it stopped (they are filed, no room is grown), the
+``stop_kind`` setter, then a settle. What it reads is read-only: ``output_ids`` (a copy),
+``last_output``, and ``admission``, an ``AdmissionView``: the admitted turn's figures, never the
+manager's ``Admission`` (its use refs, reservations and room are the cache's to change).
 """
 
 from __future__ import annotations
@@ -62,8 +69,9 @@ class TierTokens:
 
 @dataclass(slots=True, eq=False)
 class Admission:
-    """One admitted turn. The public fields are what the service needs; the rest is the
-    manager's receipt (use refs held, blocks reserved)."""
+    """The manager's receipt for one admitted turn (use refs held, blocks reserved, the room it
+    may grow into). Only the cache's parts read or change it; a ``Turn``'s caller sees the
+    ``AdmissionView``."""
 
     rank: Rank
     prefix_blocks: list[BlockId]
@@ -98,68 +106,147 @@ class Admission:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionView:
+    """What a turn was admitted with, for its caller (``Turn.admission``): a frozen copy taken
+    when the turn starts (admission, routing and restore are over by then)."""
+
+    rank: Rank
+    session_id: SessionId
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    cached_tokens_by_tier: TierTokens  # a copy: changing it changes nothing in the cache
+    max_output_tokens: int  # the engine request's max_tokens (trimmed to the KV room if a default)
+    queue_time_s: float
+    restore_s: float
+    keep_blocks: bool
+
+    @classmethod
+    def of(cls, adm: Admission) -> AdmissionView:
+        by_tier = adm.cached_tokens_by_tier
+        return cls(rank=adm.rank, session_id=adm.session_id, num_prompt_tokens=adm.num_prompt_tokens,
+                   num_cached_tokens=adm.num_cached_tokens,
+                   cached_tokens_by_tier=TierTokens(by_tier.l0, by_tier.l1, by_tier.l2),
+                   max_output_tokens=adm.max_output_tokens, queue_time_s=adm.queue_time_s,
+                   restore_s=adm.restore_s, keep_blocks=adm.keep_blocks)
+
+
 class Turn:
     """An admitted turn inside ``async with cache.turn(...)`` (see the module docstring)."""
 
     __slots__ = (
         "_cache",
-        "_handed_off",
+        "_admission",
+        "_view",
+        "_prompt_ids",
+        "_output_ids",
+        "_last_output",
+        "_stop_kind",
         "_settled",
-        "admission",
-        "last_output",
-        "output_ids",
-        "prompt_ids",
-        "stop_kind",
+        "_handed_off",
     )
 
     def __init__(self, cache: CacheManager, admission: Admission, prompt_ids: np.ndarray) -> None:
         self._cache = cache
-        self.admission = admission
-        self.prompt_ids = prompt_ids
-        self.output_ids: list[int] = []
-        self.last_output: RequestOutput | None = None
-        self.stop_kind = StopKind.UNKNOWN  # what the finish learns (the protocol knows it)
+        self._admission = admission
+        self._view = AdmissionView.of(admission)
+        self._prompt_ids = prompt_ids
+        self._output_ids: list[int] = []
+        self._last_output: RequestOutput | None = None
+        self._stop_kind = StopKind.UNKNOWN  # what the finish learns (the protocol knows it)
         self._settled = False
         self._handed_off = False
 
+    # -- what the caller reads -----------------------------------------------------------------
+    @property
+    def admission(self) -> AdmissionView:
+        return self._view
+
     @property
     def rank(self) -> Rank:
-        return self.admission.rank
+        return self._view.rank
 
     @property
     def settled(self) -> bool:
         return self._settled
 
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return self._prompt_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self._prompt_ids)
+
+    @property
+    def output_ids(self) -> tuple[int, ...]:
+        """The output ids taken so far (a copy: ``feed`` and ``keep`` are the only writers)."""
+        return tuple(self._output_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_ids)
+
+    @property
+    def last_output(self) -> RequestOutput | None:
+        return self._last_output
+
+    @property
+    def stop_kind(self) -> StopKind:
+        return self._stop_kind
+
+    @stop_kind.setter
+    def stop_kind(self, kind: StopKind) -> None:
+        """How the turn ended (the protocol knows: a tool call, the end of the answer), filed
+        with it for the session's gap model and eviction value."""
+        self._stop_kind = StopKind(kind)
+
+    # -- what the caller does ------------------------------------------------------------------
     def engine_request(self, request_id: str, sampling: SamplingParams) -> EngineRequest:
-        return self.admission.engine_request(request_id, self.prompt_ids, sampling)
+        return self._admission.engine_request(request_id, self._prompt_ids, sampling)
 
     def feed(self, output: RequestOutput) -> None:
         """One output of the turn's engine stream arrived: keep it, grow the KV room."""
-        self.output_ids.extend(output.token_ids)
-        self.last_output = output
-        self._cache.make_room(self.admission, len(self.output_ids))
+        self._last_output = output
+        if output.token_ids:
+            self._output_ids.extend(output.token_ids)
+            self._cache.make_room(self._admission, len(self._output_ids))
 
-    def make_room(self, num_output_tokens: int) -> None:
-        self._cache.make_room(self.admission, num_output_tokens)
+    def feed_batch(self, outputs: list[RequestOutput]) -> list[int]:
+        """Several outputs at once (a stream that fell behind catches up): keep them, grow the
+        KV room once; returns their token ids in order."""
+        tokens = [t for out in outputs for t in out.token_ids]
+        self._last_output = outputs[-1]
+        if tokens:
+            self._output_ids.extend(tokens)
+            self._cache.make_room(self._admission, len(self._output_ids))
+        return tokens
+
+    def keep(self, output: RequestOutput) -> None:
+        """An output that arrived after the caller stopped listening (the engine request is
+        being aborted): kept so that ``settle`` files what its terminal output hands over; no
+        room is grown for a request that is ending."""
+        self._output_ids.extend(output.token_ids)
+        self._last_output = output
 
     def finish(self, stop_kind: StopKind | None = None) -> None:
         """The turn ended normally with ``last_output``: file its kept blocks now."""
         if self._settled:
             return
         self._settled = True
-        output = self.last_output
+        output = self._last_output
         if output is None:
-            self._cache.abort(self.admission)
+            self._cache.abort(self._admission)
             return
         if stop_kind is not None:
             self.stop_kind = stop_kind
-        self._cache.finish(self.admission, self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32),
-                           output, self.stop_kind)
+        self._cache.finish(self._admission, self._prompt_ids, np.asarray(self._output_ids, dtype=np.int32),
+                           output, self._stop_kind)
 
     def settle(self) -> None:
         """Settle a turn we stopped listening to: file it when its terminal output handed blocks
         to the cache (filing them is the only way they are released), else abort it."""
-        last = self.last_output
+        last = self._last_output
         if last is not None and last.finished and last.kept_blocks:
             self.finish()
         else:
@@ -169,7 +256,7 @@ class Turn:
         """No terminal output to file (submit failed, the group failed, the caller gave up)."""
         if not self._settled:
             self._settled = True
-            self._cache.abort(self.admission)
+            self._cache.abort(self._admission)
 
     def hand_off(self) -> None:
         """Leaving the ``async with`` block does not settle the turn: the caller will."""
@@ -179,7 +266,7 @@ class Turn:
         """The ``async with`` block ended (``ok``: without an exception)."""
         if self._handed_off or self._settled:
             return
-        if ok and self.last_output is not None and self.last_output.finished:
+        if ok and self._last_output is not None and self._last_output.finished:
             self.finish()
         else:
             self.abort()

@@ -51,7 +51,7 @@ from server.scheduling import SubmitGate
 
 if TYPE_CHECKING:
     from cache.manager import CacheManager
-    from cache.turns import Admission
+    from cache.turns import AdmissionView
     from protocol.api import Protocol
     from protocol.api_types import PreparedRequest
     from protocol.stream import ResponseStream
@@ -201,7 +201,7 @@ class ChatService:
             request = turn.engine_request(flight.request_id, sampling)
             # Its prompt work counts as queued in the engine until its first output (_pump).
             await self._gate.hold(turn.rank, flight.request_id,
-                                  len(turn.prompt_ids) - admission.num_cached_tokens, flight.arrival_s)
+                                  turn.num_prompt_tokens - admission.num_cached_tokens, flight.arrival_s)
             try:
                 engine_stream = self._client.submit(turn.rank, request)
             except RankUnavailable as exc:
@@ -222,7 +222,7 @@ class ChatService:
                 raise _engine_failure(last, flight.request_id)
             # rs.finish() first: it records the ledger entry and decides the API's stop reason.
             tail = rs.finish(reason, prepared.num_prompt_tokens, admission.num_cached_tokens,
-                             len(turn.output_ids))
+                             turn.num_output_tokens)
             if stop_hit:
                 self._close_turn(turn, engine_stream)
             else:
@@ -246,8 +246,7 @@ class ChatService:
         drained in the background, and the turn is settled by its terminal output."""
         if engine_stream is not None:
             for out in engine_stream.drain_nowait():  # delivered but not consumed yet
-                turn.output_ids.extend(out.token_ids)
-                turn.last_output = out
+                turn.keep(out)
             if not engine_stream.done:
                 engine_stream.abort()
                 turn.hand_off()
@@ -260,19 +259,19 @@ class ChatService:
     async def _settle_when_ended(self, turn: Turn, engine_stream: RequestStream) -> None:
         try:
             async for out in engine_stream:
-                turn.output_ids.extend(out.token_ids)
-                turn.last_output = out
+                turn.keep(out)
         except Exception:  # noqa: BLE001 - the group failed: the epoch's blocks are gone anyway
-            turn.last_output = None
+            turn.abort()
         finally:
             turn.settle()
 
     async def _pump(self, engine_stream: RequestStream, rs: ResponseStream, flight: _Flight,
                     write: Write | None, turn: Turn) -> RequestOutput | None:
         """Feed engine outputs to the response stream until finished or a stop sequence; as
-        they arrive, the cache grows the turn's KV room ahead of its decode (``make_room``)."""
-        make_room = turn.make_room
-        output_ids = turn.output_ids
+        they arrive, the turn keeps them and the cache grows its KV room ahead of its decode
+        (``Turn.feed``/``feed_batch``)."""
+        feed = turn.feed
+        feed_batch = turn.feed_batch
         last: RequestOutput | None = None
         metrics = self._metrics
         inter_token = metrics.inter_token
@@ -289,16 +288,14 @@ class ChatService:
             batch = drain()
             if batch:
                 batch.insert(0, first)
-                tokens = [t for out in batch for t in out.token_ids]
+                tokens = feed_batch(batch)
                 last = batch[-1]
             else:
+                feed(first)
                 tokens = first.token_ids
                 last = first
-            turn.last_output = last
             if tokens:
-                output_ids.extend(tokens)
                 flight.num_output_tokens += len(tokens)
-                make_room(flight.num_output_tokens)
                 output_tokens.inc(len(tokens))  # per batch, so /metrics shows live throughput
                 data = rs.feed(tokens)
                 if data and write is not None:
@@ -323,7 +320,7 @@ class ChatService:
         return last
 
     # -- helpers -------------------------------------------------------------------------------
-    def _count_admission(self, admission: Admission, flight: _Flight) -> None:
+    def _count_admission(self, admission: AdmissionView, flight: _Flight) -> None:
         flight.num_cached_tokens = admission.num_cached_tokens
         flight.rank = admission.rank
         flight.session = admission.session_id

@@ -16,16 +16,19 @@ from cache.turns import TierTokens, Turn
 
 
 class AdmitAllAdmission:
-    """The admission fields the service reads (``cache.turns.Admission``'s, as plain values)."""
+    """The admission fields a ``Turn`` reads (``cache.turns.Admission``'s, as plain values)."""
 
-    def __init__(self, num_cached_tokens: int, max_output_tokens: int) -> None:
+    def __init__(self, num_prompt_tokens: int, num_cached_tokens: int, max_output_tokens: int) -> None:
         self.rank = 0
         self.prefix_blocks: list[int] = []
+        self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = num_cached_tokens
         self.queue_time_s = 0.0
+        self.restore_s = 0.0
         self.cached_tokens_by_tier = TierTokens()
         self.max_output_tokens = max_output_tokens
         self.session_id = "admit-all"
+        self.keep_blocks = False
 
     def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: object) -> str:
         return request_id  # the stand-in rank clients take the request id alone
@@ -38,7 +41,8 @@ class AdmitAllCache:
 
     @contextlib.asynccontextmanager
     async def turn(self, prompt_ids: np.ndarray, *_: object, **__: object) -> AsyncIterator[Turn]:
-        admission = AdmitAllAdmission(self.cached.get(len(prompt_ids), 0), self.max_output_tokens)
+        admission = AdmitAllAdmission(len(prompt_ids), self.cached.get(len(prompt_ids), 0),
+                                      self.max_output_tokens)
         turn = Turn(self, admission, prompt_ids)  # type: ignore[arg-type]
         try:
             yield turn

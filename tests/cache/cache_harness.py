@@ -12,9 +12,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from cache.config import CacheConfig
-from cache.manager import Admission, CacheManager
+from cache.manager import CacheManager
 from cache.metrics import CacheMetrics
 from cache.sessions import SessionHint, StopKind
+from cache.turns import AdmissionView
 from rank.engine import SamplingParams
 from rank.local_group import LocalRankGroup
 from rank.reference_model import MODEL_SPECS, kv_bytes_per_block
@@ -95,7 +96,7 @@ class SizesOnlyClient:
 
 @dataclass
 class TurnResult:
-    admission: Admission
+    admission: AdmissionView
     output_ids: list[int]
     prompt: np.ndarray
 
@@ -115,7 +116,7 @@ async def run_turn(
             turn.feed(out)
         assert turn.last_output is not None and turn.last_output.finished
         turn.stop_kind = stop
-    return TurnResult(turn.admission, turn.output_ids, prompt)
+    return TurnResult(turn.admission, list(turn.output_ids), prompt)
 
 
 def tokens(rng: np.random.Generator, n: int) -> np.ndarray:

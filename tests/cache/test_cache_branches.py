@@ -68,7 +68,7 @@ async def _fan_out(agent_headers: bool, branch_routing: bool = True, **cfg: obje
                     turn.feed(out)
                 turn.stop_kind = StopKind.END_TURN
                 in_flight[rank] -= 1
-            seconds.append(TurnResult(turn.admission, turn.output_ids, second_prompt))
+            seconds.append(TurnResult(turn.admission, list(turn.output_ids), second_prompt))
 
         await asyncio.gather(*(branch(i) for i in range(4)))
         await mgr.drain()

@@ -29,7 +29,7 @@ def test_a_normal_exit_files_the_turn_and_the_next_turn_hits_it() -> None:
                     turn.feed(out)
                 turn.stop_kind = StopKind.TOOL_USE
                 assert mgr.num_open_turns == 1 and not turn.settled
-            assert turn.settled and turn.admission.is_closed and mgr.num_open_turns == 0
+            assert turn.settled and mgr.num_open_turns == 0
             session = mgr.sessions.get(SessionId("hint:a"))
             assert session is not None and session.last_stop is StopKind.TOOL_USE
             assert len(mgr.l0[0]) == (len(prompt) + len(turn.output_ids) - 1) // BLOCK_SIZE
@@ -53,7 +53,7 @@ def test_an_exception_in_the_block_aborts_the_turn() -> None:
             with pytest.raises(RuntimeError, match="client went away"):
                 async with mgr.turn(tokens(np.random.default_rng(2), 70), "a", 8) as turn:
                     raise RuntimeError("client went away")
-            assert turn.settled and turn.admission.is_closed and mgr.num_open_turns == 0
+            assert turn.settled and mgr.num_open_turns == 0
             session = mgr.sessions.get(SessionId("hint:a"))
             assert session is not None and session.last_finish_s is None  # aborted: nothing learnt
             assert session.num_in_flight == 0

@@ -117,9 +117,7 @@ class L1Transfers:
                     s.metrics.restored_tokens.inc(count * s.block_size)
                     s.metrics.restore_seconds.observe(adm.restore_s)
         if ok:  # filed in the index now (blocks a short fill did not restore stay reserved)
-            if s.epoch == epoch:
-                s.ledgers[rank].reserved_blocks -= count
-            adm.reserved_blocks -= count
+            s.ledgers[rank].restored(adm, count)
         return ok
 
     async def _fill_from_l2(
@@ -177,9 +175,10 @@ class L1Transfers:
             return
         m0 = s.l0[rank].match(entry.hashes)
         num_restore = len(entry.hashes) - 1 - m0  # the last block is replayed by the next turn
-        if num_restore <= 0 or s.plannable_free_blocks(rank) < num_restore:
+        ledger = s.ledgers[rank]
+        if num_restore <= 0 or ledger.plannable_free_blocks() < num_restore:
             return
-        s.ledgers[rank].reserved_blocks += num_restore
+        ledger.reserve(num_restore)
         # Hold the entry now, not when the task starts: a write-through in between could cut it
         # back and overwrite the very slots this import reads.
         s.l1.begin_read(entry)
@@ -240,7 +239,7 @@ class L1Transfers:
             disable_l1_if_unsupported(s, exc)
         finally:
             if s.epoch == epoch:
-                s.ledgers[rank].reserved_blocks -= count
+                s.ledgers[rank].unreserve(count)
             self._prefetches.pop(sid, None)
             s.queue.notify(rank)
 
@@ -433,9 +432,7 @@ class L1Transfers:
             chain = list(hashes[:num_src_blocks])
             if not await self.write_through(src, session.session_id, chain, s.epoch):
                 return False
-        session.moved_at_s = s.clock()
-        session.home_rank = dst
-        s.idle.update(session, session.moved_at_s)
+        s.sessions.moved(session, dst, s.clock())
         log.info("moved session %s from rank %d to rank %d through L1 (%d blocks)",
                  session.session_id, src, dst, num_src_blocks)
         if s.metrics is not None:

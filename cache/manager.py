@@ -50,7 +50,7 @@ from cache.eviction import EvictionPolicy
 from cache.gauges import CacheGauges
 from cache.hashing import BlockHash, ChainHasher, as_token_array
 from cache.idle_load import IdleLoad
-from cache.kv_tier import KVTier, TierLink
+from cache.kv_tier import KVTier
 from cache.l0_index import L0Index
 from cache.l1_index import L1Index
 from cache.l1_transfers import L1Transfers
@@ -94,10 +94,10 @@ class CacheManager:
         self.metrics = metrics
         self.block_size = client.block_size
         self.num_ranks = client.num_ranks
-        self.state = state = CacheState(client, config, metrics, clock)
         self.hasher = ChainHasher(client.block_size, config.hash_salt.encode())
-        if l2 is not None and config.prefix_cache:  # L2 below L1 (``cache/kv_tier.py``)
-            state.l2 = TierLink(state.l1, l2, self.hasher.root)
+        # L2 below L1 (``cache/kv_tier.py``), only with the prefix cache on
+        self.state = state = CacheState(client, config, metrics, clock,
+                                        tier=l2 if config.prefix_cache else None, root=self.hasher.root)
         self.router = Router(config.router(), client.block_size)
         self.transfers = L1Transfers(state)
         self.planner = AdmitPlanner(state, self.transfers)
@@ -109,7 +109,7 @@ class CacheManager:
         self.num_lost_prefix_tokens = 0
         self.branches = Branches(state, self.transfers)
         if metrics is not None:
-            state.on_change = CacheGauges(metrics, state, self.loads).changed
+            state.notify_changes_to(CacheGauges(metrics, state, self.loads).changed)
         self._restart = RestartSync(state, self.transfers.reset)
         client.add_restart_listener(self._restart.on_restart)
         sync_l1(state)
@@ -150,7 +150,7 @@ class CacheManager:
 
     @property
     def idle_load(self) -> IdleLoad:
-        return self.state.idle
+        return self.state.sessions.idle
 
     @property
     def num_evicted_unbacked_blocks(self) -> int:
@@ -212,7 +212,7 @@ class CacheManager:
             raise InvalidRequest("prompt is empty", param="messages")
         # A running sequence holds all its blocks (shared prefix ones too), so a turn must fit a
         # rank's usable pool whole (every rank has the same pool).
-        limit = s.usable_blocks()
+        limit = s.ledgers[0].usable_blocks()
         if -(-(len(tokens) + 1) // self.block_size) > limit:
             raise PromptTooLong(len(tokens), max(0, limit * self.block_size - 1))
         max_output = output_limit(len(tokens), max(1, max_tokens), limit * self.block_size,
@@ -229,7 +229,6 @@ class CacheManager:
         if retired:
             self.branches.retire(session, retired, hashes)
         self.sessions.record_arrival(session, now, len(tokens))
-        s.idle.update(session, now)
         if s.l2 is not None and s.l2.shared and hashes:  # a store other nodes write to (L3): ask it
             await s.l2.probe(hashes, max(self.l0.match_all(hashes)))
         await self.transfers.await_prefetch(session.session_id)
@@ -242,9 +241,8 @@ class CacheManager:
         if src is not None and not await self.transfers.move(session, src, ranks[0], hashes, matches[src]):
             ranks = (src,)
         if len(ranks) == 1:
-            session.home_rank = ranks[0]
-        session.num_in_flight += 1
-        s.idle.update(session, now)
+            self.sessions.set_home(session, ranks[0], now)
+        self.sessions.turn_started(session, now)
         try:
             if decision.copy_from is not None:
                 await self.branches.copy_prefix(session, decision, hashes, len(tokens))
@@ -257,11 +255,9 @@ class CacheManager:
             adm.max_output_tokens = max_output
             adm.caller_salt = caller_salt
             if session.home_rank != adm.rank:  # late binding: the rank that had room first
-                session.home_rank = adm.rank
-                s.idle.update(session, s.clock())
+                self.sessions.set_home(session, adm.rank, s.clock())
         except BaseException:
-            session.num_in_flight -= 1
-            s.idle.update(session, s.clock())
+            self.sessions.turn_ended(session, s.clock())
             if self.metrics is not None:
                 self.metrics.admissions.labels("rejected").inc()
             raise
@@ -315,8 +311,7 @@ class CacheManager:
         if session is not None:
             tail = full_hashes[-1] if full_hashes else None
             self.sessions.record_finish(session, stop_kind, tail, num_tokens, now)
-            s.idle.update(session, now)
-        if full_hashes and self.l1_enabled and s.pool_usage(rank) >= self.config.l1_write_watermark:
+        if full_hashes and self.l1_enabled and s.ledgers[rank].pool_usage() >= self.config.l1_write_watermark:
             self.transfers.write_through_later(rank, admission.session_id, full_hashes)
         self._num_finished += 1
         if self._num_finished % 64 == 0:
@@ -343,11 +338,11 @@ class CacheManager:
         """The router's load measure per rank (documented in ``router.py``). O(ranks): the idle
         term is kept incrementally (``cache/idle_load.py``, exact, no approximation)."""
         s = self.state
-        idle = s.idle.tokens(s.clock())
+        idle = s.sessions.idle.tokens(s.clock())
         return [
             RankLoad(Rank(rank), ledger.running_tokens,
                      self.queue.waiting_tokens(rank) + self.branches.placing[rank], idle[rank],
-                     s.free_blocks(rank))
+                     ledger.free_blocks())
             for rank, ledger in enumerate(s.ledgers)
         ]
 
@@ -369,8 +364,6 @@ class CacheManager:
             if decision.move_from is None:
                 continue
             if await self.transfers.move(session, src, decision.rank, chain, len(chain)):
-                session.home_rank = decision.rank
-                self.state.idle.update(session, self.state.clock())
                 moved += 1
         return moved
 
@@ -415,17 +408,12 @@ class CacheManager:
     def check_balance(self) -> None:
         """Assert the accounting invariants (tests call it after ``drain`` with no turn open)."""
         s = self.state
-        s.idle.check(s.clock())
+        s.sessions.idle.check(s.clock())
         quiet = not s.tasks
         for rank, idx in enumerate(self.l0.ranks):
             idx.check()
-            ledger = s.ledgers[rank]
             open_here = [a for a in self.admitter.open if a.rank == rank and a.epoch == s.epoch]
-            reserved = sum(a.reserved_blocks for a in open_here)
-            assert ledger.reserved_blocks == reserved, (
-                f"rank {rank}: reserved {ledger.reserved_blocks} != {reserved}"
-            )
-            assert ledger.num_in_flight == len(open_here)
+            s.ledgers[rank].check(open_here, quiet)
             if quiet:
                 assert s.releases.pending(rank) == 0, (
                     f"rank {rank}: {s.releases.pending(rank)} releases pending"
@@ -449,8 +437,7 @@ class CacheManager:
         keep = {sid for idx in self.l0.ranks for sid in idx.owners() if sid is not None}
         keep |= set(self.l1.entries)
         self.transfers.forget_gone_sessions()
-        for sid in self.sessions.forget_idle(now, self.config.session_forget_s, keep):
-            self.state.idle.remove(sid)
+        self.sessions.forget_idle(now, self.config.session_forget_s, keep)
 
     def _count_lost_prefix(self, session: Session, adm: Admission, hashes: list[BlockHash]) -> None:
         """A turn whose prompt extends a chain its session finished before should start from

@@ -22,7 +22,8 @@ concurrency (Claude Code asks for 32,000 and most replies are short), so admissi
   free block for. Growth keeps cached + reserved blocks under ``usable_fraction`` like
   admission does, so DeepInfer's 0.9 prefill watermark still admits new prompts.
 * **Admitted replies finish** (``RankAdmitter.admit_on``): each rank also counts its open
-  turns' worst case, prompt + ``max_tokens`` in blocks (``RankLedger.worst_blocks``); a turn is
+  turns' worst case, prompt + ``max_tokens`` in blocks (``RankLedger.worst_blocks``,
+  ``cache/ledger.py``); a turn is
   admitted only while its worst case fits next to theirs in the usable pool, else it waits in the
   queue (and gets the queue's 503 before its first token if none ends in time). So running
   sequences alone never outgrow the pool, and growth always finds its blocks among free or idle
@@ -99,19 +100,14 @@ class OutputRoom:
             return
         rank = adm.rank
         ledger = s.ledgers[rank]
-        free = s.plannable_free_blocks(rank)
+        free = ledger.plannable_free_blocks()
         if want > free:
             got = self._evict(rank, want - max(0, free))
             self.num_evicted_blocks += got
             free += got
         short = max(0, want - max(0, free))
-        ledger.reserved_blocks += want
-        adm.reserved_blocks += want
         adm.room_blocks += want
-        grown_tokens = min(end_tokens, adm.room_blocks * bs) - adm.context_tokens
-        if grown_tokens > 0:
-            ledger.running_tokens += grown_tokens
-            adm.context_tokens += grown_tokens
+        ledger.grow(adm, want, max(0, min(end_tokens, adm.room_blocks * bs) - adm.running_tokens))
         self.num_grows += 1
         self.num_grown_blocks += want
         m = s.metrics

@@ -74,7 +74,7 @@ class AdmitPlanner:
             usable = usable_prefix_blocks(max(m0, m1, m2), num_prompt_tokens, s.block_size)
         num_l0 = min(m0, usable)
         return AdmitPlan(rank=rank, num_l0=num_l0, num_restore=usable - num_l0, need=total_blocks - num_l0,
-                         num_free=s.plannable_free_blocks(rank))
+                         num_free=s.ledgers[rank].plannable_free_blocks())
 
     def commit(
         self, plan: AdmitPlan, hashes: Sequence[BlockHash], sid: SessionId, level: AdmitLevel
@@ -107,13 +107,13 @@ class AdmitPlanner:
                 if victims:
                     self._transfers.retire_later(rank, victims, exports)
                 return None
-        s.ledgers[rank].reserved_blocks += plan.need
+        s.ledgers[rank].reserve(plan.need)
         return Reservation(plan, tuple(victims), exports)
 
     def undo(self, res: Reservation, hashes: Sequence[BlockHash]) -> None:
         """Give back a committed reservation that never became an admission (cancelled)."""
         s = self._s
-        s.ledgers[res.plan.rank].reserved_blocks -= res.plan.need
+        s.ledgers[res.plan.rank].unreserve(res.plan.need)
         s.l0[res.plan.rank].release_uses(hashes[: res.plan.num_l0])
 
 

@@ -48,7 +48,7 @@ class RankAdmitter:
         num_prompt = len(tokens)
         sid = session.session_id
         # admit() checked the fit; every rank has the same pool
-        total_blocks = min(-(-(num_prompt + num_output) // bs), s.usable_blocks(ranks[0]))
+        total_blocks = min(-(-(num_prompt + num_output) // bs), s.ledgers[ranks[0]].usable_blocks())
         # Every admitted reply can reach its max_tokens: the running turns' worst cases fit the pool
         # together (cache/output_room.py), else the turn waits for one to end.
         worst_blocks = -(-(num_prompt + max(num_output, worst_output)) // bs)
@@ -57,7 +57,7 @@ class RankAdmitter:
         def try_admit(rank: int, level: AdmitLevel) -> bool:
             if s.epoch != epoch:
                 return True  # the group restarted: admit and fail below
-            if s.ledgers[rank].worst_blocks + worst_blocks > s.usable_blocks(rank):
+            if not s.ledgers[rank].worst_fits(worst_blocks):
                 return False
             plan = self._planner.ask(Rank(rank), hashes, num_prompt, total_blocks)
             res = self._planner.commit(plan, hashes, sid, level)
@@ -81,7 +81,7 @@ class RankAdmitter:
         context_tokens = num_prompt + num_output
         # Counted in the router's load from the commit on, not only once the victims' release
         # was sent: a turn routed meanwhile must see this rank busy.
-        s.ledgers[rank].running_tokens += context_tokens
+        s.ledgers[rank].count_running(context_tokens)
         if res is not None and res.victims:  # the release rides with the next command: one boundary
             try:
                 await self._transfers.retire(rank, list(res.victims), epoch, wait_release=False,
@@ -89,23 +89,20 @@ class RankAdmitter:
             except BaseException:  # cancelled (client gone): give back what the commit took
                 if s.epoch == epoch:
                     self._planner.undo(res, hashes)
-                    s.ledgers[rank].running_tokens -= context_tokens
+                    s.ledgers[rank].uncount_running(context_tokens)
                 raise
         if s.epoch != epoch or res is None:
             if s.epoch == epoch:
-                s.ledgers[rank].running_tokens -= context_tokens
+                s.ledgers[rank].uncount_running(context_tokens)
             raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
         plan = res.plan
         adm = Admission(
             rank=rank, prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier=TierTokens(),
             queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
             keep_blocks=s.config.prefix_cache, num_prompt_tokens=num_prompt, hashes=hashes,
-            num_used_blocks=plan.num_l0, reserved_blocks=plan.need, context_tokens=context_tokens,
-            room_blocks=total_blocks, worst_blocks=worst_blocks,
+            num_used_blocks=plan.num_l0, room_blocks=total_blocks,
         )
-        ledger = s.ledgers[rank]
-        ledger.worst_blocks += worst_blocks
-        ledger.num_in_flight += 1
+        s.ledgers[rank].open(adm, plan.need, context_tokens, worst_blocks)
         if plan.num_restore:
             await self._restore(adm, hashes, plan.num_l0, plan.num_restore)
         adm.prefix_blocks = s.l0[rank].block_ids(hashes[: adm.num_used_blocks])
@@ -124,8 +121,7 @@ class RankAdmitter:
         s = self._s
         session = s.sessions.get(adm.session_id)
         if session is not None:
-            session.num_in_flight = max(0, session.num_in_flight - 1)
-            s.idle.update(session, s.clock())
+            s.sessions.turn_ended(session, s.clock())
         if adm.epoch != s.epoch:
             return False
         self._release_holds(adm)
@@ -149,15 +145,10 @@ class RankAdmitter:
             keep = usable_prefix_blocks(num_l0, adm.num_prompt_tokens, s.block_size)
             idx.acquire(hashes[:keep], adm.session_id, s.clock())
             idx.release_uses(hashes[:num_l0])
-            adm.reserved_blocks += num_l0 - keep
-            s.ledgers[adm.rank].reserved_blocks += num_l0 - keep
+            s.ledgers[adm.rank].grow(adm, num_l0 - keep)
             adm.num_used_blocks = keep
 
     def _release_holds(self, adm: Admission) -> None:
-        ledger = self._s.ledgers[adm.rank]
-        ledger.reserved_blocks -= adm.reserved_blocks
-        ledger.running_tokens -= adm.context_tokens
-        ledger.num_in_flight -= 1
-        ledger.worst_blocks -= adm.worst_blocks
+        self._s.ledgers[adm.rank].close(adm)
         self._s.l0[adm.rank].release_uses(adm.hashes[: adm.num_used_blocks])
         adm.num_used_blocks = 0

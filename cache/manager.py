@@ -14,21 +14,24 @@ exit, ``abort`` on an exception or a cancellation. ``admit`` hashes the prompt, 
 creates) the session, routes it (``router.py``), waits for room (``admission.py`` orders the
 waiters; ``planner.py`` asks, then commits: pins the L0 prefix, evicts by value, never a session
 about to return, reserves), restores blocks from L1 when the host pool holds more of the prefix
-than the GPU (``l1_transfers.py``), and returns an ``Admission`` holding use refs on the prefix.
+than the GPU (``l1_restores.py``), and returns an ``Admission`` holding use refs on the prefix.
 ``finish`` files the finished turn's kept blocks (duplicates released to the rank), releases the
 use refs, learns the session's stop kind and queues the write-through of its new blocks to L1 (and
 L2 behind it; ``l1_write_watermark``, 0 by default: every turn). ``abort`` only releases. A
 second settle of one admission is a no-op.
 
-The parts, one job each, share ``cache/state.py``: the planner, the L1 transfers, the release
-ledger (``releases.py``), the output room (``output_room.py``), the restart sync
-(``restart.py``) and the gauges (``gauges.py``; the manager only notifies them).
+The parts, one job each, share ``cache/state.py`` (which says who owns each counter): the
+rank admitter (``rank_admission.py``) and its planner, the L1 copies (``l1_writes.py`` to L1,
+``l1_restores.py`` from it, ``retire.py`` for evicted blocks), the release ledger
+(``releases.py``), the output room (``output_room.py``), the restart sync (``restart.py``) and
+the gauges (``gauges.py``; the manager only notifies them).
 
 Accounting (``check_balance`` asserts it once quiescent): per rank, blocks filed in the L0 index
-== blocks the engine holds a cache ref on; ``reserved_blocks`` == the sum over open admissions
-of the blocks they may still allocate; no use refs without an open admission; L1 slots in use ==
-the extents of its entries. A rank restart (new epoch) forgets every L0 entry (L1's committed
-entries outlive it), and admissions of the old epoch are closed without touching the new engines.
+== blocks the engine holds a cache ref on; the ledger's sums (``cache/ledger.py``: reserved
+blocks and running tokens == what plans and prefetches hold + the open admissions' shares); no
+use refs without an open admission; L1 slots in use == the extents of its entries. A rank
+restart (new epoch) forgets every L0 entry (L1's committed entries outlive it), and admissions
+of the old epoch are closed without touching the new engines.
 With an L2 store (``l2``), L1 writes spill to disk and restores fill L1 from it
 (``cache/kv_tier.py``); ``close`` writes idle sessions out at a graceful stop.
 """
@@ -53,12 +56,14 @@ from cache.idle_load import IdleLoad
 from cache.kv_tier import KVTier
 from cache.l0_index import L0Index
 from cache.l1_index import L1Index
-from cache.l1_transfers import L1Transfers
+from cache.l1_restores import L1Restores
+from cache.l1_writes import L1Writes
 from cache.metrics import CacheMetrics
 from cache.output_room import OutputRoom, output_limit
 from cache.planner import AdmitPlanner, known_prefix_blocks
 from cache.rank_admission import RankAdmitter
 from cache.restart import RestartSync, sync_l1
+from cache.retire import Retirer
 from cache.router import RankLoad, Router
 from cache.sessions import Session, SessionHint, SessionTable, StopKind, session_id_for_hint
 from cache.state import CacheState
@@ -99,18 +104,20 @@ class CacheManager:
         self.state = state = CacheState(client, config, metrics, clock,
                                         tier=l2 if config.prefix_cache else None, root=self.hasher.root)
         self.router = Router(config.router(), client.block_size)
-        self.transfers = L1Transfers(state)
-        self.planner = AdmitPlanner(state, self.transfers)
-        self.output_room = OutputRoom(state, self.transfers)
-        self.admitter = RankAdmitter(state, self.planner, self.transfers)
+        self.writes = L1Writes(state)
+        self.restores = L1Restores(state, self.writes)
+        self.retirer = Retirer(state, self.writes)
+        self.planner = AdmitPlanner(state, self.retirer)
+        self.output_room = OutputRoom(state, self.retirer)
+        self.admitter = RankAdmitter(state, self.planner, self.retirer, self.restores)
         self._num_finished = 0
         # Admissions that got less of their session's known prefix than it had computed.
         self.num_partial_prefix_admissions = 0
         self.num_lost_prefix_tokens = 0
-        self.branches = Branches(state, self.transfers)
+        self.branches = Branches(state, self.writes)
         if metrics is not None:
             state.notify_changes_to(CacheGauges(metrics, state, self.loads).changed)
-        self._restart = RestartSync(state, self.transfers.reset)
+        self._restart = RestartSync(state, self.restores.reset)
         client.add_restart_listener(self._restart.on_restart)
         sync_l1(state)
 
@@ -154,11 +161,11 @@ class CacheManager:
 
     @property
     def num_evicted_unbacked_blocks(self) -> int:
-        return self.transfers.num_evicted_unbacked_blocks
+        return self.retirer.num_evicted_unbacked_blocks
 
     @property
     def num_export_failures(self) -> int:
-        return self.transfers.num_export_failures
+        return self.retirer.num_export_failures
 
     @property
     def num_open_turns(self) -> int:
@@ -196,7 +203,7 @@ class CacheManager:
             return
         session = self.sessions.get(session_id_for_hint(session_hint))
         if session is not None:
-            self.transfers.start_prefetch(session)
+            self.restores.start_prefetch(session)
 
     async def admit(
         self, prompt_ids: np.ndarray | Sequence[int], session_hint: SessionHint | str | None, max_tokens: int,
@@ -231,14 +238,14 @@ class CacheManager:
         self.sessions.record_arrival(session, now, len(tokens))
         if s.l2 is not None and s.l2.shared and hashes:  # a store other nodes write to (L3): ask it
             await s.l2.probe(hashes, max(self.l0.match_all(hashes)))
-        await self.transfers.await_prefetch(session.session_id)
+        await self.restores.await_prefetch(session.session_id)
         matches = self.l0.match_all(hashes)
         can_move = self.l1_enabled and self.config.prefix_cache
         l1_blocks = self.l1.match(hashes)[1] if can_move and hashes else 0
         decision = self.router.route(session, matches, len(tokens), self.loads(), can_move, now, l1_blocks)
         ranks = decision.candidates
         src = decision.move_from
-        if src is not None and not await self.transfers.move(session, src, ranks[0], hashes, matches[src]):
+        if src is not None and not await self.writes.move(session, src, ranks[0], hashes, matches[src]):
             ranks = (src,)
         if len(ranks) == 1:
             self.sessions.set_home(session, ranks[0], now)
@@ -261,7 +268,7 @@ class CacheManager:
             if self.metrics is not None:
                 self.metrics.admissions.labels("rejected").inc()
             raise
-        self.transfers.take_prefetched(adm, hashes)
+        self.restores.take_prefetched(adm, hashes)
         self._count_lost_prefix(session, adm, hashes)
         self.admitter.open.add(adm)
         self._observe_admission(adm)
@@ -312,7 +319,7 @@ class CacheManager:
             tail = full_hashes[-1] if full_hashes else None
             self.sessions.record_finish(session, stop_kind, tail, num_tokens, now)
         if full_hashes and self.l1_enabled and s.ledgers[rank].pool_usage() >= self.config.l1_write_watermark:
-            self.transfers.write_through_later(rank, admission.session_id, full_hashes)
+            self.writes.write_through_later(rank, admission.session_id, full_hashes)
         self._num_finished += 1
         if self._num_finished % 64 == 0:
             self._forget_idle_sessions(now)
@@ -356,14 +363,14 @@ class CacheManager:
             src = session.home_rank
             if src is None or session.num_in_flight:
                 continue
-            chain = self.transfers.session_chain(src, session)
+            chain = self.writes.session_chain(src, session)
             if not chain:
                 continue  # nothing resident to move (its next turn is placed by load anyway)
             matched = [len(chain) if r == src else 0 for r in range(self.num_ranks)]
             decision = self.router.route(session, matched, 0, self.loads(), True, now)
             if decision.move_from is None:
                 continue
-            if await self.transfers.move(session, src, decision.rank, chain, len(chain)):
+            if await self.writes.move(session, src, decision.rank, chain, len(chain)):
                 moved += 1
         return moved
 
@@ -377,8 +384,8 @@ class CacheManager:
             raise ValueError(f"rank {dst} outside 0..{self.num_ranks - 1}")
         if dst == session.home_rank or not self.l1_enabled:
             return dst == session.home_rank
-        chain = self.transfers.session_chain(session.home_rank, session)
-        return await self.transfers.move(session, session.home_rank, Rank(dst), chain, len(chain))
+        chain = self.writes.session_chain(session.home_rank, session)
+        return await self.writes.move(session, session.home_rank, Rank(dst), chain, len(chain))
 
     async def close(self, flush_s: float = 30.0) -> None:
         """Graceful stop (the runtime calls it before it stops the ranks): with L2 on, idle
@@ -393,7 +400,7 @@ class CacheManager:
             log.warning("L2 flush at stop skipped: the rank group is %s", self.client.state.value)
         else:
             try:
-                await asyncio.wait_for(self.transfers.flush_to_l2(), flush_s)
+                await asyncio.wait_for(self.writes.flush_to_l2(), flush_s)
             except asyncio.TimeoutError:
                 log.warning("L2 flush at stop cut off after %.0f s: the remaining sessions restart cold",
                             flush_s)
@@ -436,7 +443,7 @@ class CacheManager:
     def _forget_idle_sessions(self, now: float) -> None:
         keep = {sid for idx in self.l0.ranks for sid in idx.owners() if sid is not None}
         keep |= set(self.l1.entries)
-        self.transfers.forget_gone_sessions()
+        self.restores.forget_gone_sessions()
         self.sessions.forget_idle(now, self.config.session_forget_s, keep)
 
     def _count_lost_prefix(self, session: Session, adm: Admission, hashes: list[BlockHash]) -> None:

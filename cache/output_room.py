@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from protocol.errors import ContextLimitExceeded
 
 if TYPE_CHECKING:
-    from cache.l1_transfers import L1Transfers
+    from cache.retire import Retirer
     from cache.state import CacheState
     from cache.turns import Admission
     from rank.ids import Rank
@@ -69,9 +69,9 @@ class OutputRoom:
     """Grows running turns' reservations on their rank (see the module docstring). Part of the
     ``CacheManager``: it plans on the shared ledgers and index (``cache/state.py``); one event loop."""
 
-    def __init__(self, state: CacheState, transfers: L1Transfers) -> None:
+    def __init__(self, state: CacheState, retirer: Retirer) -> None:
         self._s = state
-        self._transfers = transfers
+        self._retirer = retirer
         self.lead_tokens = state.config.output_lead_tokens
         self.grow_tokens = state.config.output_grow_tokens
         # counts the tests read (/metrics has cache.metrics' counters of the same events)
@@ -124,7 +124,7 @@ class OutputRoom:
     def _evict(self, rank: Rank, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` unused blocks on ``rank``: sessions not about to return
         first, then any. Each evicted chain goes to L1 where L1 lacks it, then is released (in the
-        background, ``L1Transfers.retire``). They count as releasing until the release lands, for every
+        background, ``Retirer.retire``). They count as releasing until the release lands, for every
         planner but the reply that asked, as an admission's evictions do. Returns how many."""
         s = self._s
         now = s.clock()
@@ -134,5 +134,5 @@ class OutputRoom:
             got += idx.evict(num_blocks - len(got), s.policy.scorer(rank, now),
                              s.policy.chooser(rank, now, True))
         if got:
-            self._transfers.retire_later(rank, got, self._transfers.evicted(rank, got))
+            self._retirer.retire_later(rank, got, self._retirer.evicted(rank, got))
         return len(got)

@@ -4,7 +4,7 @@ giving back.
 ``admit_on`` waits in the rank's queue (``cache/admission.py``), asking the planner at every try
 (``cache/planner.py``: ask, then commit), retires the blocks the commit evicted (their L1 copy,
 then the release, which rides with the turn's next command), restores the planned prefix blocks
-from L1 (``cache/l1_transfers.py``) and returns the ``Admission``: use refs on its prefix, its
+from L1 (``cache/l1_restores.py``) and returns the ``Admission``: use refs on its prefix, its
 blocks reserved. ``close`` gives both back exactly once. A turn cancelled anywhere in between
 (the client went away) gives back what it took before the cancellation propagates.
 """
@@ -17,8 +17,9 @@ import numpy as np
 
 from cache.admission import AdmitLevel
 from cache.hashing import BlockHash
-from cache.l1_transfers import L1Transfers
+from cache.l1_restores import L1Restores
 from cache.planner import AdmitPlanner, Reservation
+from cache.retire import Retirer
 from cache.sessions import RequestClass, Session
 from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens
@@ -30,10 +31,12 @@ from rank.ids import Rank
 class RankAdmitter:
     """Takes and gives back what admissions hold (see the module docstring). One event loop."""
 
-    def __init__(self, state: CacheState, planner: AdmitPlanner, transfers: L1Transfers) -> None:
+    def __init__(self, state: CacheState, planner: AdmitPlanner, retirer: Retirer,
+                 restores: L1Restores) -> None:
         self._s = state
         self._planner = planner
-        self._transfers = transfers
+        self._retirer = retirer
+        self._restores = restores
         self.open: set[Admission] = set()
 
     async def admit_on(
@@ -74,7 +77,7 @@ class RankAdmitter:
             )
         except BaseException:
             if taken and taken[0].victims:
-                self._transfers.retire_later(taken[0].plan.rank, list(taken[0].victims), taken[0].exports)
+                self._retirer.retire_later(taken[0].plan.rank, list(taken[0].victims), taken[0].exports)
             raise
         rank = Rank(got)
         res = taken[0] if taken else None
@@ -84,8 +87,8 @@ class RankAdmitter:
         s.ledgers[rank].count_running(context_tokens)
         if res is not None and res.victims:  # the release rides with the next command: one boundary
             try:
-                await self._transfers.retire(rank, list(res.victims), epoch, wait_release=False,
-                                             exports=res.exports)
+                await self._retirer.retire(rank, list(res.victims), epoch, wait_release=False,
+                                           exports=res.exports)
             except BaseException:  # cancelled (client gone): give back what the commit took
                 if s.epoch == epoch:
                     self._planner.undo(res, hashes)
@@ -131,7 +134,7 @@ class RankAdmitter:
         """Restore the planned blocks from L1; without them, the last L0 block is replayed."""
         s = self._s
         try:
-            restored = await self._transfers.restore(adm, hashes, num_l0, num_restore)
+            restored = await self._restores.restore(adm, hashes, num_l0, num_restore)
         except BaseException:
             # Cancelled mid-restore (the client went away) or failed: this admission never
             # reaches the caller, so undo its holds here (admit() undoes the session's count).

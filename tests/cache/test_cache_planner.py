@@ -15,8 +15,9 @@ import pytest
 from cache.admission import AdmitLevel
 from cache.config import CacheConfig
 from cache.hashing import BlockHash
-from cache.l1_transfers import ChainExport, L1Transfers
+from cache.l1_writes import L1Writes
 from cache.planner import AdmitPlan, AdmitPlanner, known_prefix_blocks
+from cache.retire import ChainExport, Retirer
 from cache.sessions import StopKind, session_id_for_hint
 from cache.state import CacheState
 from rank.ids import Rank
@@ -43,7 +44,7 @@ def _setup(l1: bool = False) -> tuple[CacheState, AdmitPlanner, SizesOnlyClient]
         state.sessions.set_home(session, Rank(0), 0.0)
         idx.insert(chain, list(range(first_id, first_id + len(chain))), session.session_id, 0.0)
         state.sessions.record_finish(session, stop, chain[-1], len(chain) * BS, 0.0)
-    return state, AdmitPlanner(state, L1Transfers(state)), client
+    return state, AdmitPlanner(state, Retirer(state, L1Writes(state))), client
 
 
 def _ids(nodes: tuple[object, ...]) -> list[int]:

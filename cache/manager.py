@@ -247,9 +247,7 @@ class CacheManager:
         src = decision.move_from
         if src is not None and not await self.writes.move(session, src, ranks[0], hashes, matches[src]):
             ranks = (src,)
-        if len(ranks) == 1:
-            self.sessions.set_home(session, ranks[0], now)
-        self.sessions.turn_started(session, now)
+        self.sessions.turn_started(session, now, home=ranks[0] if len(ranks) == 1 else None)
         try:
             if decision.copy_from is not None:
                 await self.branches.copy_prefix(session, decision, hashes, len(tokens))

@@ -333,8 +333,11 @@ class SessionTable:
         session.moved_at_s = now_s
         self.set_home(session, rank, now_s)
 
-    def turn_started(self, session: Session, now_s: float) -> None:
-        """A turn of ``session`` is being admitted (it is busy, not idle, until ``turn_ended``)."""
+    def turn_started(self, session: Session, now_s: float, home: Rank | None = None) -> None:
+        """A turn of ``session`` is being admitted (it is busy, not idle, until ``turn_ended``),
+        on ``home`` from now on when given (one recount for both changes)."""
+        if home is not None:
+            session.home_rank = home
         session.num_in_flight += 1
         self.idle.update(session, now_s)
 

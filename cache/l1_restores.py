@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from cache.hashing import BlockHash
 from cache.l1_index import L1Entry
@@ -29,6 +30,16 @@ log = logging.getLogger("cache.manager")
 
 _IMPORT_ATTEMPTS = 3  # an import the engine is short for is retried (see import_blocks)
 _IMPORT_RETRY_S = 0.02  # x attempt number: about one engine step between tries
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What a restore did: ``num_blocks`` imported and filed (0: none), ``num_l2`` of them read
+    from the tier below first, in ``seconds`` (0.0 when no import was tried)."""
+
+    num_blocks: int
+    num_l2: int
+    seconds: float
 
 
 class L1Restores:
@@ -49,19 +60,20 @@ class L1Restores:
 
     # ================================================================= restore
 
-    async def restore(self, adm: Admission, hashes: list[BlockHash], first: int, count: int) -> bool:
-        """Copy blocks ``first .. first+count`` of the prompt's chain from L1 into the rank and
-        move the admission's pin onto them. False when L1 no longer holds them or the copy failed
-        (the turn then computes them: they stay reserved)."""
+    async def restore(self, rank: Rank, epoch: Epoch, sid: SessionId, hashes: list[BlockHash], first: int,
+                      count: int) -> Restored:
+        """Copy blocks ``first .. first+count`` of the prompt's chain from L1 into ``rank`` and
+        file them in its index (the caller moves its pin onto them before it awaits anything).
+        None restored when L1 no longer holds them or the copy failed (the turn then computes
+        them)."""
         s = self._s
-        rank, epoch = adm.rank, adm.epoch
         entry, m1 = s.l1.match(hashes)
         started = s.clock()
         num_l2 = 0
+        restore_s = 0.0
         if m1 < first + count and s.l2 is not None:  # disk -> host first; a short fill restores less
-            entry, m1, num_l2 = await self._fill_from_l2(adm, hashes, first, count)
+            entry, m1, num_l2 = await self._fill_from_l2(sid, epoch, hashes, first, count)
             count = min(count, m1 - first)
-        ok = False
         if entry is not None and count > 0 and m1 >= first + count:
             s.l1.begin_read(entry)
             try:
@@ -72,34 +84,26 @@ class L1Restores:
                 disable_l1_if_unsupported(s, exc)
             finally:
                 s.l1.end_read(entry)
-            adm.restore_s = s.clock() - started
+            restore_s = s.clock() - started
             if ids is not None and s.epoch == epoch:
-                idx = s.l0[rank]
-                self._file_restored(rank, hashes[: first + count], first, ids, adm.session_id)
-                idx.acquire(hashes[: first + count], adm.session_id, s.clock())  # move the pin
-                idx.release_uses(hashes[:first])
-                adm.num_used_blocks = first + count
-                adm.cached_tokens_by_tier[Tier.L1] = (count - num_l2) * s.block_size
-                adm.cached_tokens_by_tier[Tier.L2] = num_l2 * s.block_size
-                ok = True
+                self._file_restored(rank, hashes[: first + count], first, ids, sid)
                 if s.metrics is not None:
                     s.metrics.restored_tokens.inc(count * s.block_size)
-                    s.metrics.restore_seconds.observe(adm.restore_s)
-        if ok:  # filed in the index now (blocks a short fill did not restore stay reserved)
-            s.ledgers[rank].restored(adm, count)
-        return ok
+                    s.metrics.restore_seconds.observe(restore_s)
+                return Restored(count, num_l2, restore_s)
+        return Restored(0, 0, restore_s)
 
     async def _fill_from_l2(
-        self, adm: Admission, hashes: list[BlockHash], first: int, count: int
+        self, sid: SessionId, epoch: Epoch, hashes: list[BlockHash], first: int, count: int
     ) -> tuple[L1Entry | None, int, int]:
         """Make the session's L1 entry hold ``hashes[:first+count]`` from disk. Returns (the
         entry, the blocks it holds, how many of blocks ``first .. first+count`` came from disk)."""
         s = self._s
         assert s.l2 is not None
-        if not await self._writes.wait_write(adm.session_id, adm.epoch):
+        if not await self._writes.wait_write(sid, epoch):
             return None, 0, 0
-        fill = await s.l2.fill(adm.session_id, hashes, first + count, s.clock(), s.l1_score)
-        if s.epoch != adm.epoch or fill.entry is None:
+        fill = await s.l2.fill(sid, hashes, first + count, s.clock(), s.l1_score)
+        if s.epoch != epoch or fill.entry is None:
             return None, 0, 0
         return fill.entry, fill.num_blocks, fill.loaded_within(first, count)
 

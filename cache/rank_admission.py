@@ -134,7 +134,8 @@ class RankAdmitter:
         """Restore the planned blocks from L1; without them, the last L0 block is replayed."""
         s = self._s
         try:
-            restored = await self._restores.restore(adm, hashes, num_l0, num_restore)
+            got = await self._restores.restore(adm.rank, adm.epoch, adm.session_id, hashes, num_l0,
+                                               num_restore)
         except BaseException:
             # Cancelled mid-restore (the client went away) or failed: this admission never
             # reaches the caller, so undo its holds here (admit() undoes the session's count).
@@ -142,7 +143,17 @@ class RankAdmitter:
                 adm.is_closed = True
                 self._release_holds(adm)
             raise
-        if not restored and num_l0:
+        adm.restore_s = got.seconds
+        if got.num_blocks:  # filed (same epoch, nothing awaited since): move the pin onto them
+            count, bs = got.num_blocks, s.block_size
+            idx = s.l0[adm.rank]
+            idx.acquire(hashes[: num_l0 + count], adm.session_id, s.clock())
+            idx.release_uses(hashes[:num_l0])
+            adm.num_used_blocks = num_l0 + count
+            adm.cached_tokens_by_tier[Tier.L1] = (count - got.num_l2) * bs
+            adm.cached_tokens_by_tier[Tier.L2] = got.num_l2 * bs
+            s.ledgers[adm.rank].restored(adm, count)  # reserved -> indexed (a short fill's rest stays)
+        elif num_l0:
             # Without the L1 part the last L0 block is the replayed one (not a prefix block).
             idx = s.l0[adm.rank]
             keep = usable_prefix_blocks(num_l0, adm.num_prompt_tokens, s.block_size)

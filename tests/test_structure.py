@@ -203,6 +203,8 @@ OWNED_FIELDS: dict[str, str] = {
     **dict.fromkeys(("home_rank", "num_in_flight", "moved_at_s", "last_finish_s", "last_stop", "last_seen_s",
                      "context_tokens", "first_prompt_tokens", "tail_hashes", "compacting"),
                     "cache/sessions.py"),
+    # an admission's use refs on its prefix (pinned, moved onto restored blocks, given back)
+    "num_used_blocks": "cache/rank_admission.py",
     # the epoch, the ledgers' lifetime, L1 on/off
     **dict.fromkeys(("epoch", "ledgers", "l1_off_reason", "l1_geometry"), "cache/state.py"),
 }

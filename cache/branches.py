@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from cache.hashing import BlockHash
-from cache.l1_transfers import L1Transfers
+from cache.l1_writes import L1Writes
 from cache.planner import known_prefix_blocks
 from cache.router import RouteDecision
 from cache.sessions import RequestClass, Session
@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 class Branches:
     """See the module docstring. One event loop."""
 
-    def __init__(self, state: CacheState, transfers: L1Transfers) -> None:
+    def __init__(self, state: CacheState, writes: L1Writes) -> None:
         self._s = state
-        self._transfers = transfers
+        self._writes = writes
         self.placing = [0] * state.client.num_ranks  # prompt tokens of turns copying a prefix, per rank
 
     async def copy_prefix(self, session: Session, decision: RouteDecision, hashes: list[BlockHash],
@@ -46,8 +46,8 @@ class Branches:
         dst = decision.rank
         self.placing[dst] += num_tokens
         try:
-            ok = await self._transfers.write_through(decision.copy_from, session.session_id,
-                                                     hashes[: decision.copy_blocks], s.epoch)
+            ok = await self._writes.write_through(decision.copy_from, session.session_id,
+                                                  hashes[: decision.copy_blocks], s.epoch)
         finally:
             self.placing[dst] -= num_tokens
         log.info("prefix of %s: %d blocks from rank %d to rank %d through L1 (%s)", session.session_id,

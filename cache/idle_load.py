@@ -10,8 +10,9 @@ Walking every session on each admission made the cache's per-turn cost O(session
 of a turn's CPU at 512-1,024 sessions). Here the sums are maintained incrementally and the result
 is *exactly* the walk's, not an approximation:
 
-* between two changes of a session (the manager calls ``update`` after every change of its
-  home rank, turns in flight, last finish, stop kind, gap model or context), ``counted`` depends
+* between two changes of a session (its owner, ``SessionTable``, calls ``update`` after every
+  change of its home rank, turns in flight, last finish, stop kind, gap model or context: no other
+  module writes those fields), ``counted`` depends
   on the time only, and it is true on one interval of time: with ``idle = now - last_finish``,
   ``expected_wait = max(gap - idle, idle)`` is below the horizon iff ``gap - idle < horizon``
   (turns true once, at ``last_finish + gap - horizon``) and ``idle < horizon`` (turns false
@@ -37,9 +38,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from cache.sessions import Session, SessionId
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from cache.sessions import Session, SessionId
 
 _EARLY_S = 1e-6  # re-checks run this much (plus 1e-9 relative) before the computed flip
 

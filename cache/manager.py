@@ -14,21 +14,24 @@ exit, ``abort`` on an exception or a cancellation. ``admit`` hashes the prompt, 
 creates) the session, routes it (``router.py``), waits for room (``admission.py`` orders the
 waiters; ``planner.py`` asks, then commits: pins the L0 prefix, evicts by value, never a session
 about to return, reserves), restores blocks from L1 when the host pool holds more of the prefix
-than the GPU (``l1_transfers.py``), and returns an ``Admission`` holding use refs on the prefix.
+than the GPU (``l1_restores.py``), and returns an ``Admission`` holding use refs on the prefix.
 ``finish`` files the finished turn's kept blocks (duplicates released to the rank), releases the
 use refs, learns the session's stop kind and queues the write-through of its new blocks to L1 (and
 L2 behind it; ``l1_write_watermark``, 0 by default: every turn). ``abort`` only releases. A
 second settle of one admission is a no-op.
 
-The parts, one job each, share ``cache/state.py``: the planner, the L1 transfers, the release
-ledger (``releases.py``), the output room (``output_room.py``), the restart sync
-(``restart.py``) and the gauges (``gauges.py``; the manager only notifies them).
+The parts, one job each, share ``cache/state.py`` (which says who owns each counter): the
+rank admitter (``rank_admission.py``) and its planner, the L1 copies (``l1_writes.py`` to L1,
+``l1_restores.py`` from it, ``retire.py`` for evicted blocks), the release ledger
+(``releases.py``), the output room (``output_room.py``), the restart sync (``restart.py``) and
+the gauges (``gauges.py``; the manager only notifies them).
 
 Accounting (``check_balance`` asserts it once quiescent): per rank, blocks filed in the L0 index
-== blocks the engine holds a cache ref on; ``reserved_blocks`` == the sum over open admissions
-of the blocks they may still allocate; no use refs without an open admission; L1 slots in use ==
-the extents of its entries. A rank restart (new epoch) forgets every L0 entry (L1's committed
-entries outlive it), and admissions of the old epoch are closed without touching the new engines.
+== blocks the engine holds a cache ref on; the ledger's sums (``cache/ledger.py``: reserved
+blocks and running tokens == what plans and prefetches hold + the open admissions' shares); no
+use refs without an open admission; L1 slots in use == the extents of its entries. A rank
+restart (new epoch) forgets every L0 entry (L1's committed entries outlive it), and admissions
+of the old epoch are closed without touching the new engines.
 With an L2 store (``l2``), L1 writes spill to disk and restores fill L1 from it
 (``cache/kv_tier.py``); ``close`` writes idle sessions out at a graceful stop.
 """
@@ -50,15 +53,17 @@ from cache.eviction import EvictionPolicy
 from cache.gauges import CacheGauges
 from cache.hashing import BlockHash, ChainHasher, as_token_array
 from cache.idle_load import IdleLoad
-from cache.kv_tier import KVTier, TierLink
+from cache.kv_tier import KVTier
 from cache.l0_index import L0Index
 from cache.l1_index import L1Index
-from cache.l1_transfers import L1Transfers
+from cache.l1_restores import L1Restores
+from cache.l1_writes import L1Writes
 from cache.metrics import CacheMetrics
 from cache.output_room import OutputRoom, output_limit
 from cache.planner import AdmitPlanner, known_prefix_blocks
 from cache.rank_admission import RankAdmitter
 from cache.restart import RestartSync, sync_l1
+from cache.retire import Retirer
 from cache.router import RankLoad, Router
 from cache.sessions import Session, SessionHint, SessionTable, StopKind, session_id_for_hint
 from cache.state import CacheState
@@ -94,23 +99,25 @@ class CacheManager:
         self.metrics = metrics
         self.block_size = client.block_size
         self.num_ranks = client.num_ranks
-        self.state = state = CacheState(client, config, metrics, clock)
         self.hasher = ChainHasher(client.block_size, config.hash_salt.encode())
-        if l2 is not None and config.prefix_cache:  # L2 below L1 (``cache/kv_tier.py``)
-            state.l2 = TierLink(state.l1, l2, self.hasher.root)
+        # L2 below L1 (``cache/kv_tier.py``), only with the prefix cache on
+        self.state = state = CacheState(client, config, metrics, clock,
+                                        tier=l2 if config.prefix_cache else None, root=self.hasher.root)
         self.router = Router(config.router(), client.block_size)
-        self.transfers = L1Transfers(state)
-        self.planner = AdmitPlanner(state, self.transfers)
-        self.output_room = OutputRoom(state, self.transfers)
-        self.admitter = RankAdmitter(state, self.planner, self.transfers)
+        self.writes = L1Writes(state)
+        self.restores = L1Restores(state, self.writes)
+        self.retirer = Retirer(state, self.writes)
+        self.planner = AdmitPlanner(state, self.retirer)
+        self.output_room = OutputRoom(state, self.retirer)
+        self.admitter = RankAdmitter(state, self.planner, self.retirer, self.restores)
         self._num_finished = 0
         # Admissions that got less of their session's known prefix than it had computed.
         self.num_partial_prefix_admissions = 0
         self.num_lost_prefix_tokens = 0
-        self.branches = Branches(state, self.transfers)
+        self.branches = Branches(state, self.writes)
         if metrics is not None:
-            state.on_change = CacheGauges(metrics, state, self.loads).changed
-        self._restart = RestartSync(state, self.transfers.reset)
+            state.notify_changes_to(CacheGauges(metrics, state, self.loads).changed)
+        self._restart = RestartSync(state, self.restores.reset)
         client.add_restart_listener(self._restart.on_restart)
         sync_l1(state)
 
@@ -150,15 +157,15 @@ class CacheManager:
 
     @property
     def idle_load(self) -> IdleLoad:
-        return self.state.idle
+        return self.state.sessions.idle
 
     @property
     def num_evicted_unbacked_blocks(self) -> int:
-        return self.transfers.num_evicted_unbacked_blocks
+        return self.retirer.num_evicted_unbacked_blocks
 
     @property
     def num_export_failures(self) -> int:
-        return self.transfers.num_export_failures
+        return self.retirer.num_export_failures
 
     @property
     def num_open_turns(self) -> int:
@@ -196,7 +203,7 @@ class CacheManager:
             return
         session = self.sessions.get(session_id_for_hint(session_hint))
         if session is not None:
-            self.transfers.start_prefetch(session)
+            self.restores.start_prefetch(session)
 
     async def admit(
         self, prompt_ids: np.ndarray | Sequence[int], session_hint: SessionHint | str | None, max_tokens: int,
@@ -212,7 +219,7 @@ class CacheManager:
             raise InvalidRequest("prompt is empty", param="messages")
         # A running sequence holds all its blocks (shared prefix ones too), so a turn must fit a
         # rank's usable pool whole (every rank has the same pool).
-        limit = s.usable_blocks()
+        limit = s.ledgers[0].usable_blocks()
         if -(-(len(tokens) + 1) // self.block_size) > limit:
             raise PromptTooLong(len(tokens), max(0, limit * self.block_size - 1))
         max_output = output_limit(len(tokens), max(1, max_tokens), limit * self.block_size,
@@ -229,22 +236,18 @@ class CacheManager:
         if retired:
             self.branches.retire(session, retired, hashes)
         self.sessions.record_arrival(session, now, len(tokens))
-        s.idle.update(session, now)
         if s.l2 is not None and s.l2.shared and hashes:  # a store other nodes write to (L3): ask it
             await s.l2.probe(hashes, max(self.l0.match_all(hashes)))
-        await self.transfers.await_prefetch(session.session_id)
+        await self.restores.await_prefetch(session.session_id)
         matches = self.l0.match_all(hashes)
         can_move = self.l1_enabled and self.config.prefix_cache
         l1_blocks = self.l1.match(hashes)[1] if can_move and hashes else 0
         decision = self.router.route(session, matches, len(tokens), self.loads(), can_move, now, l1_blocks)
         ranks = decision.candidates
         src = decision.move_from
-        if src is not None and not await self.transfers.move(session, src, ranks[0], hashes, matches[src]):
+        if src is not None and not await self.writes.move(session, src, ranks[0], hashes, matches[src]):
             ranks = (src,)
-        if len(ranks) == 1:
-            session.home_rank = ranks[0]
-        session.num_in_flight += 1
-        s.idle.update(session, now)
+        self.sessions.turn_started(session, now, home=ranks[0] if len(ranks) == 1 else None)
         try:
             if decision.copy_from is not None:
                 await self.branches.copy_prefix(session, decision, hashes, len(tokens))
@@ -257,15 +260,13 @@ class CacheManager:
             adm.max_output_tokens = max_output
             adm.caller_salt = caller_salt
             if session.home_rank != adm.rank:  # late binding: the rank that had room first
-                session.home_rank = adm.rank
-                s.idle.update(session, s.clock())
+                self.sessions.set_home(session, adm.rank, s.clock())
         except BaseException:
-            session.num_in_flight -= 1
-            s.idle.update(session, s.clock())
+            self.sessions.turn_ended(session, s.clock())
             if self.metrics is not None:
                 self.metrics.admissions.labels("rejected").inc()
             raise
-        self.transfers.take_prefetched(adm, hashes)
+        self.restores.take_prefetched(adm, hashes)
         self._count_lost_prefix(session, adm, hashes)
         self.admitter.open.add(adm)
         self._observe_admission(adm)
@@ -315,9 +316,8 @@ class CacheManager:
         if session is not None:
             tail = full_hashes[-1] if full_hashes else None
             self.sessions.record_finish(session, stop_kind, tail, num_tokens, now)
-            s.idle.update(session, now)
-        if full_hashes and self.l1_enabled and s.pool_usage(rank) >= self.config.l1_write_watermark:
-            self.transfers.write_through_later(rank, admission.session_id, full_hashes)
+        if full_hashes and self.l1_enabled and s.ledgers[rank].pool_usage() >= self.config.l1_write_watermark:
+            self.writes.write_through_later(rank, admission.session_id, full_hashes)
         self._num_finished += 1
         if self._num_finished % 64 == 0:
             self._forget_idle_sessions(now)
@@ -343,11 +343,11 @@ class CacheManager:
         """The router's load measure per rank (documented in ``router.py``). O(ranks): the idle
         term is kept incrementally (``cache/idle_load.py``, exact, no approximation)."""
         s = self.state
-        idle = s.idle.tokens(s.clock())
+        idle = s.sessions.idle.tokens(s.clock())
         return [
             RankLoad(Rank(rank), ledger.running_tokens,
                      self.queue.waiting_tokens(rank) + self.branches.placing[rank], idle[rank],
-                     s.free_blocks(rank))
+                     ledger.free_blocks())
             for rank, ledger in enumerate(s.ledgers)
         ]
 
@@ -361,16 +361,14 @@ class CacheManager:
             src = session.home_rank
             if src is None or session.num_in_flight:
                 continue
-            chain = self.transfers.session_chain(src, session)
+            chain = self.writes.session_chain(src, session)
             if not chain:
                 continue  # nothing resident to move (its next turn is placed by load anyway)
             matched = [len(chain) if r == src else 0 for r in range(self.num_ranks)]
             decision = self.router.route(session, matched, 0, self.loads(), True, now)
             if decision.move_from is None:
                 continue
-            if await self.transfers.move(session, src, decision.rank, chain, len(chain)):
-                session.home_rank = decision.rank
-                self.state.idle.update(session, self.state.clock())
+            if await self.writes.move(session, src, decision.rank, chain, len(chain)):
                 moved += 1
         return moved
 
@@ -384,8 +382,8 @@ class CacheManager:
             raise ValueError(f"rank {dst} outside 0..{self.num_ranks - 1}")
         if dst == session.home_rank or not self.l1_enabled:
             return dst == session.home_rank
-        chain = self.transfers.session_chain(session.home_rank, session)
-        return await self.transfers.move(session, session.home_rank, Rank(dst), chain, len(chain))
+        chain = self.writes.session_chain(session.home_rank, session)
+        return await self.writes.move(session, session.home_rank, Rank(dst), chain, len(chain))
 
     async def close(self, flush_s: float = 30.0) -> None:
         """Graceful stop (the runtime calls it before it stops the ranks): with L2 on, idle
@@ -400,7 +398,7 @@ class CacheManager:
             log.warning("L2 flush at stop skipped: the rank group is %s", self.client.state.value)
         else:
             try:
-                await asyncio.wait_for(self.transfers.flush_to_l2(), flush_s)
+                await asyncio.wait_for(self.writes.flush_to_l2(), flush_s)
             except asyncio.TimeoutError:
                 log.warning("L2 flush at stop cut off after %.0f s: the remaining sessions restart cold",
                             flush_s)
@@ -415,17 +413,12 @@ class CacheManager:
     def check_balance(self) -> None:
         """Assert the accounting invariants (tests call it after ``drain`` with no turn open)."""
         s = self.state
-        s.idle.check(s.clock())
+        s.sessions.idle.check(s.clock())
         quiet = not s.tasks
         for rank, idx in enumerate(self.l0.ranks):
             idx.check()
-            ledger = s.ledgers[rank]
             open_here = [a for a in self.admitter.open if a.rank == rank and a.epoch == s.epoch]
-            reserved = sum(a.reserved_blocks for a in open_here)
-            assert ledger.reserved_blocks == reserved, (
-                f"rank {rank}: reserved {ledger.reserved_blocks} != {reserved}"
-            )
-            assert ledger.num_in_flight == len(open_here)
+            s.ledgers[rank].check(open_here, quiet)
             if quiet:
                 assert s.releases.pending(rank) == 0, (
                     f"rank {rank}: {s.releases.pending(rank)} releases pending"
@@ -448,9 +441,8 @@ class CacheManager:
     def _forget_idle_sessions(self, now: float) -> None:
         keep = {sid for idx in self.l0.ranks for sid in idx.owners() if sid is not None}
         keep |= set(self.l1.entries)
-        self.transfers.forget_gone_sessions()
-        for sid in self.sessions.forget_idle(now, self.config.session_forget_s, keep):
-            self.state.idle.remove(sid)
+        self.restores.forget_gone_sessions()
+        self.sessions.forget_idle(now, self.config.session_forget_s, keep)
 
     def _count_lost_prefix(self, session: Session, adm: Admission, hashes: list[BlockHash]) -> None:
         """A turn whose prompt extends a chain its session finished before should start from

@@ -22,7 +22,8 @@ concurrency (Claude Code asks for 32,000 and most replies are short), so admissi
   free block for. Growth keeps cached + reserved blocks under ``usable_fraction`` like
   admission does, so DeepInfer's 0.9 prefill watermark still admits new prompts.
 * **Admitted replies finish** (``RankAdmitter.admit_on``): each rank also counts its open
-  turns' worst case, prompt + ``max_tokens`` in blocks (``RankLedger.worst_blocks``); a turn is
+  turns' worst case, prompt + ``max_tokens`` in blocks (``RankLedger.worst_blocks``,
+  ``cache/ledger.py``); a turn is
   admitted only while its worst case fits next to theirs in the usable pool, else it waits in the
   queue (and gets the queue's 503 before its first token if none ends in time). So running
   sequences alone never outgrow the pool, and growth always finds its blocks among free or idle
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING
 from protocol.errors import ContextLimitExceeded
 
 if TYPE_CHECKING:
-    from cache.l1_transfers import L1Transfers
+    from cache.retire import Retirer
     from cache.state import CacheState
     from cache.turns import Admission
     from rank.ids import Rank
@@ -68,9 +69,9 @@ class OutputRoom:
     """Grows running turns' reservations on their rank (see the module docstring). Part of the
     ``CacheManager``: it plans on the shared ledgers and index (``cache/state.py``); one event loop."""
 
-    def __init__(self, state: CacheState, transfers: L1Transfers) -> None:
+    def __init__(self, state: CacheState, retirer: Retirer) -> None:
         self._s = state
-        self._transfers = transfers
+        self._retirer = retirer
         self.lead_tokens = state.config.output_lead_tokens
         self.grow_tokens = state.config.output_grow_tokens
         # counts the tests read (/metrics has cache.metrics' counters of the same events)
@@ -99,19 +100,14 @@ class OutputRoom:
             return
         rank = adm.rank
         ledger = s.ledgers[rank]
-        free = s.plannable_free_blocks(rank)
+        free = ledger.plannable_free_blocks()
         if want > free:
             got = self._evict(rank, want - max(0, free))
             self.num_evicted_blocks += got
             free += got
         short = max(0, want - max(0, free))
-        ledger.reserved_blocks += want
-        adm.reserved_blocks += want
         adm.room_blocks += want
-        grown_tokens = min(end_tokens, adm.room_blocks * bs) - adm.context_tokens
-        if grown_tokens > 0:
-            ledger.running_tokens += grown_tokens
-            adm.context_tokens += grown_tokens
+        ledger.grow(adm, want, max(0, min(end_tokens, adm.room_blocks * bs) - adm.running_tokens))
         self.num_grows += 1
         self.num_grown_blocks += want
         m = s.metrics
@@ -128,7 +124,7 @@ class OutputRoom:
     def _evict(self, rank: Rank, num_blocks: int) -> int:
         """Evict up to ``num_blocks`` unused blocks on ``rank``: sessions not about to return
         first, then any. Each evicted chain goes to L1 where L1 lacks it, then is released (in the
-        background, ``L1Transfers.retire``). They count as releasing until the release lands, for every
+        background, ``Retirer.retire``). They count as releasing until the release lands, for every
         planner but the reply that asked, as an admission's evictions do. Returns how many."""
         s = self._s
         now = s.clock()
@@ -138,5 +134,5 @@ class OutputRoom:
             got += idx.evict(num_blocks - len(got), s.policy.scorer(rank, now),
                              s.policy.chooser(rank, now, True))
         if got:
-            self._transfers.retire_later(rank, got, self._transfers.evicted(rank, got))
+            self._retirer.retire_later(rank, got, self._retirer.evicted(rank, got))
         return len(got)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from cache.admission import AdmitLevel
 from cache.hashing import BlockHash
 from cache.l0_index import Node
-from cache.l1_transfers import ChainExport, L1Transfers
+from cache.retire import ChainExport, Retirer
 from cache.sessions import RequestClass, SessionId
 from cache.state import CacheState
 from rank.engine import usable_prefix_blocks
@@ -47,7 +47,7 @@ class AdmitPlan:
 @dataclass(frozen=True, slots=True)
 class Reservation:
     """A committed plan: the prefix is pinned and ``plan.need`` blocks are reserved. ``victims``
-    left the index (releasing until ``L1Transfers.retire`` sends their release); ``exports`` are
+    left the index (releasing until ``Retirer.retire`` sends their release); ``exports`` are
     their sessions' chains to write to L1 first."""
 
     plan: AdmitPlan
@@ -58,9 +58,9 @@ class Reservation:
 class AdmitPlanner:
     """``ask`` then ``commit`` (see the module docstring). One event loop."""
 
-    def __init__(self, state: CacheState, transfers: L1Transfers) -> None:
+    def __init__(self, state: CacheState, retirer: Retirer) -> None:
         self._s = state
-        self._transfers = transfers
+        self._retirer = retirer
 
     def ask(self, rank: Rank, hashes: Sequence[BlockHash], num_prompt_tokens: int,
             total_blocks: int) -> AdmitPlan:
@@ -74,7 +74,7 @@ class AdmitPlanner:
             usable = usable_prefix_blocks(max(m0, m1, m2), num_prompt_tokens, s.block_size)
         num_l0 = min(m0, usable)
         return AdmitPlan(rank=rank, num_l0=num_l0, num_restore=usable - num_l0, need=total_blocks - num_l0,
-                         num_free=s.plannable_free_blocks(rank))
+                         num_free=s.ledgers[rank].plannable_free_blocks())
 
     def commit(
         self, plan: AdmitPlan, hashes: Sequence[BlockHash], sid: SessionId, level: AdmitLevel
@@ -101,19 +101,19 @@ class AdmitPlanner:
                                 s.policy.chooser(rank, now, force, spare_sessions=spare))
             # Releasing (not free) for every other planner until the release lands; this turn may
             # count them because it awaits their release (retire) before it allocates.
-            exports = self._transfers.evicted(rank, victims)
+            exports = self._retirer.evicted(rank, victims)
             if len(victims) < plan.num_evict:
                 idx.release_uses(prefix)
                 if victims:
-                    self._transfers.retire_later(rank, victims, exports)
+                    self._retirer.retire_later(rank, victims, exports)
                 return None
-        s.ledgers[rank].reserved_blocks += plan.need
+        s.ledgers[rank].reserve(plan.need)
         return Reservation(plan, tuple(victims), exports)
 
     def undo(self, res: Reservation, hashes: Sequence[BlockHash]) -> None:
         """Give back a committed reservation that never became an admission (cancelled)."""
         s = self._s
-        s.ledgers[res.plan.rank].reserved_blocks -= res.plan.need
+        s.ledgers[res.plan.rank].unreserve(res.plan.need)
         s.l0[res.plan.rank].release_uses(hashes[: res.plan.num_l0])
 
 

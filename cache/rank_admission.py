@@ -4,7 +4,7 @@ giving back.
 ``admit_on`` waits in the rank's queue (``cache/admission.py``), asking the planner at every try
 (``cache/planner.py``: ask, then commit), retires the blocks the commit evicted (their L1 copy,
 then the release, which rides with the turn's next command), restores the planned prefix blocks
-from L1 (``cache/l1_transfers.py``) and returns the ``Admission``: use refs on its prefix, its
+from L1 (``cache/l1_restores.py``) and returns the ``Admission``: use refs on its prefix, its
 blocks reserved. ``close`` gives both back exactly once. A turn cancelled anywhere in between
 (the client went away) gives back what it took before the cancellation propagates.
 """
@@ -17,8 +17,9 @@ import numpy as np
 
 from cache.admission import AdmitLevel
 from cache.hashing import BlockHash
-from cache.l1_transfers import L1Transfers
+from cache.l1_restores import L1Restores
 from cache.planner import AdmitPlanner, Reservation
+from cache.retire import Retirer
 from cache.sessions import RequestClass, Session
 from cache.state import CacheState
 from cache.turns import Admission, Tier, TierTokens
@@ -30,10 +31,12 @@ from rank.ids import Rank
 class RankAdmitter:
     """Takes and gives back what admissions hold (see the module docstring). One event loop."""
 
-    def __init__(self, state: CacheState, planner: AdmitPlanner, transfers: L1Transfers) -> None:
+    def __init__(self, state: CacheState, planner: AdmitPlanner, retirer: Retirer,
+                 restores: L1Restores) -> None:
         self._s = state
         self._planner = planner
-        self._transfers = transfers
+        self._retirer = retirer
+        self._restores = restores
         self.open: set[Admission] = set()
 
     async def admit_on(
@@ -48,7 +51,7 @@ class RankAdmitter:
         num_prompt = len(tokens)
         sid = session.session_id
         # admit() checked the fit; every rank has the same pool
-        total_blocks = min(-(-(num_prompt + num_output) // bs), s.usable_blocks(ranks[0]))
+        total_blocks = min(-(-(num_prompt + num_output) // bs), s.ledgers[ranks[0]].usable_blocks())
         # Every admitted reply can reach its max_tokens: the running turns' worst cases fit the pool
         # together (cache/output_room.py), else the turn waits for one to end.
         worst_blocks = -(-(num_prompt + max(num_output, worst_output)) // bs)
@@ -57,7 +60,7 @@ class RankAdmitter:
         def try_admit(rank: int, level: AdmitLevel) -> bool:
             if s.epoch != epoch:
                 return True  # the group restarted: admit and fail below
-            if s.ledgers[rank].worst_blocks + worst_blocks > s.usable_blocks(rank):
+            if not s.ledgers[rank].worst_fits(worst_blocks):
                 return False
             plan = self._planner.ask(Rank(rank), hashes, num_prompt, total_blocks)
             res = self._planner.commit(plan, hashes, sid, level)
@@ -74,38 +77,35 @@ class RankAdmitter:
             )
         except BaseException:
             if taken and taken[0].victims:
-                self._transfers.retire_later(taken[0].plan.rank, list(taken[0].victims), taken[0].exports)
+                self._retirer.retire_later(taken[0].plan.rank, list(taken[0].victims), taken[0].exports)
             raise
         rank = Rank(got)
         res = taken[0] if taken else None
         context_tokens = num_prompt + num_output
         # Counted in the router's load from the commit on, not only once the victims' release
         # was sent: a turn routed meanwhile must see this rank busy.
-        s.ledgers[rank].running_tokens += context_tokens
+        s.ledgers[rank].count_running(context_tokens)
         if res is not None and res.victims:  # the release rides with the next command: one boundary
             try:
-                await self._transfers.retire(rank, list(res.victims), epoch, wait_release=False,
-                                             exports=res.exports)
+                await self._retirer.retire(rank, list(res.victims), epoch, wait_release=False,
+                                           exports=res.exports)
             except BaseException:  # cancelled (client gone): give back what the commit took
                 if s.epoch == epoch:
                     self._planner.undo(res, hashes)
-                    s.ledgers[rank].running_tokens -= context_tokens
+                    s.ledgers[rank].uncount_running(context_tokens)
                 raise
         if s.epoch != epoch or res is None:
             if s.epoch == epoch:
-                s.ledgers[rank].running_tokens -= context_tokens
+                s.ledgers[rank].uncount_running(context_tokens)
             raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
         plan = res.plan
         adm = Admission(
             rank=rank, prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier=TierTokens(),
             queue_time_s=queue_s, restore_s=0.0, session_id=sid, epoch=epoch,
             keep_blocks=s.config.prefix_cache, num_prompt_tokens=num_prompt, hashes=hashes,
-            num_used_blocks=plan.num_l0, reserved_blocks=plan.need, context_tokens=context_tokens,
-            room_blocks=total_blocks, worst_blocks=worst_blocks,
+            num_used_blocks=plan.num_l0, room_blocks=total_blocks,
         )
-        ledger = s.ledgers[rank]
-        ledger.worst_blocks += worst_blocks
-        ledger.num_in_flight += 1
+        s.ledgers[rank].open(adm, plan.need, context_tokens, worst_blocks)
         if plan.num_restore:
             await self._restore(adm, hashes, plan.num_l0, plan.num_restore)
         adm.prefix_blocks = s.l0[rank].block_ids(hashes[: adm.num_used_blocks])
@@ -124,8 +124,7 @@ class RankAdmitter:
         s = self._s
         session = s.sessions.get(adm.session_id)
         if session is not None:
-            session.num_in_flight = max(0, session.num_in_flight - 1)
-            s.idle.update(session, s.clock())
+            s.sessions.turn_ended(session, s.clock())
         if adm.epoch != s.epoch:
             return False
         self._release_holds(adm)
@@ -135,7 +134,8 @@ class RankAdmitter:
         """Restore the planned blocks from L1; without them, the last L0 block is replayed."""
         s = self._s
         try:
-            restored = await self._transfers.restore(adm, hashes, num_l0, num_restore)
+            got = await self._restores.restore(adm.rank, adm.epoch, adm.session_id, hashes, num_l0,
+                                               num_restore)
         except BaseException:
             # Cancelled mid-restore (the client went away) or failed: this admission never
             # reaches the caller, so undo its holds here (admit() undoes the session's count).
@@ -143,21 +143,26 @@ class RankAdmitter:
                 adm.is_closed = True
                 self._release_holds(adm)
             raise
-        if not restored and num_l0:
+        adm.restore_s = got.seconds
+        if got.num_blocks:  # filed (same epoch, nothing awaited since): move the pin onto them
+            count, bs = got.num_blocks, s.block_size
+            idx = s.l0[adm.rank]
+            idx.acquire(hashes[: num_l0 + count], adm.session_id, s.clock())
+            idx.release_uses(hashes[:num_l0])
+            adm.num_used_blocks = num_l0 + count
+            adm.cached_tokens_by_tier[Tier.L1] = (count - got.num_l2) * bs
+            adm.cached_tokens_by_tier[Tier.L2] = got.num_l2 * bs
+            s.ledgers[adm.rank].restored(adm, count)  # reserved -> indexed (a short fill's rest stays)
+        elif num_l0:
             # Without the L1 part the last L0 block is the replayed one (not a prefix block).
             idx = s.l0[adm.rank]
             keep = usable_prefix_blocks(num_l0, adm.num_prompt_tokens, s.block_size)
             idx.acquire(hashes[:keep], adm.session_id, s.clock())
             idx.release_uses(hashes[:num_l0])
-            adm.reserved_blocks += num_l0 - keep
-            s.ledgers[adm.rank].reserved_blocks += num_l0 - keep
+            s.ledgers[adm.rank].grow(adm, num_l0 - keep)
             adm.num_used_blocks = keep
 
     def _release_holds(self, adm: Admission) -> None:
-        ledger = self._s.ledgers[adm.rank]
-        ledger.reserved_blocks -= adm.reserved_blocks
-        ledger.running_tokens -= adm.context_tokens
-        ledger.num_in_flight -= 1
-        ledger.worst_blocks -= adm.worst_blocks
+        self._s.ledgers[adm.rank].close(adm)
         self._s.l0[adm.rank].release_uses(adm.hashes[: adm.num_used_blocks])
         adm.num_used_blocks = 0

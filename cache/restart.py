@@ -39,21 +39,19 @@ def sync_l1(state: CacheState) -> None:
     elif slots <= 0:
         reason = "the rank group has no L1 host pool (yet)"
     else:
-        state.l1.resize(slots)
-        state.l1_geometry = (slots, state.client.bytes_per_block)
-        state.l1_off_reason = None
+        state.l1_on(slots, state.client.bytes_per_block)
         log.info("L1 on: %d host slots of %d B", slots, state.client.bytes_per_block)
         return
     if reason != state.l1_off_reason:
         log.info("L1 off: %s", reason)
-        state.l1_off_reason = reason
+        state.l1_off(reason)
 
 
 def disable_l1_if_unsupported(state: CacheState, exc: BaseException) -> None:
     """Turn L1 off when a transfer failed because the engine cannot do it at all."""
     text = str(exc)
     if isinstance(exc, NotImplementedError) or "no L1 host pool" in text:
-        state.l1_off_reason = f"{_DISABLED} the engine cannot copy blocks to/from host ({text})"
+        state.l1_off(f"{_DISABLED} the engine cannot copy blocks to/from host ({text})")
         log.warning("L1 off: %s", state.l1_off_reason)
 
 
@@ -72,6 +70,6 @@ class RestartSync:
                     old_epoch, new_epoch, kept)
         for reset in self._resets:
             reset()
-        state.l1_off_reason = "not started"
+        state.l1_off("not started")
         sync_l1(state)
         state.queue.notify_all()

@@ -22,6 +22,11 @@ fleet-wide EWMA, which is seeded by those medians). ``expected_wait_s`` is the t
 until the session's next turn; past its expected gap the wait grows with the idle time (a
 heavy-tailed gap that has already lasted t is likely to last about t more), so stale sessions
 sink in value without a hard TTL.
+
+``SessionTable`` owns every session's fields and the router's idle-load term (``idle``,
+``cache/idle_load.py``), which depends on them: each method that changes a session's home rank,
+turns in flight, last finish, gaps or context recounts it there, so no caller can forget to
+(``tests/test_structure.py`` keeps the fields' writes in this module).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from cache.idle_load import IdleLoad
 from rank.ids import BlockHash, Rank, SessionId
 
 __all__ = ["GapModel", "RequestClass", "Session", "SessionHint", "SessionId", "SessionTable", "StopKind",
@@ -181,7 +187,7 @@ class SessionTable:
     one header) is still recognised on each branch.
     """
 
-    def __init__(self, max_tails: int = 4) -> None:
+    def __init__(self, max_tails: int = 4, *, num_ranks: int = 1, home_horizon_s: float = 900.0) -> None:
         self._sessions: dict[SessionId, Session] = {}
         self._by_tail: dict[BlockHash, Session] = {}
         self._anon_ids = itertools.count(1)
@@ -189,6 +195,8 @@ class SessionTable:
         self._families: dict[SessionId, list[Session]] = {}  # main id -> its branches
         self.fleet_gaps = GapModel()
         self._max_tails = max_tails
+        # The router's idle-token term (``home_horizon_s``: ``CacheConfig``), kept by the methods below.
+        self.idle = IdleLoad(num_ranks, home_horizon_s, self)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -313,6 +321,30 @@ class SessionTable:
             session.gaps.observe(session.last_stop, gap_s)
             self.fleet_gaps.observe(session.last_stop, gap_s)
         session.last_seen_s = now_s
+        self.idle.update(session, now_s)
+
+    def set_home(self, session: Session, rank: Rank, now_s: float) -> None:
+        """``session``'s turns go to ``rank`` from now on."""
+        session.home_rank = rank
+        self.idle.update(session, now_s)
+
+    def moved(self, session: Session, rank: Rank, now_s: float) -> None:
+        """``session`` was handed to ``rank`` through L1 (the router's move cooldown starts)."""
+        session.moved_at_s = now_s
+        self.set_home(session, rank, now_s)
+
+    def turn_started(self, session: Session, now_s: float, home: Rank | None = None) -> None:
+        """A turn of ``session`` is being admitted (it is busy, not idle, until ``turn_ended``),
+        on ``home`` from now on when given (one recount for both changes)."""
+        if home is not None:
+            session.home_rank = home
+        session.num_in_flight += 1
+        self.idle.update(session, now_s)
+
+    def turn_ended(self, session: Session, now_s: float) -> None:
+        """A turn of ``session`` was closed (finished, aborted, or never admitted)."""
+        session.num_in_flight = max(0, session.num_in_flight - 1)
+        self.idle.update(session, now_s)
 
     def record_finish(
         self, session: Session, stop: StopKind, tail: BlockHash | None, context_tokens: int, now_s: float
@@ -321,6 +353,7 @@ class SessionTable:
         session.last_finish_s = now_s
         session.last_seen_s = now_s
         session.context_tokens = context_tokens
+        self.idle.update(session, now_s)
         if tail is None:
             return
         owner = self._by_tail.get(tail)
@@ -351,6 +384,7 @@ class SessionTable:
                     branches.remove(session)
                 if not branches:
                     self._families.pop(session.family, None)
+            self.idle.remove(sid)
         return dropped
 
     def clear_placement(self) -> None:
@@ -359,3 +393,4 @@ class SessionTable:
         for s in self._sessions.values():
             s.home_rank = None
             s.tail_hashes.clear()
+        self.idle.clear()

@@ -85,11 +85,12 @@ class Admission:
     num_prompt_tokens: int
     hashes: list[BlockHash] = field(repr=False)
     num_used_blocks: int = 0  # use refs held on hashes[:num_used_blocks] on ``rank``
+    # Its shares of the rank's ledger (``cache/ledger.py`` alone changes them, with the ledger's):
     reserved_blocks: int = 0  # blocks the sequence may still allocate (released at close)
-    context_tokens: int = 0
+    running_tokens: int = 0  # its context (prompt + the room it may fill): the router's load
+    worst_blocks: int = 0  # prompt + the output it may reach, blocks: counted in the rank's worst case
     max_output_tokens: int = 1  # the engine request's max_tokens (trimmed to the KV room if a default)
     room_blocks: int = 0  # blocks the turn may hold: prefix + reserved; grows while it decodes
-    worst_blocks: int = 0  # prompt + the output it may reach, blocks: counted in the rank's worst case
     is_closed: bool = False
     caller_salt: bytes = b""  # the chain's per-caller salt (``ChainHasher``), b"" when shared
 

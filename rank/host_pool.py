@@ -20,11 +20,13 @@ in place before any later step reads it, and the slots may be reused as soon as 
 
 Lifecycle: the supervisor picks the path (``host_pool_path``) and the byte budget
 (``plan_host_pool_bytes``; both in ``rank/host_budget.py``, which imports no torch), passes both
-to every rank, and unlinks the file when the group stops or restarts (``unlink_host_pool``: a new
-epoch starts empty). Each rank constructs ``HostPool(path, budget_bytes)`` and the engine calls
-``open(bytes_per_block)`` once it knows its row size; every rank computes the same ``num_slots =
-budget_bytes // bytes_per_block``, so ranks can create/size the file concurrently without a
-handshake (O_CREAT + ftruncate to the same size are idempotent).
+to every rank, creates and locks the file when the group starts (``rank/shm_claim.py``: L1 starts
+empty) and removes it when the group stops. A restart keeps it: the new epoch's ranks map the
+same file, never zeroed, so what L1 held outlives the ranks. Each rank constructs
+``HostPool(path, budget_bytes)`` and the engine calls ``open(bytes_per_block)`` once it knows its
+row size; every rank computes the same ``num_slots = budget_bytes // bytes_per_block``, so ranks
+can create/size the file concurrently without a handshake (O_CREAT + ftruncate to the same size
+are idempotent).
 
 Pinning is its own phase (``_pin``), slow at the seed's sizes: ``cudaHostRegister`` of a fresh
 ``/dev/shm`` mapping took 0.46-0.58 s per GiB on an H200 host, minutes for a 128 GiB share at

@@ -24,9 +24,9 @@ a step message sent before it.
 
 Order. Imports and exports commute with add and abort, which change no free count before a step.
 An export's blocks are held until its reply: the cache awaits an export before it releases
-the blocks (``cache/l1_transfers.py``), and the export also pins them (``BlockManager.pin_held``).
+the blocks (``cache/retire.py``), and the export also pins them (``BlockManager.pin_held``).
 The cache may send a release and then, without waiting for the release's reply, an import
-that needs the released blocks (``L1Transfers.retire``); applied in order, the import finds those
+that needs the released blocks (``Retirer.retire``); applied in order, the import finds those
 blocks free. A release therefore runs here, at once, unless a forwarded ``add`` that the loop has
 not applied yet names one of its blocks as a prefix block; then it is forwarded and applied after
 that add (a prefix is all an add references). Why that is enough (the gate tests check 1, 2

@@ -393,3 +393,109 @@ def test_the_cycle_check_sees_lazy_and_importlib_routes_but_not_type_checking(tm
     (pkg / "e.py").write_text("import importlib\nNAME = 'pkg.a'\nimportlib.import_module(NAME)\n")
     with pytest.raises(AssertionError, match="pkg/e.py:3: import_module of a computed name"):
         import_graph([*files, pkg / "e.py"], tmp_path)
+
+
+# ---------------------------------------------------------------- owned cache state
+#
+# Each counter and index of the cache has one owner, and every change goes through the owner's
+# methods, which keep its invariants (docs/ARCHITECTURE.md, "cache/"). Field name -> the module
+# allowed to assign it (``x.f = ``, ``x.f += ``, ``setattr(x, "f", ...)``, or ``f=`` in a call
+# building a ``Session`` or an ``Admission``). The cache is seen only by ``server`` and the
+# backend above it (the layer rule keeps ``protocol`` and ``rank`` out), so those are scanned.
+OWNED_FIELDS: dict[str, str] = {
+    # a rank's ledger and each admission's share of it
+    **dict.fromkeys(("reserved_blocks", "running_tokens", "num_open", "worst_blocks"), "cache/ledger.py"),
+    # a session's fields; the router's idle-load term depends on them
+    **dict.fromkeys(("home_rank", "num_in_flight", "moved_at_s", "last_finish_s", "last_stop", "last_seen_s",
+                     "context_tokens", "first_prompt_tokens", "tail_hashes", "compacting"),
+                    "cache/sessions.py"),
+    # an admission's use refs on its prefix (pinned, moved onto restored blocks, given back)
+    "num_used_blocks": "cache/rank_admission.py",
+    # the epoch, the ledgers' lifetime, L1 on/off
+    **dict.fromkeys(("epoch", "ledgers", "l1_off_reason", "l1_geometry"), "cache/state.py"),
+}
+# Names other objects have too (``RankGroup.epoch``, ``Admission.epoch``): only assignments in
+# ``cache/`` count for them, and not as a constructor's keywords.
+CACHE_ONLY_FIELDS = {"epoch", "ledgers"}
+OWNED_CONSTRUCTORS = {"Session", "Admission"}
+# The idle-load model (``cache/idle_load.py``) changes only through its owner, ``SessionTable``.
+IDLE_MODEL_OWNERS = {"cache/sessions.py", "cache/idle_load.py"}
+IDLE_MODEL_CHANGES = {"update", "remove", "clear"}
+
+
+def _attribute_targets(node: ast.AST) -> list[ast.Attribute]:
+    if isinstance(node, ast.Attribute):
+        return [node]
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return [a for elt in node.elts for a in _attribute_targets(elt)]
+    if isinstance(node, ast.Starred):
+        return _attribute_targets(node.value)
+    return []
+
+
+def _may_assign(rel: str, name: str) -> bool:
+    owner = OWNED_FIELDS.get(name)
+    return owner is None or owner == rel or (name in CACHE_ONLY_FIELDS and not rel.startswith("cache/"))
+
+
+def owned_field_writes(paths: list[Path], root: Path = REPO) -> list[str]:
+    """Writes of an owned field (``OWNED_FIELDS``) outside its owner, and changes of the idle-load
+    model outside ``IDLE_MODEL_OWNERS``, in ``paths`` (files under ``root``)."""
+    bad = []
+    for path in paths:
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            written: list[tuple[int, str]] = []
+            if isinstance(node, ast.Assign):
+                written = [(a.lineno, a.attr) for t in node.targets for a in _attribute_targets(t)]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                written = [(a.lineno, a.attr) for a in _attribute_targets(node.target)]
+            elif isinstance(node, ast.Call):
+                func = node.func
+                fname = func.id if isinstance(func, ast.Name) else func.attr if isinstance(
+                    func, ast.Attribute) else ""
+                if fname == "setattr" and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                    written = [(node.lineno, str(node.args[1].value))]
+                elif fname in OWNED_CONSTRUCTORS:
+                    written = [(node.lineno, kw.arg) for kw in node.keywords
+                               if kw.arg is not None and kw.arg not in CACHE_ONLY_FIELDS]
+                elif (fname in IDLE_MODEL_CHANGES and isinstance(func, ast.Attribute)
+                      and rel not in IDLE_MODEL_OWNERS):
+                    target = func.value
+                    if (isinstance(target, ast.Attribute) and target.attr in ("idle", "idle_load")
+                            or isinstance(target, ast.Name) and target.id == "idle"):
+                        bad.append(f"{rel}:{node.lineno} changes the idle-load model "
+                                   f"(.{fname}; owner: cache/sessions.py)")
+            bad += [f"{rel}:{line} assigns .{name} (owner: {OWNED_FIELDS[name]})"
+                    for line, name in written if not _may_assign(rel, name)]
+    return bad
+
+
+def cache_and_its_users() -> list[Path]:
+    return [REPO / "deepinfer_backend.py", *sorted((REPO / "cache").rglob("*.py")),
+            *sorted((REPO / "server").rglob("*.py"))]
+
+
+def test_owned_cache_fields_change_only_in_their_owner() -> None:
+    bad = owned_field_writes(cache_and_its_users())
+    assert not bad, "owned fields written outside their owner:\n" + "\n".join(bad)
+
+
+def test_the_owner_check_sees_planted_writes() -> None:
+    planted = REPO / "cache" / "_owner_probe.py"
+    planted.write_text(
+        "def f(s, adm, session, ledger):\n"
+        "    s.ledgers[0].reserved_blocks += 1\n"
+        "    adm.running_tokens, x = 3, 4\n"
+        "    session.home_rank = 2\n"
+        "    setattr(session, 'num_in_flight', 0)\n"
+        "    s.sessions.idle.update(session, 0.0)\n"
+        "    Admission(rank=0, worst_blocks=9)\n"
+        "    s.epoch = 7\n"
+        "    s.reserved = 1  # not an owned name\n", encoding="utf-8")
+    try:
+        bad = owned_field_writes([planted])
+    finally:
+        planted.unlink()
+    lines = sorted(int(b.split(" ", 1)[0].rsplit(":", 1)[1]) for b in bad)
+    assert lines == [2, 3, 4, 5, 6, 7, 8], bad

@@ -37,9 +37,9 @@ def sample(manager: Any) -> list[list[int]]:
             while walk is not None and id(walk) not in held:
                 held.add(id(walk))
                 walk = walk.parent
-        keep_out = state.keep_out_blocks(rank)
+        keep_out = ledger.keep_out_blocks()
         out.append([len(held), len(nodes) - len(held), ledger.reserved_blocks, state.releases.pending(rank),
-                    keep_out, state.free_blocks(rank) - keep_out])
+                    keep_out, ledger.plannable_free_blocks()])
     return out
 
 

@@ -150,7 +150,7 @@ def test_pool_probe_splits_each_ranks_pool_without_losing_a_block() -> None:
     result = run_virtual(simulate_step(config, 20_000, 6, pool_probe_s=2.0))
     assert result.pool is not None and len(result.pool.samples) >= 40
     capacity = result.group.num_blocks - 1
-    keep_out = result.manager.state.keep_out_blocks(0)
+    keep_out = result.manager.state.ledgers[0].keep_out_blocks()
     for per_rank in result.pool.samples:
         assert len(per_rank) == config.deployment.num_ranks
         for held, idle, reserved, releasing, out, free in per_rank:

@@ -1,12 +1,16 @@
-"""``IdleLoad`` gives exactly the walk over every session, whatever happens between queries."""
+"""``IdleLoad`` gives exactly the walk over every session, whatever happens between queries.
+
+The sessions change only through their owner's methods (``SessionTable``: ``record_arrival``,
+``set_home``, ``turn_started``/``turn_ended``, ``record_finish``, ``forget_idle``,
+``clear_placement``), which keep the table's ``idle`` term; nothing here updates it by hand."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cache.idle_load import IdleLoad
 from cache.sessions import SessionTable, StopKind, session_id_for_hint
+from rank.ids import Rank
 
 HORIZON_S = 900.0
 
@@ -37,8 +41,8 @@ _OPS = st.lists(
 @given(ops=_OPS, kinds=st.lists(st.sampled_from(list(StopKind)), min_size=6, max_size=6))
 def test_idle_load_equals_the_walk(ops: list[tuple[str, int, float]], kinds: list[StopKind]) -> None:
     num_ranks = 3
-    table = SessionTable()
-    idle = IdleLoad(num_ranks, HORIZON_S, table)
+    table = SessionTable(num_ranks=num_ranks, home_horizon_s=HORIZON_S)
+    idle = table.idle
     now = [1000.0]
 
     def session(i: int):
@@ -49,26 +53,20 @@ def test_idle_load_equals_the_walk(ops: list[tuple[str, int, float]], kinds: lis
         s = session(i)
         if kind == "arrive":
             table.record_arrival(s, now[0])
-            idle.update(s, now[0])
-            s.home_rank = int(value) % num_ranks if s.home_rank is None else s.home_rank
-            s.num_in_flight += 1
-            idle.update(s, now[0])
+            if s.home_rank is None:
+                table.set_home(s, Rank(int(value) % num_ranks), now[0])
+            table.turn_started(s, now[0])
         elif kind == "finish" and s.num_in_flight:
-            s.num_in_flight -= 1
-            idle.update(s, now[0])
+            table.turn_ended(s, now[0])
             # Learnt gaps beyond 2x the horizon exercise the "never counts" branch.
             s.gaps.human_gap_s = value
             table.record_finish(s, kinds[i], None, int(value * 10) + 1, now[0])
-            idle.update(s, now[0])
         elif kind == "abort" and s.num_in_flight:
-            s.num_in_flight -= 1
-            idle.update(s, now[0])
+            table.turn_ended(s, now[0])
         elif kind == "move" and s.home_rank is not None:
-            s.home_rank = (s.home_rank + 1) % num_ranks
-            idle.update(s, now[0])
+            table.moved(s, Rank((s.home_rank + 1) % num_ranks), now[0])
         elif kind == "forget" and s.num_in_flight == 0:
-            for sid in table.forget_idle(now[0] + 1e9, 0.0, set()):
-                idle.remove(sid)
+            table.forget_idle(now[0] + 1e9, 0.0, set())
         elif kind == "advance":
             now[0] += value
         elif kind == "boundary":
@@ -83,7 +81,6 @@ def test_idle_load_equals_the_walk(ops: list[tuple[str, int, float]], kinds: lis
             now[0] -= value / 10  # a fake clock may go back: the sums are rebuilt
         elif kind == "restart":
             table.clear_placement()
-            idle.clear()
         assert idle.tokens(now[0]) == _walk(table, now[0], num_ranks), (kind, i, value, now[0])
         idle.check(now[0])
 
@@ -91,35 +88,32 @@ def test_idle_load_equals_the_walk(ops: list[tuple[str, int, float]], kinds: lis
 def test_idle_load_window_of_a_long_gap_session() -> None:
     """A session whose learnt gap exceeds the horizon starts counting only once it is expected
     back within it, and stops once it has been idle for the horizon."""
-    table = SessionTable()
-    idle = IdleLoad(2, HORIZON_S, table)
+    table = SessionTable(num_ranks=2, home_horizon_s=HORIZON_S)
+    idle = table.idle
     s = table.create("a", 0.0)
-    s.home_rank = 1
+    table.set_home(s, Rank(1), 0.0)
     s.gaps.human_gap_s = 1500.0
     table.record_finish(s, StopKind.END_TURN, None, 4000, 100.0)
-    idle.update(s, 100.0)
     assert idle.tokens(100.0) == [0, 0]  # expected back in 1500 s > 900 s
     assert idle.tokens(100.0 + 599.0) == [0, 0]
     assert idle.tokens(100.0 + 601.0) == [0, 4000]  # expected wait now 899 s
     assert idle.tokens(100.0 + 899.0) == [0, 4000]
     assert idle.tokens(100.0 + 900.0) == [0, 0]  # idle for the horizon: out for good
     assert idle.tokens(1e6) == [0, 0]
-    s.num_in_flight = 1
-    idle.update(s, 1e6)
+    table.turn_started(s, 1e6)
     assert idle.tokens(1e6 + 1) == [0, 0]
 
 
 @pytest.mark.parametrize("num_sessions", [1, 200])
 def test_idle_load_heap_stays_bounded(num_sessions: int) -> None:
     """Superseded re-checks are compacted: many updates of few sessions keep the heap small."""
-    table = SessionTable()
-    idle = IdleLoad(1, HORIZON_S, table)
+    table = SessionTable(num_ranks=1, home_horizon_s=HORIZON_S)
+    idle = table.idle
     sessions = [table.create(f"s{i}", 0.0) for i in range(num_sessions)]
     for s in sessions:
-        s.home_rank = 0
+        table.set_home(s, Rank(0), 0.0)
     for step in range(5000):
         s = sessions[step % num_sessions]
         table.record_finish(s, StopKind.TOOL_USE, None, 10, float(step))
-        idle.update(s, float(step))
     assert len(idle._heap) <= max(64, 4 * num_sessions) + 1
     idle.check(5000.0)

@@ -15,10 +15,12 @@ import pytest
 from cache.admission import AdmitLevel
 from cache.config import CacheConfig
 from cache.hashing import BlockHash
-from cache.l1_transfers import ChainExport, L1Transfers
+from cache.l1_writes import L1Writes
 from cache.planner import AdmitPlan, AdmitPlanner, known_prefix_blocks
+from cache.retire import ChainExport, Retirer
 from cache.sessions import StopKind, session_id_for_hint
 from cache.state import CacheState
+from rank.ids import Rank
 from tests.cache.cache_harness import SizesOnlyClient
 
 BS = SizesOnlyClient.block_size
@@ -35,15 +37,14 @@ def _setup(l1: bool = False) -> tuple[CacheState, AdmitPlanner, SizesOnlyClient]
     config = CacheConfig(reserve_blocks=0, usable_fraction=1.0, protect_s=30.0, l1_min_headroom_blocks=0)
     state = CacheState(client, config, None, clock=lambda: NOW)  # type: ignore[arg-type]
     if l1:
-        state.l1.resize(64)
-        state.l1_off_reason = None
+        state.l1_on(64, client.bytes_per_block)
     idx = state.l0[0]
     for name, chain, first_id, stop in (("a", A, 1, StopKind.END_TURN), ("b", B, 5, StopKind.TOOL_USE)):
         session = state.sessions.create(name, 0.0)
-        session.home_rank = 0
+        state.sessions.set_home(session, Rank(0), 0.0)
         idx.insert(chain, list(range(first_id, first_id + len(chain))), session.session_id, 0.0)
         state.sessions.record_finish(session, stop, chain[-1], len(chain) * BS, 0.0)
-    return state, AdmitPlanner(state, L1Transfers(state)), client
+    return state, AdmitPlanner(state, Retirer(state, L1Writes(state))), client
 
 
 def _ids(nodes: tuple[object, ...]) -> list[int]:
@@ -85,7 +86,7 @@ def test_normal_level_evicts_the_answer_session_tail_first_and_spares_the_tool_s
     assert sorted(n.block_id for n in state.l0[0].nodes.values()) == [1, 5, 6, 7]
     assert state.releases.pending(0) == 3  # out of the index, not free until the release lands
     assert state.ledgers[0].reserved_blocks == 8
-    assert state.free_blocks(0) == 12 - 4 - 8 - 3
+    assert state.ledgers[0].free_blocks() == 12 - 4 - 8 - 3
 
 
 def test_with_l1_the_victims_chain_is_pinned_for_its_export() -> None:

@@ -25,7 +25,7 @@ def test_blocks_are_free_only_once_their_release_lands_and_the_waiter_wakes_then
         state = _state(client)
         state.releases.release_later(0, [3, 4, 5])
         assert state.releases.pending(0) == 3 and state.releases.pending(1) == 0
-        assert state.free_blocks(0) == 12 - 3 and state.free_blocks(1) == 12
+        assert state.ledgers[0].free_blocks() == 12 - 3 and state.ledgers[1].free_blocks() == 12
         waiter = loop.create_task(state.releases.wait_idle(0, state.epoch))
         await asyncio.sleep(0.5)
         assert not waiter.done()
@@ -34,7 +34,7 @@ def test_blocks_are_free_only_once_their_release_lands_and_the_waiter_wakes_then
         await waiter
         assert loop.time() == opened_at  # woken by the landing itself, not by a poll tick
         assert state.releases.pending(0) == 0 and client.released == [[3, 4, 5]]
-        assert state.free_blocks(0) == 12
+        assert state.ledgers[0].free_blocks() == 12
         await state.releases.wait_idle(0, state.epoch)  # nothing pending: returns at once
         assert loop.time() == opened_at
         await state.tasks.drain()

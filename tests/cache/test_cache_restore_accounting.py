@@ -126,7 +126,7 @@ def test_restore_retries_while_the_engine_reaps_an_aborted_sequence() -> None:
 
         try:
             group.import_blocks = briefly_short  # type: ignore[method-assign]
-            ids = await mgr.transfers.import_blocks(0, 0, 3, mgr.epoch)
+            ids = await mgr.restores.import_blocks(0, 0, 3, mgr.epoch)
             assert len(ids) == 3 and num_short == 2
             await real_import_release(group, ids)
         finally:

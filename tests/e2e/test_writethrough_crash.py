@@ -3,7 +3,7 @@
 A session whose rank pool never came under pressure used to live on the GPU alone: a rank SIGKILL
 two seconds after its turn logged ``kept 0 L1 entries`` and the next turn was 0% cached. Now every
 finished turn's new blocks go to L1 beside the step and spill to L2 behind it
-(``cache/l1_transfers.py``, ``write_through_later``), so a rank kill or the whole backend's death
+(``cache/l1_writes.py``, ``write_through_later``), so a rank kill or the whole backend's death
 loses only the turns in flight. The killed backend's L1 pool file in ``/dev/shm`` is removed by
 the next backend's start (``rank/shm_claim.py``), and the live one's is not.
 

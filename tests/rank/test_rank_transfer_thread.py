@@ -152,7 +152,7 @@ def test_transfers_reply_while_a_step_is_held_and_commands_keep_their_order(tmp_
 @pytest.mark.timeout(180)
 def test_a_release_and_the_import_that_needs_its_blocks_reply_while_a_step_is_held(tmp_path: Path) -> None:
     """No add waits for the loop: the release runs on the transfer thread, so the import the
-    cache sends right behind it (``L1Transfers.retire``) finds the blocks free at once."""
+    cache sends right behind it (``Retirer.retire``) finds the blocks free at once."""
     async def scenario() -> None:
         group = _group(tmp_path)
         await group.start()

@@ -51,7 +51,15 @@ from cache.l2_io import (
     open_direct,
     write_at,
 )
-from cache.l2_reader import BufferRing, Window, read_windows, ring_bytes, ring_depth
+from cache.l2_reader import (
+    RING_DEPTH,
+    BufferRing,
+    Window,
+    aligned_windows,
+    read_windows,
+    ring_bytes,
+    window_blocks,
+)
 from cache.l2_scan import TMP_SUFFIX, ScanReport, extent_from_header, scan_into
 
 log = logging.getLogger(__name__)
@@ -130,8 +138,8 @@ class L2Store:
                                   if io_threads > 0 else InlineExecutor())
         self._verify: Executor = (ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="l2-verify")
                                   if io_threads > 0 else InlineExecutor())
-        window_bytes = self.blocks_per_chunk * stamp.bytes_per_block
-        self._ring = BufferRing(ring_depth(io_threads), ring_bytes(window_bytes))
+        self.blocks_per_window = window_blocks(stamp.bytes_per_block, self.chunk_bytes)
+        self._ring = BufferRing(RING_DEPTH, ring_bytes(self.blocks_per_window * stamp.bytes_per_block))
         self._seq = 0
         self._last_warning: dict[str, float] = {}
 
@@ -271,7 +279,7 @@ class L2Store:
                 if opened is None:
                     break
                 fd, is_direct = opened
-                for b, c in block_chunks(run.index, run.count, self.blocks_per_chunk):
+                for b, c in aligned_windows(run.index, run.count, self.blocks_per_window):
                     dst = self.host.run(slot + b - run.index, c)
                     windows.append(Window(fd, is_direct, run.extent.payload_offset + b * bpb, dst,
                                           run.extent.checksums[b : b + c]))

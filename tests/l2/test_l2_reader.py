@@ -3,6 +3,7 @@ files cut the restore, and the same outcome whatever the number of verify thread
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,7 +13,15 @@ import pytest
 
 from cache.l2_format import ALIGN, align_up, block_checksum
 from cache.l2_io import ShortRead, open_direct
-from cache.l2_reader import BufferRing, Window, read_windows, ring_bytes, ring_depth
+from cache.l2_reader import (
+    RING_DEPTH,
+    BufferRing,
+    Window,
+    aligned_windows,
+    read_windows,
+    ring_bytes,
+    window_blocks,
+)
 from cache.l2_store import InlineExecutor
 from tests.l2.l2_helpers import HASHER, ODD_BPB, chain, files, fill, make_store, run
 
@@ -58,7 +67,7 @@ def test_restores_exact_bytes(tmp_path, direct: bool, bpb: int, threads: int) ->
     verify = ThreadPoolExecutor(threads) if threads else InlineExecutor()
     try:
         per = 7  # window edges fall inside pages
-        ring = BufferRing(ring_depth(threads), ring_bytes(per * bpb))
+        ring = BufferRing(RING_DEPTH, ring_bytes(per * bpb))
         for shift in (0, 123):
             dst = _slots(33, bpb, shift)
             results = read_windows(_windows(fd, is_direct, dst, sums, bpb, per, first=5), ring, verify)
@@ -107,7 +116,7 @@ def test_truncated_file_ends_the_restore_at_the_cut(tmp_path, threads: int) -> N
     verify = ThreadPoolExecutor(threads) if threads else InlineExecutor()
     try:
         dst = _slots(30, bpb)
-        results = read_windows(_windows(fd, is_direct, dst, sums, bpb, 8), BufferRing(ring_depth(threads),
+        results = read_windows(_windows(fd, is_direct, dst, sums, bpb, 8), BufferRing(RING_DEPTH,
                                ring_bytes(8 * bpb)), verify)
     finally:
         os.close(fd)
@@ -213,3 +222,16 @@ def test_store_restores_the_same_whatever_the_threads(tmp_path, threads: int) ->
     assert np.array_equal(store.host.array[130 : 130 + got], data[:got])
     store.close()
     assert second not in files(d)
+
+
+@pytest.mark.parametrize("bpb", [114_048, ODD_BPB, 4 * ALIGN, 12_345])
+def test_windows_start_on_a_page_and_follow_each_other(bpb: int) -> None:
+    """Windows cut at multiples of ``window_blocks`` begin on a page where such a cut fits, so
+    each read starts where the previous ended (no page read twice)."""
+    per = window_blocks(bpb, 16 << 20)
+    assert 1 <= per <= max(1, (16 << 20) // bpb)
+    pieces = aligned_windows(5, 3 * per + 7, per)
+    assert sum(c for _, c in pieces) == 3 * per + 7 and pieces[0] == (5, per - 5)
+    assert all(b + c == nb for (b, c), (nb, _) in itertools.pairwise(pieces))
+    if bpb % 2 == 0:  # rows sharing a factor of 2 with ALIGN: a page-aligned cut fits in 16 MiB
+        assert all((b * bpb) % ALIGN == 0 for b, _ in pieces[1:])

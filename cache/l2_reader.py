@@ -38,8 +38,9 @@ import math
 import mmap
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,3 +208,43 @@ def _up_to_first_failure(results: list[int | BaseException],
         if isinstance(res, BaseException) or res < windows[i].num_blocks:
             return results[: i + 1]
     return results
+
+
+class RestoresFirst:
+    """The disk goes to restores first: a save's next write waits while a restore runs.
+
+    A turn waits for its restore; nobody waits for a save (it is write-behind). Both share one
+    disk, so a save beside a restore took about half its bandwidth: on the build machine a 91 MB
+    restore took 140-175 ms alone and 255-320 ms with a save of the same size in flight. A write
+    already issued still ends (at most the save pool's threads x ``chunk_bytes``), and a write
+    waits at most ``max_wait_s`` at a time, so back-to-back restores slow saves down but never
+    stop them. Off (``enabled`` False) where the store runs inline: a wait there would block the
+    event loop that the restore needs."""
+
+    def __init__(self, enabled: bool = True, max_wait_s: float = 0.5) -> None:
+        self.enabled = enabled
+        self.max_wait_s = max_wait_s
+        self._cond = threading.Condition()
+        self._active = 0
+
+    @property
+    def num_active(self) -> int:
+        return self._active
+
+    @contextmanager
+    def restoring(self) -> Iterator[None]:
+        with self._cond:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self._cond.notify_all()
+
+    def wait_for_restores(self) -> None:
+        """Before a save's write: until no restore runs (or ``max_wait_s`` has passed)."""
+        if self.enabled:
+            with self._cond:
+                self._cond.wait_for(lambda: self._active == 0, self.max_wait_s)

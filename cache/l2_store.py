@@ -36,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from cache.hashing import BlockHash
 from cache.host_slots import HostSlots
@@ -54,6 +54,7 @@ from cache.l2_io import (
 from cache.l2_reader import (
     RING_DEPTH,
     BufferRing,
+    RestoresFirst,
     Window,
     aligned_windows,
     read_windows,
@@ -61,6 +62,9 @@ from cache.l2_reader import (
     window_blocks,
 )
 from cache.l2_scan import TMP_SUFFIX, ScanReport, extent_from_header, scan_into
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +144,7 @@ class L2Store:
                                   if io_threads > 0 else InlineExecutor())
         self.blocks_per_window = window_blocks(stamp.bytes_per_block, self.chunk_bytes)
         self._ring = BufferRing(RING_DEPTH, ring_bytes(self.blocks_per_window * stamp.bytes_per_block))
+        self._restores_first = RestoresFirst(enabled=io_threads > 0)
         self._seq = 0
         self._last_warning: dict[str, float] = {}
 
@@ -224,6 +229,11 @@ class L2Store:
         self.counters.saved_bytes += stored * self.stamp.bytes_per_block
         return stored
 
+    def _write_chunk(self, fd: int, is_direct: bool, offset: int, data: np.ndarray) -> None:
+        """One chunk of a save, after any restore in progress (``RestoresFirst``)."""
+        self._restores_first.wait_for_restores()
+        write_at(fd, is_direct, offset, data)
+
     async def _write(self, name: str, header: ExtentHeader, host_slot: int) -> ExtentHeader:
         path = os.path.join(self.directory, name)
         tmp = path + TMP_SUFFIX
@@ -233,7 +243,7 @@ class L2Store:
         fd, is_direct = await self._run(open_direct, tmp, flags, direct=self.direct)
         done = False
         try:
-            writes = [self._submit(write_at, fd, is_direct, header.payload_offset + a, payload[a:b])
+            writes = [self._submit(self._write_chunk, fd, is_direct, header.payload_offset + a, payload[a:b])
                       for a, b in byte_chunks(payload.nbytes, self.chunk_bytes)]
             sums = [self._submit(checksums, payload[i * bpb : (i + c) * bpb], bpb)
                     for i, c in block_chunks(0, header.num_blocks, self.blocks_per_chunk)]
@@ -285,7 +295,8 @@ class L2Store:
                                           run.extent.checksums[b : b + c]))
                     where.append((run.extent, b))
                 slot += run.count
-            results = await self._on(self._reader, read_windows, windows, self._ring, self._verify)
+            with self._restores_first.restoring():
+                results = await self._on(self._reader, read_windows, windows, self._ring, self._verify)
         finally:
             for fd, _ in fds.values():
                 await self._on(self._reader, os.close, fd)

@@ -16,6 +16,7 @@ from cache.l2_io import ShortRead, open_direct
 from cache.l2_reader import (
     RING_DEPTH,
     BufferRing,
+    RestoresFirst,
     Window,
     aligned_windows,
     read_windows,
@@ -235,3 +236,30 @@ def test_windows_start_on_a_page_and_follow_each_other(bpb: int) -> None:
     assert all(b + c == nb for (b, c), (nb, _) in itertools.pairwise(pieces))
     if bpb % 2 == 0:  # rows sharing a factor of 2 with ALIGN: a page-aligned cut fits in 16 MiB
         assert all((b * bpb) % ALIGN == 0 for b, _ in pieces[1:])
+
+
+def test_a_save_waits_for_the_restore_in_progress(tmp_path) -> None:
+    """``RestoresFirst``: a save's writes start only once no restore runs (a turn waits for its
+    restore, nobody for a save), and a save still ends if restores never stop (``max_wait_s``)."""
+    store = make_store(str(tmp_path), io_threads=2)
+    c = chain(60)
+    fill(store.host, 0, 60, seed=13)
+    saved: list[int] = []
+    saver = threading.Thread(target=lambda: saved.append(run(store.save(c, HASHER.root, 0))))
+    gate = store._restores_first
+    with gate.restoring():
+        saver.start()
+        saver.join(0.3)
+        assert saver.is_alive() and saved == []  # held before its first write
+        tmp = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+        assert all(os.path.getsize(os.path.join(tmp_path, n)) == 0 for n in tmp)
+    saver.join(10)
+    assert saved == [60] and store.match(c) == 60 and gate.num_active == 0
+    store.close()
+
+    starved = RestoresFirst(max_wait_s=0.01)
+    with starved.restoring():
+        starved.wait_for_restores()  # returns after max_wait_s although the restore goes on
+    inline = RestoresFirst(enabled=False)
+    with inline.restoring():
+        inline.wait_for_restores()  # the inline store never waits (its loop runs the restore)

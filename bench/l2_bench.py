@@ -39,7 +39,7 @@ import numpy as np
 from cache.hashing import ChainHasher
 from cache.host_slots import HostSlots
 from cache.l2_format import L2Stamp
-from cache.l2_io import measure_sequential
+from cache.l2_io import DiskSpeed, measure_sequential
 from cache.l2_store import L2Store
 from server.preflight_checks.probe import RealSystemProbe
 
@@ -56,6 +56,7 @@ class L2Run:
     num_bytes: int
     identical: bool
     direct: bool
+    of_raw: float = float("nan")  # median over rounds of this round's restore / raw read speed
 
     @property
     def save_gbps(self) -> float:
@@ -90,6 +91,15 @@ async def _save_restore(store: L2Store, hashes: list, root: Any, num_blocks: int
 
 def bench_l2(directory: str, num_blocks: int, bytes_per_block: int, threads: int, repeats: int,
              chunk_bytes: int, direct: bool) -> L2Run:
+    return bench_rounds(directory, num_blocks, bytes_per_block, [threads], repeats, chunk_bytes, direct)[1][0]
+
+
+def bench_rounds(directory: str, num_blocks: int, bytes_per_block: int, thread_list: list[int], repeats: int,
+                 chunk_bytes: int, direct: bool, raw: bool = False) -> tuple[list[DiskSpeed], list[L2Run]]:
+    """``repeats`` rounds; each round runs the raw sequential test (with ``raw``, on the session's
+    byte count) and then one save + restore per thread count, so a disk whose speed drifts (a
+    shared machine, a virtual disk) moves every column alike. Returns the raw runs and, per thread
+    count, the medians and the median of each round's restore / raw read ratio."""
     slots, shm = _shm_slots(2 * num_blocks, bytes_per_block)
     try:
         rng = np.random.default_rng(0)
@@ -100,22 +110,32 @@ def bench_l2(directory: str, num_blocks: int, bytes_per_block: int, threads: int
         tokens = rng.integers(0, 100_000, num_blocks * BLOCK_SIZE, dtype=np.int32)
         hashes = hasher.hashes(tokens)
         stamp = L2Stamp("bench", BLOCK_SIZE, bytes_per_block, "random-bytes")
-        runs = []
+        raws: list[DiskSpeed] = []
+        runs: dict[int, list[tuple[float, float, bool]]] = {t: [] for t in thread_list}
         for _ in range(repeats):
-            sub = tempfile.mkdtemp(prefix="l2-bench-", dir=directory)
-            bound = 2 * num_blocks * bytes_per_block + (64 << 20)
-            store = L2Store(sub, bound, stamp, slots, io_threads=threads, chunk_bytes=chunk_bytes,
-                            direct=direct, min_free_bytes=0)
-            store.open()
-            try:
-                runs.append(asyncio.run(_save_restore(store, hashes, hasher.root, num_blocks)))
-            finally:
-                store.close()
-                shutil.rmtree(sub, ignore_errors=True)
-        save_s = statistics.median(r[0] for r in runs)
-        restore_s = statistics.median(r[1] for r in runs)
-        same = all(r[2] for r in runs)
-        return L2Run(threads, save_s, restore_s, num_blocks * bytes_per_block, same, direct)
+            if raw:
+                raws.append(measure_sequential(directory, num_blocks * bytes_per_block, max_seconds=60.0))
+            for threads in thread_list:
+                sub = tempfile.mkdtemp(prefix="l2-bench-", dir=directory)
+                bound = 2 * num_blocks * bytes_per_block + (64 << 20)
+                store = L2Store(sub, bound, stamp, slots, io_threads=threads, chunk_bytes=chunk_bytes,
+                                direct=direct, min_free_bytes=0)
+                store.open()
+                try:
+                    runs[threads].append(asyncio.run(_save_restore(store, hashes, hasher.root, num_blocks)))
+                finally:
+                    store.close()
+                    shutil.rmtree(sub, ignore_errors=True)
+        out = []
+        for threads in thread_list:
+            save_s = statistics.median(r[0] for r in runs[threads])
+            restore_s = statistics.median(r[1] for r in runs[threads])
+            same = all(r[2] for r in runs[threads])
+            nbytes = num_blocks * bytes_per_block
+            paired = [nbytes / r[1] / rw.read_bytes_per_s for rw, r in zip(raws, runs[threads])]
+            of_raw = statistics.median(paired) if paired else float("nan")
+            out.append(L2Run(threads, save_s, restore_s, nbytes, same, direct, of_raw))
+        return raws, out
     finally:
         del slots
         os.unlink(shm)
@@ -256,20 +276,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"({raw.read_bytes >> 20} MiB)")
     print(f"session: {args.tokens:,} tokens = {num_blocks:,} blocks x {args.bytes_per_block:,} B = "
           f"{nbytes / 1e6:,.1f} MB; chunks {args.chunk_mb} MiB; median of {args.repeats}")
-    print(f"{'L2 threads':<12}{'save GB/s':>10}{'restore GB/s':>14}{'restore tok/s':>15}{'identical':>11}"
-          f"{'direct':>8}")
-    runs = []
-    for threads in args.thread_list:
-        r = bench_l2(directory, num_blocks, args.bytes_per_block, threads, args.repeats, args.chunk_mb << 20,
-                     raw.is_direct and not args.buffered)
-        runs.append(r)
+    raws, runs = bench_rounds(directory, num_blocks, args.bytes_per_block, args.thread_list, args.repeats,
+                              args.chunk_mb << 20, raw.is_direct and not args.buffered, raw=True)
+    raw_read_gbps = statistics.median(r.read_bytes_per_s for r in raws) / GB
+    print(f"raw sequential read of the session's bytes, interleaved with the rounds: "
+          f"{raw_read_gbps:.2f} GB/s (median of {len(raws)})")
+    print("of raw: the median over rounds of the round's restore speed / its raw read speed")
+    print(f"{'L2 threads':<12}{'save GB/s':>10}{'restore GB/s':>14}{'of raw':>8}{'restore tok/s':>15}"
+          f"{'identical':>11}{'direct':>8}")
+    for r in runs:
         tok_s = num_blocks * BLOCK_SIZE / r.restore_s
-        print(f"{threads:<12}{r.save_gbps:>10.2f}{r.restore_gbps:>14.2f}{tok_s:>15,.0f}{r.identical!s:>11}"
-              f"{r.direct!s:>8}")
+        of_raw = r.of_raw
+        print(f"{r.threads:<12}{r.save_gbps:>10.2f}{r.restore_gbps:>14.2f}{of_raw:>8.0%}{tok_s:>15,.0f}"
+              f"{r.identical!s:>11}{r.direct!s:>8}")
     result: dict[str, Any] = {
         "dir": directory, "fstype": fstype, "tokens": args.tokens, "bytes_per_block": args.bytes_per_block,
         "raw": asdict(raw) | {"write_gbps": raw.write_bytes_per_s / GB,
                               "read_gbps": raw.read_bytes_per_s / GB},
+        "raw_rounds": [asdict(r) for r in raws], "raw_read_gbps_interleaved": raw_read_gbps,
         "l2": [asdict(r) | {"save_gbps": r.save_gbps, "restore_gbps": r.restore_gbps} for r in runs],
     }
     if args.prefill:

@@ -3,19 +3,23 @@
 It moves chain blocks between host slots (``HostSlots``, the shared L1 pool) and extent files
 (``cache/l2_format.py``): ``save`` spills a chain held in consecutive slots, ``load`` restores
 a run of a chain into consecutive slots; a restore then goes on to the GPU through the rank's
-``import_blocks``, so it is disk -> host -> GPU. Both run on a thread pool in chunks that
-overlap (several reads or writes in flight, checksums computed alongside) with direct I/O
-(``cache/l2_io.py``). The index (``cache/l2_index.py``) lives in memory and is rebuilt from the
-files' headers at ``open`` (``cache/l2_scan.py``), so it survives a backend restart.
+``import_blocks``, so it is disk -> host -> GPU. Saves run on a thread pool in chunks that
+overlap (several writes in flight, checksums computed alongside) with direct I/O
+(``cache/l2_io.py``). Restores have threads of their own, so a restore never queues behind a
+save's writes: one reader that keeps one large read in flight and a verify pool that copies and
+hashes behind it (``cache/l2_reader.py``). The index (``cache/l2_index.py``) lives in memory and
+is rebuilt from the files' headers at ``open`` (``cache/l2_scan.py``), so it survives a backend
+restart.
 
 Failure is never the client's problem: disk full, a vanished directory, an unreadable, corrupt
 or truncated file all end in "not cached" (``save`` stores nothing, ``load`` returns the prefix
 it verified) plus a log line and a counter; the turn recomputes what is missing.
 
-Threading: the public methods run on one event loop; the index is touched only there. With
-``io_threads=0`` every file operation runs inline on the loop's thread (``InlineExecutor``):
-the tests on virtual time use it, as that loop cannot wait for real threads and an outcome
-must not depend on how long a read took. A call
+Threading: the public methods run on one event loop; the index is touched only there.
+``io_threads``: the save pool's threads and the restore's verify threads (the restore's reader is
+one thread whatever it is). With ``io_threads=0`` every file operation runs inline on the loop's
+thread (``InlineExecutor``): the tests on virtual time use it, as that loop cannot wait for real
+threads and an outcome must not depend on how long a read took. A call
 that is cancelled still waits for its chunks in flight (they hold its file descriptor and write
 into its host slots) before it lets the cancellation through, so the caller may reuse the slots
 as soon as the call has returned or raised.
@@ -36,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from cache.hashing import BlockHash
 from cache.host_slots import HostSlots
-from cache.l2_format import EXTENT_SUFFIX, ExtentHeader, L2Stamp, block_checksum
+from cache.l2_format import EXTENT_SUFFIX, ExtentHeader, L2Stamp
 from cache.l2_index import L2Extent, L2Index
 from cache.l2_io import (
     ShortRead,
@@ -45,8 +49,17 @@ from cache.l2_io import (
     checksums,
     drop_cache,
     open_direct,
-    read_at,
     write_at,
+)
+from cache.l2_reader import (
+    RING_DEPTH,
+    BufferRing,
+    RestoresFirst,
+    Window,
+    aligned_windows,
+    read_windows,
+    ring_bytes,
+    window_blocks,
 )
 from cache.l2_scan import TMP_SUFFIX, ScanReport, extent_from_header, scan_into
 
@@ -123,6 +136,15 @@ class L2Store:
         self._free_bytes = free_bytes
         self._pool: Executor = (ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="l2-io")
                                 if io_threads > 0 else InlineExecutor())
+        # Restores (cache/l2_reader.py): one reader thread, ``io_threads`` verify threads, and a
+        # ring of read buffers: one being read, the others being copied out and verified.
+        self._reader: Executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2-read")
+                                  if io_threads > 0 else InlineExecutor())
+        self._verify: Executor = (ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="l2-verify")
+                                  if io_threads > 0 else InlineExecutor())
+        self.blocks_per_window = window_blocks(stamp.bytes_per_block, self.chunk_bytes)
+        self._ring = BufferRing(RING_DEPTH, ring_bytes(self.blocks_per_window * stamp.bytes_per_block))
+        self._restores_first = RestoresFirst(enabled=io_threads > 0)
         self._seq = 0
         self._last_warning: dict[str, float] = {}
 
@@ -145,6 +167,8 @@ class L2Store:
         return report
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        self._verify.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
     # ----------------------------------------------------------------- lookups
@@ -205,6 +229,11 @@ class L2Store:
         self.counters.saved_bytes += stored * self.stamp.bytes_per_block
         return stored
 
+    def _write_chunk(self, fd: int, is_direct: bool, offset: int, data: np.ndarray) -> None:
+        """One chunk of a save, after any restore in progress (``RestoresFirst``)."""
+        self._restores_first.wait_for_restores()
+        write_at(fd, is_direct, offset, data)
+
     async def _write(self, name: str, header: ExtentHeader, host_slot: int) -> ExtentHeader:
         path = os.path.join(self.directory, name)
         tmp = path + TMP_SUFFIX
@@ -214,7 +243,7 @@ class L2Store:
         fd, is_direct = await self._run(open_direct, tmp, flags, direct=self.direct)
         done = False
         try:
-            writes = [self._submit(write_at, fd, is_direct, header.payload_offset + a, payload[a:b])
+            writes = [self._submit(self._write_chunk, fd, is_direct, header.payload_offset + a, payload[a:b])
                       for a, b in byte_chunks(payload.nbytes, self.chunk_bytes)]
             sums = [self._submit(checksums, payload[i * bpb : (i + c) * bpb], bpb)
                     for i, c in block_chunks(0, header.num_blocks, self.blocks_per_chunk)]
@@ -241,39 +270,42 @@ class L2Store:
         self.index.touch(self.index.path(hashes, first + count), self._clock())
         extents = list({id(r.extent): r.extent for r in runs}.values())
         fds: dict[int, tuple[int, bool]] = {}
-        chunks: list[tuple[L2Extent, int, int, asyncio.Future[int] | None]] = []  # chain order
+        windows: list[Window] = []
+        where: list[tuple[L2Extent, int]] = []  # per window: its extent, its first block there
+        verified = 0
         try:
             for extent in extents:
                 try:
-                    fds[id(extent)] = await self._run(open_direct, os.path.join(self.directory, extent.name),
-                                                      os.O_RDONLY, direct=self.direct)
+                    fds[id(extent)] = await self._on(self._reader, open_direct,
+                                                     os.path.join(self.directory, extent.name),
+                                                     os.O_RDONLY, direct=self.direct)
                 except OSError as exc:
                     self._drop(extent, "cannot be opened", exc)
+                    break  # the verified prefix cannot go past it
             slot = host_slot
+            bpb = self.stamp.bytes_per_block
             for run in runs:
                 opened = fds.get(id(run.extent))
-                for b, c in block_chunks(run.index, run.count, self.blocks_per_chunk):
-                    future = None
-                    if opened is not None:
-                        dst = self.host.run(slot + b - run.index, c)
-                        future = self._submit(_read_verified, opened, run.extent, b, c, dst)
-                    chunks.append((run.extent, b, c, future))
+                if opened is None:
+                    break
+                fd, is_direct = opened
+                for b, c in aligned_windows(run.index, run.count, self.blocks_per_window):
+                    dst = self.host.run(slot + b - run.index, c)
+                    windows.append(Window(fd, is_direct, run.extent.payload_offset + b * bpb, dst,
+                                          run.extent.checksums[b : b + c]))
+                    where.append((run.extent, b))
                 slot += run.count
-            results = await _wait_all([f for *_, f in chunks if f is not None], return_exceptions=True)
+            with self._restores_first.restoring():
+                results = await self._on(self._reader, read_windows, windows, self._ring, self._verify)
         finally:
             for fd, _ in fds.values():
-                await self._run(os.close, fd)
-        verified = 0
-        outcomes = iter(results)
-        for extent, b, c, future in chunks:  # the verified prefix ends at the first bad chunk
-            if future is None:
-                break
-            res = next(outcomes)
+                await self._on(self._reader, os.close, fd)
+        for (extent, b), window, res in zip(where, windows, results):  # the verified prefix
             if isinstance(res, BaseException):
                 self._drop(extent, "is unreadable", res)
                 break
             verified += res
-            if res < c:
+            if res < window.num_blocks:
                 self._drop(extent, f"failed its checksum at chain block {extent.first_block + b + res}", None)
                 break
         self.counters.loaded_blocks += verified
@@ -344,8 +376,12 @@ class L2Store:
         return asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def _run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._on(self._pool, fn, *args, **kwargs)
+
+    @staticmethod
+    async def _on(executor: Executor, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
-        (result,) = await _wait_all([loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))])
+        (result,) = await _wait_all([loop.run_in_executor(executor, lambda: fn(*args, **kwargs))])
         return cast(T, result)
 
 
@@ -369,20 +405,6 @@ async def _wait_all(futures: Sequence[Awaitable[Any]], return_exceptions: bool =
             raise exc
         results.append(exc if exc is not None else f.result())
     return results
-
-
-def _read_verified(opened: tuple[int, bool], extent: L2Extent, index: int, count: int,
-                   dst: np.ndarray) -> int:
-    """Read blocks ``index .. index+count-1`` of an extent into ``dst`` (uint8, 1-D, contiguous:
-    host slots); how many leading ones match their checksums."""
-    fd, is_direct = opened
-    bpb = dst.nbytes // count
-    read_at(fd, is_direct, extent.payload_offset + index * bpb, dst)
-    view = dst.data.cast("B")
-    for i in range(count):
-        if block_checksum(view[i * bpb : (i + 1) * bpb]) != extent.checksums[index + i]:
-            return i
-    return count
 
 
 def _finish_file(fd: int, is_direct: bool, header: bytes, tmp: str, path: str) -> None:

@@ -60,6 +60,7 @@ from bench.multi_gpu.analysis import (
     restore_table,
 )
 from bench.multi_gpu.report import render_markdown
+from cache.sessions import SessionHint
 
 log = logging.getLogger("bench.multi_gpu_run")
 
@@ -236,11 +237,13 @@ class Recorder:
         orig_admit = cache.admit
 
         @functools.wraps(orig_admit)
-        async def admit(prompt_ids: Any, session_hint: str | None, max_tokens: int, **kw: Any) -> Any:
+        async def admit(prompt_ids: Any, session_hint: SessionHint | str | None, max_tokens: int,
+                        **kw: Any) -> Any:
             adm = await orig_admit(prompt_ids, session_hint, max_tokens, **kw)
+            key = SessionHint.of(session_hint).key or ""  # the service passes a SessionHint
             self.admissions.append({
                 "t": time.monotonic(),
-                "hint": session_hint if (session_hint or "").startswith(PROBE_PREFIX) else None,
+                "hint": key if key.startswith(PROBE_PREFIX) else None,
                 "rank": adm.rank, "epoch": adm.epoch, "prompt": adm.num_prompt_tokens,
                 "l0": adm.cached_tokens_by_tier.l0, "l1": adm.cached_tokens_by_tier.l1,
                 "queue_s": adm.queue_time_s, "restore_s": adm.restore_s,

@@ -121,9 +121,26 @@ def _raw_get_s(store: L3Store, hashes: list[int]) -> float:
     return time.perf_counter() - started
 
 
+def master_binary() -> str | None:
+    """The ``mooncake_master`` executable: the one inside the installed ``mooncake`` package first
+    (what the ``mooncake_master`` console script execs; that script's shebang names the venv's path
+    at install time, so it breaks when the venv is reached through another path), then the
+    script beside this Python, then PATH."""
+    try:
+        import mooncake
+    except ImportError:
+        packaged = None
+    else:
+        packaged = Path(mooncake.__file__).parent / "mooncake_master"
+    beside = Path(sys.executable).parent / "mooncake_master"
+    for candidate in (packaged, beside):
+        if candidate is not None and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("mooncake_master")
+
+
 def bench_l3(num_blocks: int, bytes_per_block: int, repeats: int, staging_mb: int) -> dict[str, Any]:
-    binary = Path(sys.executable).parent / "mooncake_master"
-    master_bin = str(binary) if binary.exists() else shutil.which("mooncake_master")
+    master_bin = master_binary()
     if master_bin is None:
         raise RuntimeError("mooncake_master not found (scripts/setup_l3.sh)")
     work = Path(tempfile.mkdtemp(prefix="l3-bench-"))
@@ -191,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.tokens = 65_536
-    missing = mooncake_available()
+    missing = mooncake_available() or (None if master_binary() else "no mooncake_master")
     if missing is not None:
         print(f"Mooncake's client is not installed ({missing}): bash scripts/setup_l3.sh", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
     python -m bench.admit_bench                          # 1,024 sessions, 4 ranks, 4 rounds
     python -m bench.admit_bench --sessions 4096 --profile
+    python -m bench.admit_bench --quick                  # 32 sessions, 2 ranks, 2 rounds (seconds)
 
 The cache's bookkeeping per turn (hash, session lookup, routing with the load measure, pin,
 reserve, gauges; then filing the kept blocks) runs against a stand-in rank client that has
@@ -27,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from bench.support.quick import add_quick
 from cache.config import CacheConfig
 from cache.manager import CacheManager
 from cache.metrics import CacheMetrics
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=300)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="cProfile the last round")
+    add_quick(p, argv, sessions=32, ranks=2, rounds=2)
     args = p.parse_args(argv)
     asyncio.run(run(args.sessions, args.ranks, args.rounds, args.prompt_tokens, args.output_tokens,
                     args.profile))

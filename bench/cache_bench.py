@@ -1,4 +1,5 @@
-"""Cache tier benchmark: ``python -m bench.cache_bench``.
+"""Cache tier benchmark: ``python -m bench.cache_bench`` (``--quick``: a 20K-token prompt and a replay
+of 4 sessions x 3 turns on 2 ranks, seconds).
 
 Prints two things:
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from bench.support.quick import add_quick
 from cache.config import CacheConfig
 from cache.hashing import ChainHasher
 from cache.l0_index import L0Index
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-fraction", type=float, nargs="*", default=[2.0, 0.5])
     parser.add_argument("--max-history", type=int, default=130_000, help="tokens of earlier history")
     parser.add_argument("--skip-replay", action="store_true")
+    add_quick(parser, argv, tokens=20_000, repeats=1, sessions=4, ranks=2, turns=3, gpu_fraction=[0.5],
+              max_history=8_000)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 

@@ -3,6 +3,7 @@
     python -m bench.decode_bench                          # 4 ranks x 128 streams, DeepInfer's compiled core
     python -m bench.decode_bench --ranks 4 --seqs 128 --max-tokens 1500
     python -m bench.decode_bench --core stand-in --ranks 2 --seqs 4 --max-tokens 40   # no DeepInfer build
+    python -m bench.decode_bench --quick                  # stand-in core, 2 ranks x 3 streams x 24 tokens
 
 What runs: ``python -m deepinfer_backend serve`` with engine ``deepinfer`` (the server, the cache,
 the rank group), ``--ranks`` real rank processes (``rank.worker``: the DeepInfer adapter, the
@@ -65,6 +66,8 @@ from bench.decode_figures import (
     rank_profile,
     thread_cpu_s,
 )
+from bench.support.ports import free_port
+from bench.support.quick import add_quick
 
 REPO = Path(__file__).resolve().parents[1]
 PREFLIGHT_SKIP = "gpu,model_dir,model_fs,model_read_speed,nccl_env,ready_timeout,timeout_order"
@@ -206,13 +209,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="DeepInfer's compiled scheduler (installed) or the Python stand-in's")
     parser.add_argument("--build-dir", default=None, help="scripts/build_deepinfer.sh's directory")
     parser.add_argument("--py-spy", default="auto", help="py-spy binary, 'auto' (PATH) or 'off'")
-    parser.add_argument("--port", type=int, default=18471)
+    parser.add_argument("--port", type=int, default=18471, help="the server's port (0: a free one)")
     parser.add_argument("--prefill-interval", type=int, default=70,
                         help="DeepInfer's prefill vote interval in decode steps (its default 70; ANY: 100)")
     parser.add_argument("--work-dir", default=None,
                         help="for the config, logs and profiles (default: a new temp dir)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON last")
-    return parser.parse_args(argv)
+    add_quick(parser, argv, core="stand-in", ranks=2, seqs=3, max_tokens=24, py_spy="off", prefill_interval=1,
+              port=0)
+    args = parser.parse_args(argv)
+    if args.port == 0:
+        args.port = free_port()
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
     python -m bench.fault_injection --fault kill --fault stop      # 4 ranks, 64 streams, null model
     python -m bench.fault_injection --model tiny --streams 64 --ranks 4 --fault kill
+    python -m bench.fault_injection --quick        # kill only, 2 ranks, 4 streams of 200 tokens
 
 What one fault run does (``run_fault``), against a real ``Runtime`` (HTTP server, CacheManager,
 ``RankGroup`` of rank processes):
@@ -40,6 +41,7 @@ from typing import Any
 import httpx
 
 from bench.support.bodies import chat_body, filler_text, path_of
+from bench.support.quick import add_quick
 from bench.support.runtime_thread import RuntimeThread, cache_sizes
 from bench.support.sse import SseParser, error_body_problem, is_content_event, is_done_event, is_error_event
 
@@ -356,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=1500)
     p.add_argument("--victim", type=int, default=1, help="rank to kill/stop")
     p.add_argument("--json", action="store_true", help="also print each report as JSON")
+    add_quick(p, argv, ranks=2, streams=4, max_tokens=200)
     args = p.parse_args(argv)
-    faults = args.fault or ["kill", "stop"]
+    faults = args.fault or (["kill"] if args.quick else ["kill", "stop"])
     t0 = time.monotonic()
     with RuntimeThread(fault_config(num_ranks=args.ranks, model=args.model)) as rt:
         print(f"runtime up in {time.monotonic() - t0:.1f} s: {rt.runtime.describe()}", flush=True)

@@ -2,6 +2,7 @@
 
     python -m bench.fence_wait                       # a CUDA device; defaults below
     python -m bench.fence_wait --decode-ms 30 --prompt-ms 400 --prompt-every 10 --blocks 54 --block-mib 3
+    python -m bench.fence_wait --quick               # still a CUDA device: 2/10 ms steps, 10 small imports
 
 DeepInfer's kernels need SM100, so stand-in kernels replay the ordering of its step calls with
 zero-overhead scheduling (deepinfer/worker/worker.py ``execute_model_step``): per call the loop
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.multi_gpu.analysis import nearest_rank
+from bench.support.quick import add_quick
 from rank.deepinfer_transfers import DeepInferTransfers
 from rank.host_budget import SHM_DIR
 from rank.host_pool import HostPool
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="pause between imports (uniform)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seed", type=int, default=0)
+    add_quick(p, argv, decode_ms=2.0, prompt_ms=10.0, prompt_every=4, blocks=4, block_mib=0.25, imports=10,
+              gap_ms=(1.0, 5.0))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.fence_wait needs a CUDA device")

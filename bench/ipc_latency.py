@@ -3,6 +3,7 @@ Unix socket, with the receiving process idle or busy (small restores).
 
     python -m bench.ipc_latency                          # both transports, child idle and busy
     python -m bench.ipc_latency --busy torch --pings 2000
+    python -m bench.ipc_latency --quick                  # 20 pings, child idle and running Python
 
 The parent plays the backend: an asyncio loop that sends a command, wakes on the reply's file
 descriptor (``loop.add_reader``, as ``rank/link.py`` does) and resumes the awaiting coroutine.
@@ -33,6 +34,7 @@ import time
 from typing import Any
 
 from bench.multi_gpu.analysis import nearest_rank
+from bench.support.quick import add_quick
 
 PING = struct.Struct("<dd")  # (sent, child received); the child answers (received, replied)
 
@@ -170,7 +172,7 @@ def parent(transport: str, busy: str, pings: int) -> dict[str, list[float]]:
         os.unlink(addr)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pings", type=int, default=1000)
     ap.add_argument("--transports", default="zmq,uds")
@@ -178,7 +180,8 @@ def main() -> None:
                     help="the child's main thread: none, python, torch")
     ap.add_argument("--child", choices=["zmq", "uds"], help=argparse.SUPPRESS)
     ap.add_argument("--addr", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    add_quick(ap, argv, pings=20, busy="none,python")
+    args = ap.parse_args(argv)
     if args.child:
         child(args.child, args.addr, args.busy)
         return
@@ -191,6 +194,7 @@ def main() -> None:
             total = sum(nearest_rank(ph[k], 0.5) for k in ph) * 1e3
             print(f"{transport:>9} {busy:>7} | {'':12}{cells[0]:>13} {cells[1]:>13} {cells[2]:>13} "
                   f"{total:8.3f}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """L1 restore bandwidth: one session's KV from the shared host pool into an engine's block pool.
 
 ``python -m bench.l1_restore_gpu`` (on a CUDA machine; ``--device cpu --tokens 65536`` runs the
-same code path on CPU as a smoke test).
+same code path on CPU as a smoke test; ``--quick``: 4,096 tokens on the CPU, ``--quick --device
+cuda`` the same on a GPU).
 
 What it measures, in one process and one run:
 
@@ -28,6 +29,7 @@ import statistics
 import time
 
 import torch
+from bench.support.quick import add_quick
 
 from rank.host_budget import host_pool_path, unlink_host_pool
 from rank.host_pool import HostPool
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--spare-blocks", type=int, default=1024, help="extra rows in the block pool")
+    add_quick(parser, argv, tokens=4096, device="cpu", repeats=1, spare_blocks=8)
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)

@@ -3,6 +3,7 @@ own sequential speed (and, with ``--prefill``, next to recomputing the same toke
 
     python -m bench.l2_bench --dir /path/on/the/disk          # this machine (CPU only)
     python -m bench.l2_bench --dir /path/on/nvme --prefill    # H200: + cold prefill, large model
+    python -m bench.l2_bench --quick                          # 4K tokens in the temp dir, CPU prefill
 
 What it measures, in one process:
 
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.support.quick import add_quick
 from cache.hashing import ChainHasher
 from cache.host_slots import HostSlots
 from cache.l2_format import L2Stamp
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batched-tokens", type=int, default=8192, help="prefill chunk per step")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", help="write the figures here")
+    add_quick(parser, argv, dir=tempfile.gettempdir(), tokens=4096, raw_mb=16, repeats=1, threads="1,2",
+              chunk_mb=1, prefill=True, device="cpu", model="null", prefill_tokens=8448, batched_tokens=512)
     args = parser.parse_args(argv)
     args.thread_list = [int(t) for t in args.threads.split(",")]
     directory = os.path.abspath(args.dir)

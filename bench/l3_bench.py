@@ -1,7 +1,8 @@
 """L3 restore next to L2 and prefill: a V4.1-Flash session's KV from the host pool to a Mooncake
 Store held by another process and back, and the same through L2 on local disk.
 
-    python -m bench.l3_bench --quick            # 64K tokens (58 MB), under a minute
+    python -m bench.l3_bench --quick            # 8K tokens (7 MB), 1 repeat, seconds
+    python -m bench.l3_bench --tokens 65536     # 58 MB, under a minute
     python -m bench.l3_bench                    # the 500K-token session (446 MB of KV)
     python -m bench.l3_bench --json out.json
 
@@ -39,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from bench.l2_bench import BLOCK_SIZE, V41_FLASH_BYTES_PER_BLOCK, bench_l2
+from bench.support.ports import free_port
+from bench.support.quick import add_quick
 from cache.hashing import ChainHasher
 from cache.host_slots import HostSlots
 from cache.l2_format import L2Stamp
@@ -54,12 +57,6 @@ assert store.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp
 print("holding", flush=True)
 time.sleep(3600)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(args: list[str], log: Path, ready: str | None = None,
@@ -144,7 +141,7 @@ def bench_l3(num_blocks: int, bytes_per_block: int, repeats: int, staging_mb: in
     if master_bin is None:
         raise RuntimeError("mooncake_master not found (scripts/setup_l3.sh)")
     work = Path(tempfile.mkdtemp(prefix="l3-bench-"))
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     master = _start([master_bin, f"--rpc_port={port}", "--rpc_address=127.0.0.1",
                      f"--metrics_port={http_port}", "--metrics_host=127.0.0.1"], work / "master.log",
                     port=port)
@@ -198,16 +195,14 @@ def bench_l3(num_blocks: int, bytes_per_block: int, repeats: int, staging_mb: in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=500_000)
-    p.add_argument("--quick", action="store_true", help="64K tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bytes-per-block", type=int, default=V41_FLASH_BYTES_PER_BLOCK)
     p.add_argument("--staging-mb", type=int, default=256, help="l3.buffer_mb")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="L2 directory (the local disk)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=352_000.0)
     p.add_argument("--json", default=None)
+    add_quick(p, argv, tokens=8192, repeats=1, staging_mb=16)
     args = p.parse_args(argv)
-    if args.quick:
-        args.tokens = 65_536
     missing = mooncake_available() or (None if master_binary() else "no mooncake_master")
     if missing is not None:
         print(f"Mooncake's client is not installed ({missing}): bash scripts/setup_l3.sh", file=sys.stderr)

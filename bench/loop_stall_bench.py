@@ -1,7 +1,8 @@
 """Event-loop benchmark (not a test): ``/healthz`` latency while 20 MB bodies are tokenized, and the
 time to refuse an over-long prompt.
 
-Run: ``python -m bench.loop_stall_bench [--body-mb 20] [--clients 2] [--bodies 3]``
+Run: ``python -m bench.loop_stall_bench [--body-mb 20] [--clients 2] [--bodies 3]``; ``--quick``: two
+1 MB bodies against a 65,536-token limit (seconds).
 
 It starts ``python -m deepinfer_backend serve`` as a child process (reference engine, 'null'
 model, one rank: the engine does nothing here; every request is refused at the boundary), so the
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import httpx
 import orjson
+
+from bench.support.quick import add_quick
 
 REPO = Path(__file__).resolve().parents[1]
 _WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "None", "True",
@@ -182,7 +185,7 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> None:
     print(f"server RSS after: {rss_kib(pid)}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--body-mb", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=2)
@@ -192,7 +195,8 @@ def main() -> None:
                         help="code: lines of code (refused by the lower bound on the token count); "
                         "dense: minified JSON (tokenized up to max_model_len, then refused)")
     parser.add_argument("--max-model-len", type=int, default=1_064_960)
-    args = parser.parse_args()
+    add_quick(parser, argv, body_mb=1.0, clients=1, bodies=2, idle_s=0.5, max_model_len=65_536)
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="loop-stall-") as tmp:
         proc, url = start_server(Path(tmp), {"max_model_len": args.max_model_len})
         try:

@@ -3,6 +3,7 @@
     python -m bench.rank_bench                 # everything, defaults below
     python -m bench.rank_bench --skip-ipc      # engine only
     python -m bench.rank_bench --ranks 4 --seqs 512 --steps 200
+    python -m bench.rank_bench --quick         # 'null' model, 2 ranks x 16 seqs x 20 steps, 8 L1 blocks
 
 Figures are printed, never asserted. The reference model's weights are random (its text is
 meaningless); what is measured is the cost of its math and of the serving plumbing.
@@ -19,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from bench.support.quick import add_quick
 from rank.engine import EngineRequest, SamplingParams
 from rank.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
@@ -175,7 +177,7 @@ async def bench_ipc(num_ranks: int, num_seqs: int, steps: int) -> None:
           f"({cpu_s / received[0] * 1e6:.1f} us per token)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.rank_bench")
     p.add_argument("--model", default="tiny")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -191,7 +193,9 @@ def main() -> None:
                    help="also time L1 export/import of this many blocks")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-ipc", action="store_true")
-    args = p.parse_args()
+    add_quick(p, argv, model="null", prompt_len=64, num_prompts=2, decode_seqs=4, decode_steps=4, ranks=2,
+              seqs=16, steps=20, host_pool_blocks=8)
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}")
     if not args.skip_engine:

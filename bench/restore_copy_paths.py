@@ -1,6 +1,7 @@
 """Two ways to move L1 slots into scattered KV block rows on a GPU, idle and beside a busy stream.
 
     python -m bench.restore_copy_paths --block-bytes 3145728 --blocks 54     # H200: medium, 128-token blocks
+    python -m bench.restore_copy_paths --quick      # still a CUDA device: 8 blocks of 64 KiB, 3 repeats
 
 Why: in the serving run (``bench.multi_gpu_run``) an import's engine call, not
 its messages, took most of a restore's round trip: 4.7 ms p50 / 10.8 ms p95 for a copy the link
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench.support.quick import add_quick
 
 from rank.host_budget import SHM_DIR
 from rank.host_pool import HostPool, by_kernel, by_runs, runs
@@ -69,7 +71,7 @@ def _busy(stop: threading.Event, device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-bytes", type=int, default=3 << 20)
@@ -79,9 +81,10 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=1, choices=[0, 1])
     parser.add_argument("--layouts", default="random,sorted,runs4")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    add_quick(parser, argv, block_bytes=65_536, blocks=8, rows=32, repeats=3)
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
+        raise SystemExit("bench.restore_copy_paths needs a CUDA device")
     device = torch.device("cuda")
     path = os.path.join(SHM_DIR, f"dib-copy-paths-{os.getpid()}")
     host = HostPool(path, args.block_bytes * args.blocks)

@@ -3,6 +3,7 @@
     python -m bench.serving_bench                      # 512 streams, null-compute reference engine
     python -m bench.serving_bench --concurrency 64 --max-tokens 128 --ranks 2
     python -m bench.serving_bench --url http://127.0.0.1:8000   # an already running server
+    python -m bench.serving_bench --quick              # 8 streams x 32 tokens, 1 rank, a free port
 
 The server runs in its own process (``python -m deepinfer_backend serve`` with the reference
 engine's ``null`` model, which emits tokens without compute, so everything measured is the
@@ -46,6 +47,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import psutil
+
+from bench.support.ports import free_port
+from bench.support.quick import add_quick
 
 _DELTA = b"event: content_block_delta"
 _USAGE_RE = re.compile(rb'"output_tokens":\s*(\d+)')
@@ -368,14 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--ranks", type=int, default=1, help="rank processes of the null engine")
-    parser.add_argument("--port", type=int, default=18431)
+    parser.add_argument("--port", type=int, default=18431, help="the server's port (0: a free one)")
     parser.add_argument("--url", default=None, help="benchmark a running server instead")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; the first warms up")
     parser.add_argument("--profile", action="store_true", help="cProfile the server (server.prof)")
     parser.add_argument("--json", action="store_true", help="print the last round's figures as JSON")
     parser.add_argument("--service-only", action="store_true",
                         help="measure ChatService + protocol CPU per delivery in process (no HTTP, no ranks)")
+    add_quick(parser, argv, concurrency=8, max_tokens=32, port=0)
     args = parser.parse_args(argv)
+    if args.port == 0:
+        args.port = free_port()
     if args.service_only:
         per_s = asyncio.run(service_only(args.concurrency, min(args.max_tokens, 256)))
         print(f"ChatService + protocol: {per_s * 1e6:.1f} us CPU per delivery of one token "

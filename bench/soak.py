@@ -2,6 +2,7 @@
 
     python -m bench.soak --minutes 30                 # 4 rank processes, null model, 24 agents
     python -m bench.soak --minutes 5 --model tiny --agents 8 --out soak.json
+    python -m bench.soak --quick                      # 15 s, 2 ranks, 3 agents; no trend is judged
 
 The backend runs in this process (``Runtime``: HTTP server, cache, ``RankGroup`` of rank
 processes). Agents behave like Claude Code sessions: a conversation that grows turn by turn (the
@@ -36,6 +37,7 @@ import httpx
 import psutil
 
 from bench.support.bodies import filler_text
+from bench.support.quick import add_quick
 from bench.support.runtime_thread import RuntimeThread
 from bench.support.sse import SseParser, is_done_event, is_error_event
 
@@ -409,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the samples and verdicts as JSON")
     p.add_argument("--analyze", default=None, help="only print the table and verdicts of a saved --out file")
+    # seconds of load show no trend: the quick run checks the plumbing, with a tolerance nothing exceeds
+    add_quick(p, argv, minutes=0.25, agents=3, ranks=2, sample_s=3.0, tolerance=1e6)
     args = p.parse_args(argv)
     if args.analyze:
         with open(args.analyze, encoding="utf-8") as f:

@@ -3,6 +3,7 @@
     python -m bench.transfer_overlap                        # CPU, reference 'small', both modes
     python -m bench.transfer_overlap --device cuda --model medium --block-size 128 --blocks 54 \
         --load 16 --load-tokens 32768 --l1-gb 4
+    python -m bench.transfer_overlap --quick                # CPU, 'null' model, 6 restores of 8 blocks
 
 One rank process (``RankGroup``) keeps decoding ``--load`` long requests, so a step is always in
 progress; meanwhile the benchmark restores one session of ``--blocks`` blocks from L1
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.support.quick import add_quick
 from bench.multi_gpu.analysis import nearest_rank, phase_table
 from rank.client import RequestStream
 from rank.engine import EngineRequest, SamplingParams
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--gap-ms", type=float, default=25.0, help="mean pause between restores")
     parser.add_argument("--mode", choices=["both", "thread", "loop"], default="both")
+    add_quick(parser, argv, model="null", device="cpu", blocks=8, load=2, load_tokens=64, l1_gb=0.02,
+              restores=6, warmup=1, gap_ms=5.0)
     args = parser.parse_args(argv)
     modes = [True, False] if args.mode == "both" else [args.mode == "thread"]
     print(f"reference '{args.model}' on {args.device}, {args.load} decoding requests, restores of "

@@ -12,6 +12,7 @@ and the cache hit.
 
     python -m bench.writethrough_cost                       # 500K x 200, 600 s (300 s warm-up)
     python -m bench.writethrough_cost --agents 100 --duration 300
+    python -m bench.writethrough_cost --quick               # 20K x 4, 60 s simulated (seconds)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bench.simulator.agents import simulate_step
 from bench.simulator.engine import SimGroup
 from bench.simulator.model import OursPolicy, SimConfig
 from bench.simulator.vclock import run_virtual
+from bench.support.quick import add_quick
 
 V41_BYTES_PER_BLOCK = 891 * 128  # docs/tiers.md: 114,048 B per 128-token block
 LINK_GBPS = 45.0  # host <-> GPU per H200, measured (docs/cache.md, L1 restore)
@@ -54,12 +56,13 @@ def run(context: int, agents: int, duration_s: float, watermark: float) -> dict[
             "ttft_p95_s": s.ttft_p95_s, "cache_hit": s.cache_hit, "requests": s.num_requests}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=500_000)
     p.add_argument("--agents", type=int, default=200)
     p.add_argument("--duration", type=float, default=600.0)
-    args = p.parse_args()
+    add_quick(p, argv, context=20_000, agents=4, duration=60.0)
+    args = p.parse_args(argv)
     print(f"{args.context // 1000}K x {args.agents}, {args.duration:g} s simulated (second half measured); "
           f"V4.1-Flash {V41_BYTES_PER_BLOCK:,} B per block")
     rows = [run(args.context, args.agents, args.duration, w) for w in (0.0, 1.0)]

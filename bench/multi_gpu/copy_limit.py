@@ -2,6 +2,7 @@
 
     CUDA_VISIBLE_DEVICES=1 python -m bench.multi_gpu.copy_limit --bytes-per-block 3145728 \
         --sizes 1,4,16,64,256 --out copy.json
+    python -m bench.multi_gpu.copy_limit --quick    # 64 KiB blocks, sizes 1,4, on the CPU, no file
 
 For each restore size (blocks of the engine's row size) it times, alternating, with the median
 of ``--repeats``:
@@ -30,6 +31,7 @@ from typing import Any
 import orjson
 import torch
 
+from bench.support.quick import add_quick
 from rank.host_budget import host_pool_path, unlink_host_pool
 from rank.host_pool import HostPool
 
@@ -98,14 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
+    add_quick(p, argv, bytes_per_block=65_536, sizes="1,4", repeats=1, device="cpu", out=None)
     args = p.parse_args(argv)
     sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
     if not sizes or sizes[0] < 1 or args.bytes_per_block < 1:
         print("error: sizes and --bytes-per-block must be positive", file=sys.stderr)
         return 2
     result = measure(args.bytes_per_block, sizes, args.repeats, args.device)
-    with open(args.out, "wb") as f:
-        f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    if args.out:
+        with open(args.out, "wb") as f:
+            f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     for row in result["sizes"]:
         print(f"{result['device']}: {row['blocks']:>5} blocks {row['bytes'] / 1e6:>9.1f} MB  contiguous "
               f"{row['contiguous_s'] * 1e3:8.2f} ms ({row['contiguous_gb_s']:5.1f} GB/s)  import "

@@ -10,6 +10,7 @@ dispatch) to learn, per engine request, whether it was aborted and how it finish
 then waits for quiescence and checks every balance (``runtime_thread.settle``).
 
     python -m bench.reliability.storm --streams 1000 --concurrency 64
+    python -m bench.reliability.storm --quick     # 40 streams, 8 at once, in-process ranks
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import orjson
 
 from bench.support.bodies import chat_body, filler_text, path_of
+from bench.support.quick import add_quick
 from bench.support.runtime_thread import RuntimeThread
 
 CUT_KINDS = ("in_headers", "in_body", "after_request", "in_response", "in_response", "in_response",
@@ -280,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-mode", choices=["local", "process"], default="local")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    add_quick(p, argv, streams=40, concurrency=8)
     args = p.parse_args(argv)
     with RuntimeThread(storm_config(rank_mode=args.rank_mode, num_ranks=args.ranks),
                        rank_mode=args.rank_mode) as rt:

@@ -7,6 +7,8 @@
     python -m bench.simulator nodes --routings random --l3-gbps 2       # + rows with L3 shared by all
     python -m bench.simulator all --out bench/results/simulator.json   # seed table, 500K x 200, capacity
     python -m bench.simulator subagents --context 500000 --agents 200   # fan-outs: imbalance, step time
+    python -m bench.simulator --quick step          # 32K x 8 for 60 simulated s (seconds); also capacity,
+                                                    # ladder, nodes, subagents at tiny sizes
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from bench.simulator.agents import simulate_step
 from bench.simulator.model import ARRIVALS, Deployment, OursPolicy, SimConfig
 from bench.simulator.nodes import L3Model, simulate_nodes
 from bench.simulator.vclock import run_virtual
+from bench.support import quick
 from server.scheduling import SchedulingConfig
 
 
@@ -220,6 +223,16 @@ LEVERS = {
 }
 
 
+# --quick: each subcommand that takes sizes at tiny ones (seed-table and all run fixed, published rows)
+QUICK_SIZES: dict[str, dict[str, Any]] = {
+    "step": {"context": 32_000, "agents": 8},
+    "capacity": {"context": 32_000, "lo": 4, "hi": 12, "step": 4},
+    "ladder": {"context": 32_000, "agents": "4,8"},
+    "nodes": {"context": 32_000, "agents_per_node": 4, "nodes": "2"},
+    "subagents": {"context": 32_000, "agents": 8},
+}
+
+
 def add_lever_args(p: argparse.ArgumentParser) -> None:
     d = SchedulingConfig()
     p.add_argument("--levers", default="homeless,filler",
@@ -323,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tuned-votes", default="35,20", help="ALL,ANY prefill vote intervals (steps) for "
                    "the tuned run of ours at 500K x 200 (workload keys prefill_attempt_interval, "
                    "prefill_any_attempt_interval; DeepInfer's defaults are 70,100)")
+    quick.add_quick(parser, argv, duration=60.0, warmup=20.0, jobs=1)
+    if quick.requested(argv):
+        for name, sizes in QUICK_SIZES.items():
+            sub.choices[name].set_defaults(**sizes)
     args = parser.parse_args(argv)
     config = SimConfig(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                        arrivals=ARRIVALS[args.arrivals], pacing=args.pacing, subagents=args.subagents,

@@ -11,7 +11,7 @@ cache):
 * ``stacked``: one session id with ``branch_routing: false`` (every turn on the home rank).
 
 Run: ``.venv/bin/python -m bench.branch_spread`` (``--rounds``, ``--prompt-tokens``,
-``--model``). It prints one line per shape: the median wall time of a round, its ratio to
+``--model``, ``--ranks``; ``--quick``: 2 ranks, the null model, 1 round of ~200 tokens, seconds). It prints one line per shape: the median wall time of a round, its ratio to
 ``separate``, the turns routed to each rank (``deepinfer_cache_routed_turns_total``) and the peak
 number of requests running on one rank (``deepinfer_rank_num_running``, polled every 10 ms).
 Figures are in ``docs/cache.md`` ("Routing rules"). On a machine whose cores are fewer than the
@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from bench.loop_stall_bench import start_server, stop_server
+from bench.support.quick import add_quick
 
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "buffer", "queue", "socket", "thread", "module",
          "vector", "matrix", "render", "parse", "token", "cache", "block", "rank", "step", "batch"]
@@ -51,8 +52,8 @@ async def _poll_running(url: str, stop: asyncio.Event, peak: list[int]) -> None:
             await asyncio.sleep(0.01)
 
 
-def _routed(text: str) -> list[int]:
-    per_rank = [0] * 4
+def _routed(text: str, ranks: int) -> list[int]:
+    per_rank = [0] * ranks
     pattern = r'^deepinfer_cache_routed_turns_total\{[^}]*rank="(\d+)"[^}]*\} (\S+)'
     for m in re.finditer(pattern, text, re.MULTILINE):
         per_rank[int(m.group(1))] += int(float(m.group(2)))
@@ -60,8 +61,8 @@ def _routed(text: str) -> list[int]:
 
 
 async def _round(url: str, shape: str, rng: random.Random, prompt_tokens: int, tag: str,
-                 max_tokens: int) -> tuple[float, list[int]]:
-    peak = [0] * 4
+                 max_tokens: int, ranks: int) -> tuple[float, list[int]]:
+    peak = [0] * ranks
     stop = asyncio.Event()
     poller = asyncio.create_task(_poll_running(url, stop, peak))
     prompts = [prompt_text(rng, prompt_tokens) for _ in range(4)]
@@ -91,49 +92,53 @@ async def _round(url: str, shape: str, rng: random.Random, prompt_tokens: int, t
 
 
 async def _shape(url: str, shape: str, rounds: int, prompt_tokens: int, max_tokens: int,
-                 seed: int) -> dict[str, object]:
+                 seed: int, ranks: int) -> dict[str, object]:
     rng = random.Random(seed)
-    walls, peaks = [], [0] * 4
+    walls, peaks = [], [0] * ranks
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        before = _routed((await client.get("/metrics")).text)
+        before = _routed((await client.get("/metrics")).text, ranks)
         for n in range(rounds):
-            wall, peak = await _round(url, shape, rng, prompt_tokens, f"{shape}-{seed}-{n}", max_tokens)
+            wall, peak = await _round(url, shape, rng, prompt_tokens, f"{shape}-{seed}-{n}", max_tokens,
+                                      ranks)
             walls.append(wall)
             peaks = [max(a, b) for a, b in zip(peaks, peak)]
-        after = _routed((await client.get("/metrics")).text)
+        after = _routed((await client.get("/metrics")).text, ranks)
     return {"shape": shape, "walls": walls, "median": statistics.median(walls),
             "routed": [a - b for a, b in zip(after, before)], "peak": peaks}
 
 
-def _serve(tmp: Path, model: str, branch_routing: bool) -> tuple[object, str]:
-    return start_server(tmp, {"reference_model": model, "ep": 4, "l1_cache": True, "l1_host_gb": 0.25,
+def _serve(tmp: Path, model: str, branch_routing: bool, ranks: int) -> tuple[object, str]:
+    return start_server(tmp, {"reference_model": model, "ep": ranks, "l1_cache": True, "l1_host_gb": 0.25,
                               "reference_num_blocks": 1024, "max_num_batched_tokens": 8192,
                               "branch_routing": branch_routing, "api_key": "bench"})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--model", default="small")
-    args = ap.parse_args()
+    ap.add_argument("--ranks", type=int, default=4, help="reference ranks (the four branches spread over them)")
+    add_quick(ap, argv, rounds=1, prompt_tokens=200, max_tokens=2, model="null", ranks=2)
+    args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="branch-spread-") as tmp_dir:
         for branch_routing, shapes in ((True, ("separate", "agent-ids", "detected")), (False, ("stacked",))):
             tmp = Path(tmp_dir) / f"routing-{branch_routing}"
             tmp.mkdir()
-            proc, url = _serve(tmp, args.model, branch_routing)
+            proc, url = _serve(tmp, args.model, branch_routing, args.ranks)
             try:
                 # one warm-up round (first-call costs in the rank processes), not counted
-                asyncio.run(_shape(url, "separate", 1, args.prompt_tokens, args.max_tokens, seed=999))
+                asyncio.run(_shape(url, "separate", 1, args.prompt_tokens, args.max_tokens, seed=999,
+                                   ranks=args.ranks))
                 for i, shape in enumerate(shapes):
                     results.append(asyncio.run(_shape(url, shape, args.rounds, args.prompt_tokens,
-                                                      args.max_tokens, seed=i)))
+                                                      args.max_tokens, seed=i, ranks=args.ranks)))
             finally:
                 stop_server(proc)  # type: ignore[arg-type]
     base = next(r["median"] for r in results if r["shape"] == "separate")
-    print(f"4 branches x ~{args.prompt_tokens} prompt tokens, model {args.model!r}, 4 reference ranks, "
+    print(f"4 branches x ~{args.prompt_tokens} prompt tokens, model {args.model!r}, {args.ranks} reference ranks, "
           f"{args.rounds} rounds each (median wall)")
     print(f"{'shape':<10} {'wall s':>7} {'vs separate':>11}  routed per rank   peak running per rank  walls")
     for r in results:

@@ -1,7 +1,8 @@
 """Connection attacks on a live server: lock-out by slow connections, and pipelining growth.
 
     python -m bench.connection_probe [--body-attackers 2100] [--header-attackers 2100]
-        [--attack-s 40] [--pipelined 900000] [--pipeline-s 30]
+        [--attack-s 40] [--pipelined 900000] [--pipeline-s 30] [--settle-s 5]
+    python -m bench.connection_probe --quick     # 20 + 20 attackers, 2 s phases (seconds)
 
 It starts ``python -m deepinfer_backend serve`` as a child process (reference engine, 'null'
 model, one rank, an API key, the checkout's defaults otherwise), then on 127.0.0.1:
@@ -15,7 +16,8 @@ model, one rank, an API key, the checkout's defaults otherwise), then on 127.0.0
 2. **Pipelining**: one socket writes up to ``--pipelined`` ``GET /healthz`` requests back to back
    for ``--pipeline-s`` seconds and never reads.
 
-Both print the server's RSS (VmRSS) before, during (peak of samples every 0.5 s) and 5 s after.
+Both print the server's RSS (VmRSS) before, during (peak of samples every 0.5 s) and
+``--settle-s`` after (the same wait lets the attack take hold before the client starts).
 Every connection is the probe's own, on loopback, and closed at the end.
 """
 
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench.loop_stall_bench import rss_kib, start_server, stop_server
+from bench.support.quick import add_quick
 
 KEY = "probe-key"
 
@@ -101,7 +104,7 @@ async def lockout(args: argparse.Namespace, port: int, pid: int) -> None:
                  for _ in range(args.body_attackers)]
     attackers += [asyncio.ensure_future(_attacker(port, header_first, stop, opened))
                   for _ in range(args.header_attackers)]
-    await asyncio.sleep(5)  # let the attack take hold
+    await asyncio.sleep(args.settle_s)  # let the attack take hold
     health, chat = _legit_requests()
     results: dict[str, list[tuple[int, float]]] = {"healthz": [], "messages": []}
     end = time.monotonic() + args.attack_s
@@ -112,7 +115,7 @@ async def lockout(args: argparse.Namespace, port: int, pid: int) -> None:
     during = sampler.peak
     stop.set()
     await asyncio.gather(*attackers, sampling)
-    await asyncio.sleep(5)
+    await asyncio.sleep(args.settle_s)
     print(f"lock-out: {args.body_attackers} slow-body + {args.header_attackers} slow-header attackers "
           f"({opened[0]} connected), {args.attack_s:g} s")
     for name, rows in results.items():
@@ -122,7 +125,8 @@ async def lockout(args: argparse.Namespace, port: int, pid: int) -> None:
         lat = sorted(ms for _, ms in rows)
         print(f"  client with the key, {name}: statuses {statuses}; latency ms p50 {lat[len(lat) // 2]:.0f} "
               f"max {lat[-1]:.0f} ({len(rows)} requests)")
-    print(f"  server RSS MiB: before {before:.0f}, during (peak) {during:.0f}, 5 s after {_mib(pid):.0f}")
+    print(f"  server RSS MiB: before {before:.0f}, during (peak) {during:.0f}, {args.settle_s:g} s after "
+          f"{_mib(pid):.0f}")
 
 
 async def pipelining(args: argparse.Namespace, port: int, pid: int) -> None:
@@ -145,26 +149,30 @@ async def pipelining(args: argparse.Namespace, port: int, pid: int) -> None:
     except (OSError, ConnectionError):
         pass
     written = sent - writer.transport.get_write_buffer_size() // len(one)
-    await asyncio.sleep(2)
+    await asyncio.sleep(min(2.0, args.settle_s))
     during = sampler.peak
     writer.transport.abort()
     stop.set()
     await sampling
-    await asyncio.sleep(5)
+    await asyncio.sleep(args.settle_s)
     megabytes = written * len(one) / 1e6
     print(f"pipelining: one socket that never reads, {written:,} requests ({megabytes:.1f} MB) "
           f"taken by the kernel in {args.pipeline_s:g} s")
-    print(f"  server RSS MiB: before {before:.0f}, during (peak) {during:.0f}, 5 s after {_mib(pid):.0f}")
+    print(f"  server RSS MiB: before {before:.0f}, during (peak) {during:.0f}, {args.settle_s:g} s after "
+          f"{_mib(pid):.0f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.connection_probe")
     p.add_argument("--body-attackers", type=int, default=2100)
     p.add_argument("--header-attackers", type=int, default=2100)
     p.add_argument("--attack-s", type=float, default=40)
     p.add_argument("--pipelined", type=int, default=900_000)
     p.add_argument("--pipeline-s", type=float, default=30)
-    args = p.parse_args()
+    p.add_argument("--settle-s", type=float, default=5.0, help="wait before the client and after each attack")
+    add_quick(p, argv, body_attackers=20, header_attackers=20, attack_s=2.0, pipelined=20_000, pipeline_s=2.0,
+              settle_s=0.5)
+    args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_server(Path(tmp), {"api_key": KEY})
         port = int(url.rsplit(":", 1)[1])

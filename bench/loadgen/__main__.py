@@ -6,6 +6,10 @@
     python -m bench.loadgen cache-check --url ... --sizes 16000,64000,200000
     python -m bench.loadgen compare a.json b.json
     python -m bench.loadgen charts run.json --out dir
+    python -m bench.loadgen run --quick     # 2 agents, 8K context, 4 s, against bench.loadgen.fake_server
+
+``run --quick`` without ``--url`` starts the fake server (``bench/loadgen/fake_server.py``) in a
+child process for the run: the load generator end to end in seconds, no backend needed.
 
 See docs/loadtest.md for the defaults and where they come from.
 """
@@ -19,6 +23,7 @@ import time
 
 import numpy as np
 
+from bench.loadgen import fake_server
 from bench.loadgen.distributions import TraceError, WorkloadParams, make_turn_source
 from bench.loadgen.report import (
     Criteria,
@@ -31,6 +36,7 @@ from bench.loadgen.report import (
 )
 from bench.loadgen.runner import RunConfig, run_cold_start, run_step
 from bench.loadgen.textgen import TextSynth
+from bench.support.quick import add_quick
 
 
 def _ints(text: str) -> list[int]:
@@ -94,6 +100,10 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.url is None:
+        with fake_server.running() as url:
+            args.url = url
+            return cmd_run(args)
     params = _params(args)
     source = make_turn_source(params, args.trace)
     synth = TextSynth()
@@ -200,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pause", type=float, default=5.0, help="seconds between steps")
     p.add_argument("--out", default=None, help="JSON result path")
     p.add_argument("--charts", default=None, help="directory for summary.png and timeline.png")
+    add_quick(p, argv, url=None, agents=[2], context=8_000, pacing=0.2, duration=4.0, warmup=1.0, ramp=1.0,
+              drain=10.0, pause=0.0)
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("cold-start", help="N fresh conversations of one size at once")
     _common(p)

@@ -3,14 +3,22 @@
 It streams Anthropic SSE events (thinking, text, tool_use with ``input_json_delta``) at a fixed
 token rate and reports usage with a per-session prefix cache measured on the request JSON
 (about 4 bytes per token). It is no model and no backend: it exists so the load generator and its
-tests can run anywhere. Run it with ``python -m bench.loadgen.fake_server --port 8011``.
+tests can run anywhere. Run it with ``python -m bench.loadgen.fake_server --port 8011``; ``running()``
+starts it for the quick runs of ``bench.loadgen`` and ``bench.multi_gpu.load`` (``--quick``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 from starlette.applications import Starlette
@@ -18,7 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bench.support.ports import free_port
+
 BYTES_PER_TOKEN = 4
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _strip_markers(value: object) -> object:
@@ -118,6 +129,32 @@ def build_app(tokens_per_s: float = 200.0) -> Starlette:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     return Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
+
+
+@contextlib.contextmanager
+def running(tokens_per_s: float = 2000.0) -> Iterator[str]:
+    """This server in a child process on a free port, for a quick run of a load driver; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.loadgen.fake_server", "--port", str(port),
+                             "--tokens-per-s", str(tokens_per_s)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"bench.loadgen.fake_server did not start (exit {proc.poll()})") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
     bash scripts/build_deepinfer.sh                 # once per machine (cached)
     .venv/bin/python -m bench.vote_filler_bench     # 4 ranks, 8 agents per rank, 60 s per setting
+    .venv/bin/python -m bench.vote_filler_bench --quick   # stand-in core, 2 ranks x 2 agents, 3 s each
 
 What runs: a ``RankGroup`` of real ``rank.worker`` processes on the DeepInfer venv, each with
 the DeepInfer adapter over DeepInfer's compiled ``Scheduler``, ``BlockManager``, ``Sequence`` and
@@ -16,7 +17,8 @@ filler off then on, with the same seed.
 What it shows: the wait for a prompt step that the simulator models (``docs/loadtest.md``, "The
 vote filler"), on DeepInfer's real vote, in this machine's wall time. With a null forward a
 prompt step costs what a decode step does, so the decode-speed cost the simulator predicts (the
-prefill's GPU time) does not appear here.
+prefill's GPU time) does not appear here. ``--core stand-in`` runs DeepInfer's Python stand-in
+core on this interpreter instead (no build needed; the same vote, not DeepInfer's compiled code).
 """
 
 from __future__ import annotations
@@ -32,15 +34,20 @@ from pathlib import Path
 import numpy as np
 
 from bench.decode_bench import build_dir
+from bench.support.quick import add_quick
 from rank.config import RankConfig
 from rank.engine import EngineRequest, SamplingParams
 from rank.group import RankGroup
 
 
-def config(args: argparse.Namespace, vote_filler: bool, build: Path) -> RankConfig:
-    fake = {"core": "installed", "num_gpu_blocks": 4096, "vocab_size": 1000, "null_forward": True}
+def config(args: argparse.Namespace, vote_filler: bool, build: Path | None) -> RankConfig:
+    """``build`` None: the stand-in core on this interpreter."""
+    fake: dict[str, object] = {"num_gpu_blocks": 4096, "vocab_size": 1000, "null_forward": True}
+    if build is not None:
+        fake["core"] = "installed"
+    venv = str(build / "venv") if build is not None else sys.prefix
     return RankConfig(
-        engine="deepinfer", deepinfer_venv=str(build / "venv"), model_dir="/nonexistent/model", ep=args.ranks,
+        engine="deepinfer", deepinfer_venv=venv, model_dir="/nonexistent/model", ep=args.ranks,
         max_model_len=32768, max_num_seqs=64, max_num_batched_tokens=args.budget, l1_cache=False,
         vote_filler=vote_filler, load_timeout_seconds=300,
         deepinfer_env={"DIB_DEEPINFER_MODULE": "standins.fake_deepinfer_lockstep",
@@ -71,9 +78,13 @@ async def agent(group: RankGroup, rank: int, index: int, args: argparse.Namespac
         await asyncio.sleep(args.pause)
 
 
-async def phase(args: argparse.Namespace, vote_filler: bool, build: Path) -> dict[str, float]:
-    group = RankGroup(config(args, vote_filler, build), python=str(build / "venv" / "bin" / "python"),
-                      base_env={**os.environ, "LD_LIBRARY_PATH": str(build / "stubs")})
+async def phase(args: argparse.Namespace, vote_filler: bool, build: Path | None) -> dict[str, float]:
+    if build is None:
+        python, env = sys.executable, dict(os.environ)
+    else:
+        python = str(build / "venv" / "bin" / "python")
+        env = {**os.environ, "LD_LIBRARY_PATH": str(build / "stubs")}  # the driver's libcuda.so.1 stands there
+    group = RankGroup(config(args, vote_filler, build), python=python, base_env=env)
     await group.start()
     try:
         loop = asyncio.get_running_loop()
@@ -112,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-dir", default=None,
                         help="scripts/build_deepinfer.sh's directory (default: the one it prints here)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--core", choices=("installed", "stand-in"), default="installed",
+                        help="DeepInfer's compiled scheduler (installed) or the Python stand-in's")
+    add_quick(parser, argv, core="stand-in", ranks=2, agents=2, duration=3.0, warmup=1.0, reply_tokens=16)
     args = parser.parse_args(argv)
-    build = build_dir(args.build_dir)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.ranks} ranks x "
+    build = build_dir(args.build_dir) if args.core == "installed" else None
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; core {args.core}; {args.ranks} ranks x "
           f"{args.agents} agents, budget {args.budget}, replies {args.reply_tokens} tokens, "
           f"pause {args.pause} s, {args.duration:.0f} s per setting", flush=True)
     results = {}

@@ -11,9 +11,10 @@ cache):
 * ``stacked``: one session id with ``branch_routing: false`` (every turn on the home rank).
 
 Run: ``.venv/bin/python -m bench.branch_spread`` (``--rounds``, ``--prompt-tokens``,
-``--model``, ``--ranks``; ``--quick``: 2 ranks, the null model, 1 round of ~200 tokens, seconds). It prints one line per shape: the median wall time of a round, its ratio to
-``separate``, the turns routed to each rank (``deepinfer_cache_routed_turns_total``) and the peak
-number of requests running on one rank (``deepinfer_rank_num_running``, polled every 10 ms).
+``--model``, ``--ranks``; ``--quick``: 1 rank, the null model, 1 round of ~200 tokens, seconds).
+It prints one line per shape: the median wall time of a round, its ratio to ``separate``, the
+turns routed to each rank (``deepinfer_cache_routed_turns_total``) and the peak number of
+requests running on one rank (``deepinfer_rank_num_running``, polled every 10 ms).
 Figures are in ``docs/cache.md`` ("Routing rules"). On a machine whose cores are fewer than the
 ranks, the ranks share cores and the spread gains less than it would with one GPU per rank.
 """
@@ -119,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--model", default="small")
-    ap.add_argument("--ranks", type=int, default=4, help="reference ranks (the four branches spread over them)")
-    add_quick(ap, argv, rounds=1, prompt_tokens=200, max_tokens=2, model="null", ranks=2)
+    ap.add_argument("--ranks", type=int, default=4, help="reference ranks (the 4 branches spread over them)")
+    add_quick(ap, argv, rounds=1, prompt_tokens=200, max_tokens=2, model="null", ranks=1)
     args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="branch-spread-") as tmp_dir:
@@ -138,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 stop_server(proc)  # type: ignore[arg-type]
     base = next(r["median"] for r in results if r["shape"] == "separate")
-    print(f"4 branches x ~{args.prompt_tokens} prompt tokens, model {args.model!r}, {args.ranks} reference ranks, "
-          f"{args.rounds} rounds each (median wall)")
+    print(f"4 branches x ~{args.prompt_tokens} prompt tokens, model {args.model!r}, {args.ranks} reference "
+          f"ranks, {args.rounds} rounds each (median wall)")
     print(f"{'shape':<10} {'wall s':>7} {'vs separate':>11}  routed per rank   peak running per rank  walls")
     for r in results:
         walls = " ".join(f"{w:.2f}" for w in r["walls"])  # type: ignore[attr-defined]

@@ -29,8 +29,8 @@ import statistics
 import time
 
 import torch
-from bench.support.quick import add_quick
 
+from bench.support.quick import add_quick
 from rank.host_budget import host_pool_path, unlink_host_pool
 from rank.host_pool import HostPool
 from rank.pool_transfers import PoolTransfers

@@ -3,7 +3,7 @@
 Run: ``bash scripts/perf_guard.sh`` (checks out the baseline named in ``bench/perf_baseline.txt``
 as a git worktree, then runs this module), or directly
 ``python -m bench.perf_guard --baseline-dir DIR [--rounds 3] [--ratio 1.25]``. ``--quick`` checks the
-guard itself in seconds: this tree against itself, one round of the protocol probe,
+guard itself in seconds: this tree against itself, one round of the cache probe (no torch, no server),
 no ratio that can fail (every probe runs and its figures are found in what it prints).
 
 Each probe is a bench entry point at its quick size, run as a subprocess from each tree's root
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe", action="append", default=None, help="run only probes whose name has this")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per probe run")
     add_quick(ap, argv, baseline_dir=ROOT, rounds=1, confirm_rounds=0, ratio=1e9,
-              probe=["request"])
+              probe=["cache"])
     args = ap.parse_args(argv)
     base = args.baseline_dir.resolve()
     trees = {"baseline": base, "this tree": ROOT}

@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from bench.support.quick import add_quick
 
+from bench.support.quick import add_quick
 from rank.host_budget import SHM_DIR
 from rank.host_pool import HostPool, by_kernel, by_runs, runs
 

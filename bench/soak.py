@@ -2,7 +2,7 @@
 
     python -m bench.soak --minutes 30                 # 4 rank processes, null model, 24 agents
     python -m bench.soak --minutes 5 --model tiny --agents 8 --out soak.json
-    python -m bench.soak --quick                      # 15 s, 2 ranks, 3 agents; no trend is judged
+    python -m bench.soak --quick                      # 9 s, 1 rank, 2 agents; no trend is judged
 
 The backend runs in this process (``Runtime``: HTTP server, cache, ``RankGroup`` of rank
 processes). Agents behave like Claude Code sessions: a conversation that grows turn by turn (the
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the samples and verdicts as JSON")
     p.add_argument("--analyze", default=None, help="only print the table and verdicts of a saved --out file")
     # seconds of load show no trend: the quick run checks the plumbing, with a tolerance nothing exceeds
-    add_quick(p, argv, minutes=0.25, agents=3, ranks=2, sample_s=3.0, tolerance=1e6)
+    add_quick(p, argv, minutes=0.15, agents=2, ranks=1, sample_s=2.0, tolerance=1e6)
     args = p.parse_args(argv)
     if args.analyze:
         with open(args.analyze, encoding="utf-8") as f:

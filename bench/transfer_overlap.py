@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.support.quick import add_quick
 from bench.multi_gpu.analysis import nearest_rank, phase_table
+from bench.support.quick import add_quick
 from rank.client import RequestStream
 from rank.engine import EngineRequest, SamplingParams
 from rank.group import RankGroup

@@ -2,7 +2,7 @@
 
     bash scripts/build_deepinfer.sh                 # once per machine (cached)
     .venv/bin/python -m bench.vote_filler_bench     # 4 ranks, 8 agents per rank, 60 s per setting
-    .venv/bin/python -m bench.vote_filler_bench --quick   # stand-in core, 2 ranks x 2 agents, 3 s each
+    .venv/bin/python -m bench.vote_filler_bench --quick   # stand-in core, 2 ranks x 2 agents, 1.5 s each
 
 What runs: a ``RankGroup`` of real ``rank.worker`` processes on the DeepInfer venv, each with
 the DeepInfer adapter over DeepInfer's compiled ``Scheduler``, ``BlockManager``, ``Sequence`` and
@@ -83,7 +83,7 @@ async def phase(args: argparse.Namespace, vote_filler: bool, build: Path | None)
         python, env = sys.executable, dict(os.environ)
     else:
         python = str(build / "venv" / "bin" / "python")
-        env = {**os.environ, "LD_LIBRARY_PATH": str(build / "stubs")}  # the driver's libcuda.so.1 stands there
+        env = {**os.environ, "LD_LIBRARY_PATH": str(build / "stubs")}  # the driver's libcuda.so.1 is there
     group = RankGroup(config(args, vote_filler, build), python=python, base_env=env)
     await group.start()
     try:
@@ -125,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--core", choices=("installed", "stand-in"), default="installed",
                         help="DeepInfer's compiled scheduler (installed) or the Python stand-in's")
-    add_quick(parser, argv, core="stand-in", ranks=2, agents=2, duration=3.0, warmup=1.0, reply_tokens=16)
+    add_quick(parser, argv, core="stand-in", ranks=2, agents=2, duration=1.5, warmup=0.5, reply_tokens=16)
     args = parser.parse_args(argv)
     build = build_dir(args.build_dir) if args.core == "installed" else None
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; core {args.core}; {args.ranks} ranks x "
-          f"{args.agents} agents, budget {args.budget}, replies {args.reply_tokens} tokens, "
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; core {args.core}; {args.ranks} "
+          f"ranks x {args.agents} agents, budget {args.budget}, replies {args.reply_tokens} tokens, "
           f"pause {args.pause} s, {args.duration:.0f} s per setting", flush=True)
     results = {}
     for on in (False, True):

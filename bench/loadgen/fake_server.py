@@ -145,7 +145,7 @@ def running(tokens_per_s: float = 2000.0) -> Iterator[str]:
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"bench.loadgen.fake_server did not start (exit {proc.poll()})") from None
+                    raise RuntimeError(f"fake_server did not start (exit {proc.poll()})") from None
                 time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:

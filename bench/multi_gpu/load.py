@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
               drain=10.0, out=None)
     args = p.parse_args(argv)
     if args.url is None:
-        with fake_server.running() as args.url:
+        with fake_server.running() as url:
+            args.url = url
             return run(args)
     return run(args)
 

@@ -1,7 +1,8 @@
 """``--quick``: one flag that every bench entry point takes for its smallest run.
 
-A quick run uses tiny sizes on the CPU, lasts seconds and prints the same figure lines as a full
-run (the figures themselves mean little at that size). The default suite runs every entry point
+A quick run uses tiny sizes, on the CPU where the bench has a CPU path (``--device cpu``; the
+two with none still need CUDA), lasts seconds and prints the same figure lines as a full run
+(the figures themselves mean little at that size). The default suite runs every entry point
 this way (``tests/bench/test_bench_entry_points.py``), so a benchmark that nothing else runs
 cannot break unnoticed. The quick sizes are argument defaults: a flag given next to ``--quick``
 still wins (``--quick --tokens 8192``).

@@ -77,10 +77,11 @@ fails gives its blocks back, and an export unpins its blocks (``rank/pool_transf
 ``DIB_TRANSFER_THREAD=0`` (``ENABLE_ENV``, set in the backend's environment: the group passes
 ``DIB_*`` on) keeps every command on the loop thread, for A/B measurements (``bench/transfer_overlap.py``).
 
-TESTS ONLY: ``DIB_TEST_TRANSFER_GATE=<dir>`` (``GATE_ENV``) holds a step (the file ``hold-step``),
-a transfer (``hold-transfer``) or an export between its parts (``hold-part``) for as long as that
-file exists in ``<dir>``. Meanwhile the
-marker ``held-step``/``held-transfer``/``held-part`` is there. This lets a test order events without a clock.
+TESTS ONLY: ``DIB_TEST_TRANSFER_GATE=<dir>`` (``GATE_ENV``) holds a transfer on this thread (the
+file ``hold-transfer``) or an export between its parts (``hold-part``) for as long as that file
+exists in ``<dir>``; meanwhile the marker ``held-transfer``/``held-part`` is there. This lets a test
+order events without a clock. Steps are held the same way (``hold-step``) by the test wrapper
+``standins/step_gate.py`` around the engine (``rank/rank_setup.py``), not by product code.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
@@ -114,7 +115,6 @@ THREAD_OPS = frozenset({"import", "export", "release"})  # run here (a release: 
 OS_THREAD_NAME = b"rank-transfers"  # /proc/<pid>/task/<tid>/comm: bench/decode_figures.py counts it as ours
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 Command = tuple[list[bytes], dict[str, Any], float]  # frames, header, when taken off its socket
 
 
@@ -147,15 +147,6 @@ def hold_at_gate(name: str) -> None:
             time.sleep(0.01)
     finally:
         os.unlink(marker)
-
-
-def gated(step: Callable[[], T]) -> Callable[[], T]:
-    """TESTS ONLY: ``step`` held at the gate named ``step`` first."""
-    def held_step() -> T:
-        hold_at_gate("step")
-        return step()
-
-    return held_step
 
 
 def run_command(engine: Engine, header: dict[str, Any], received: float,

@@ -20,6 +20,7 @@ import pytest
 
 from rank.engine import usable_prefix_blocks
 from rank.group import RankGroup
+from rank.rank_setup import TEST_ENGINE_WRAPPER_ENV
 from rank.transfers import ENABLE_ENV, GATE_ENV
 from tests.rank.rank_stream_helpers import collect
 from tests.rank.test_rank_deepinfer_processes import BS, _config, _ids, _request, _wait_all_free
@@ -27,7 +28,8 @@ from tests.rank.test_rank_transfer_thread import WAIT_S, _slots, _until
 
 
 def _group(gate: Path, thread: bool = True) -> RankGroup:
-    env = {**os.environ, GATE_ENV: str(gate), ENABLE_ENV: "1" if thread else "0"}
+    env = {**os.environ, GATE_ENV: str(gate), TEST_ENGINE_WRAPPER_ENV: "standins.step_gate",
+           ENABLE_ENV: "1" if thread else "0"}
     return RankGroup(_config(patched=True, ep=1).rank_config(), python=sys.executable, base_env=env)
 
 

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from rank import worker
+from rank.rank_setup import RankStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,7 @@ def test_rank_heartbeat_survives_sends_without_a_peer(monkeypatch: pytest.Monkey
     stop = threading.Event()
     sock = _FlakySocket(stop, again=2)
     t = threading.Thread(target=worker._heartbeat_loop,
-                         args=(_Ctx(sock), "ipc:///nowhere", 0, worker._Status(), stop))
+                         args=(_Ctx(sock), "ipc:///nowhere", 0, RankStatus(), stop))
     t.start()
     t.join(timeout=30)
     assert not t.is_alive()

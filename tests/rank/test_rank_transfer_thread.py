@@ -27,6 +27,7 @@ from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, Sampling
 from rank.errors import RankFailed
 from rank.group import RankGroup
 from rank.link import TransferTiming
+from rank.rank_setup import TEST_ENGINE_WRAPPER_ENV
 from rank.transfers import GATE_ENV
 from server.config import WorkloadConfig
 from tests.rank.rank_stream_helpers import collect
@@ -39,7 +40,8 @@ def _group(gate: Path, **overrides: Any) -> RankGroup:
     base: dict[str, Any] = dict(reference_model="tiny", ep=1, block_size=BLOCK, reference_num_blocks=64,
                                 max_num_batched_tokens=256, l1_host_gb=0.005)
     base.update(overrides)
-    return RankGroup(WorkloadConfig(**base).rank_config(), base_env={**os.environ, GATE_ENV: str(gate)})
+    return RankGroup(WorkloadConfig(**base).rank_config(), base_env={**os.environ, GATE_ENV: str(gate),
+                                                                  TEST_ENGINE_WRAPPER_ENV: "standins.step_gate"})
 
 
 def _request(rid: str, length: int, max_tokens: int, seed: int = 0) -> EngineRequest:

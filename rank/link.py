@@ -1,8 +1,9 @@
 """One rank process as the backend sees it (``RankLink``), and the receive path from it.
 
-``RankGroup`` (``rank/group.py``) keeps one ``RankLink`` per rank of the current epoch: its two
-sockets (all closed at teardown), its process, what it last reported, and the requests in flight
-on it (``Tracked``, by the handle the backend gave the request).
+``RankProcesses`` (``rank/rank_processes.py``) keeps one ``RankLink`` per rank of the current
+epoch: its two sockets and its transfer channel (all closed at teardown), its process, what it
+last reported, and the requests in flight on it (``Tracked``, by the handle the backend gave the
+request; ``rank/rank_messages.py`` adds and removes them).
 
 Receive path (the backend's hottest loop: one message per rank per engine step, one output per
 running request in it). The task sleeps until the socket's file descriptor is readable (one
@@ -38,6 +39,8 @@ from rank import transfer_channel
 from rank.client import RequestStream
 from rank.engine import FinishReason, RequestOutput
 from rank.transfer_channel import CHANNEL_OPS, ChannelWriter
+
+OnMessage = Callable[["RankLink", list[bytes]], None]  # what the receive path hands each message to
 
 DRAIN_BATCH = 32  # messages taken per wakeup before yielding to the event loop once
 
@@ -142,7 +145,7 @@ class RankLink:
             with contextlib.suppress(zmq.ZMQError):
                 self.cmd.send_multipart([payload], zmq.NOBLOCK)
 
-    async def accept_channel(self, on_message: Callable[[RankLink, list[bytes]], None]) -> None:
+    async def accept_channel(self, on_message: OnMessage) -> None:
         """Wait for the rank's transfer thread to connect; its replies then come in here."""
         if self.listener is None:
             return
@@ -172,7 +175,7 @@ class RankLink:
             "prefix_cache_supported": self.ready.get("prefix_cache_supported", True) if self.ready else None,
         }
 
-    async def receive(self, on_message: Callable[[RankLink, list[bytes]], None]) -> None:
+    async def receive(self, on_message: OnMessage) -> None:
         """Wake on readiness, then drain every queued message (module docstring)."""
         loop = asyncio.get_running_loop()
         sock = self.out

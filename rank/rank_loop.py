@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 IDLE_POLL_S = 0.02
 STATS_EVERY_S = 0.1
 
-log = logging.getLogger("rank.worker")
+log = logging.getLogger(__name__)
 
 
 class RankLoop:

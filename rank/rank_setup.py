@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 TEST_DEEPINFER_MODULE_ENV = "DIB_DEEPINFER_MODULE"  # tests only: a stand-in for DeepInfer's Python API
 TEST_ENGINE_WRAPPER_ENV = "DIB_TEST_ENGINE_WRAPPER"  # tests only: wraps the built engine
 
-log = logging.getLogger("rank.worker")
+log = logging.getLogger(__name__)
 
 
 class RankStatus:

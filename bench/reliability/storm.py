@@ -74,8 +74,8 @@ class EngineSpy:
                 orig(rank, outputs)
 
             group._dispatch = dispatch
-        else:  # RankGroup: terminal outputs are decoded in _dispatch(r, header, frames)
-            orig = group._dispatch
+        else:  # RankGroup: terminal outputs are decoded in messages.dispatch(r, header, frames)
+            orig = group.messages.dispatch
 
             def dispatch(r: Any, header: dict[str, Any], frames: list[bytes]) -> None:
                 before = {h: req.request_id for h, req in r.requests.items()}
@@ -88,7 +88,7 @@ class EngineSpy:
                     if rid is not None:
                         self.finish[rid] = entry[1]
 
-            group._dispatch = dispatch
+            group.messages.dispatch = dispatch
 
     def summary(self) -> dict[str, int]:
         reasons = Counter(self.finish.get(rid, "none") for rid in self.submitted)

@@ -112,7 +112,7 @@ def test_filler_lets_a_ranks_leftover_prompt_go_at_the_next_all_point(vote_fille
             assert (fillers[1] > 0) if vote_filler else (fillers == [0, 0]), fillers
         finally:
             await group.close()
-        assert [r.proc.returncode if r.proc is not None else None for r in group._ranks] == [0, 0]
+        assert [r.proc.returncode if r.proc is not None else None for r in group.links] == [0, 0]
 
     asyncio.run(scenario())
 

@@ -66,7 +66,7 @@ async def _wait_all_free(group: RankGroup) -> None:
 
 
 def _exit_codes(group: RankGroup) -> list[int | None]:
-    return [r.proc.returncode if r.proc is not None else None for r in group._ranks]
+    return [r.proc.returncode if r.proc is not None else None for r in group.links]
 
 
 @pytest.mark.timeout(240)

@@ -16,8 +16,9 @@ import zmq
 from rank import wire
 from rank.client import RequestStream
 from rank.engine import EngineMisuse, EngineStats, FinishReason, RequestOutput
-from rank.group import FATAL_GRACE_S, RankGroup
+from rank.group import RankGroup
 from rank.link import DRAIN_BATCH, RankLink, Tracked
+from rank.rank_processes import FATAL_GRACE_S
 from server.config import WorkloadConfig
 
 STATS = EngineStats(10, 9, 0, 0, 0, 0, 0, 0, 0)
@@ -74,12 +75,12 @@ def test_dispatch_hands_each_request_its_ids() -> None:
         ]
         handles = {f"r{h}": h for h in range(5)}
         frames = wire.encode_step(outs, handles, STATS)
-        group._on_message(r, frames)
+        group.messages.on_message(r, frames)
         # A decode step (one id each) takes the loop without offsets.
         frames = wire.encode_step([RequestOutput("r0", [1], False), RequestOutput("r1", [14], False),
                                    RequestOutput("r3", [32], True, FinishReason.ABORT, 5, 0, [], "x")],
                                   handles, STATS)
-        group._on_message(r, frames)
+        group.messages.on_message(r, frames)
         assert set(r.requests) == {0, 1}
         assert [o.token_ids for o in streams[1].drain_nowait()] == [[11, 12, 13, 14]]
         assert [o.token_ids for o in streams[0].drain_nowait()] == [[1]]
@@ -112,7 +113,7 @@ def test_receive_drains_floods_and_wakes_after_idle() -> None:
         r = RankLink(0, None, pull, last_seen=0.0)  # type: ignore[arg-type]
         stream = _track(r, 3, "r3")
         handles = {"r3": 3}
-        task = asyncio.create_task(r.receive(group._on_message))
+        task = asyncio.create_task(r.receive(group.messages.on_message))
         try:
             num_steps = 3 * DRAIN_BATCH + 5
             for i in range(num_steps):  # queued before the task first runs
@@ -154,23 +155,23 @@ def test_a_fatal_report_names_a_peer_exit_seen_within_the_grace() -> None:
 
     async def main() -> None:
         group = _group()
-        loop = asyncio.get_running_loop()
-        group._failure = loop.create_future()
+        processes, on_message = group.processes, group.messages.on_message
+        failure = processes.new_failure()
         r0, r1 = RankLink(0, None, None), RankLink(1, None, None)  # type: ignore[arg-type]
-        group._on_message(r0, [orjson.dumps({"t": "fatal", "msg": "rank 0: connection reset by peer"})])
-        assert not group._failure.done()
-        group._fail_epoch("rank 1 (pid 1) was killed by SIGKILL")
-        assert group._failure.result() == "rank 1 (pid 1) was killed by SIGKILL"
+        on_message(r0, [orjson.dumps({"t": "fatal", "msg": "rank 0: connection reset by peer"})])
+        assert not failure.done()
+        processes.fail("rank 1 (pid 1) was killed by SIGKILL")
+        assert failure.result() == "rank 1 (pid 1) was killed by SIGKILL"
         # Without another cause the report itself fails the epoch after the grace.
-        group._failure = loop.create_future()
-        group._on_message(r0, [orjson.dumps({"t": "fatal", "msg": "rank 0: CUDA error"})])
-        assert await asyncio.wait_for(group._failure, 5) == "rank 0: CUDA error"
+        failure = processes.new_failure()
+        on_message(r0, [orjson.dumps({"t": "fatal", "msg": "rank 0: CUDA error"})])
+        assert await asyncio.wait_for(failure, 5) == "rank 0: CUDA error"
         # A timer of an earlier epoch never fails the next one.
-        old = group._failure = loop.create_future()
-        group._on_message(r1, [orjson.dumps({"t": "fatal", "msg": "old"})])
+        old = processes.new_failure()
+        on_message(r1, [orjson.dumps({"t": "fatal", "msg": "old"})])
         old.set_result("first cause")
-        group._failure = loop.create_future()
+        failure = processes.new_failure()
         await asyncio.sleep(FATAL_GRACE_S + 0.2)
-        assert not group._failure.done()
+        assert not failure.done()
 
     asyncio.run(main())

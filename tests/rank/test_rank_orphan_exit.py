@@ -71,7 +71,7 @@ _BACKEND = textwrap.dedent("""
         group = RankGroup(WorkloadConfig(reference_model="null", ep=2, block_size=16, reference_num_blocks=64,
                                          max_num_batched_tokens=256, l1_host_gb=0).rank_config())
         await group.start()
-        print("PIDS", *[r.proc.pid for r in group._ranks], flush=True)
+        print("PIDS", *[r.proc.pid for r in group.links], flush=True)
         await asyncio.sleep(3600)
 
     asyncio.run(main())

@@ -40,8 +40,8 @@ def _group(gate: Path, **overrides: Any) -> RankGroup:
     base: dict[str, Any] = dict(reference_model="tiny", ep=1, block_size=BLOCK, reference_num_blocks=64,
                                 max_num_batched_tokens=256, l1_host_gb=0.005)
     base.update(overrides)
-    return RankGroup(WorkloadConfig(**base).rank_config(), base_env={**os.environ, GATE_ENV: str(gate),
-                                                                  TEST_ENGINE_WRAPPER_ENV: "standins.step_gate"})
+    env = {**os.environ, GATE_ENV: str(gate), TEST_ENGINE_WRAPPER_ENV: "standins.step_gate"}
+    return RankGroup(WorkloadConfig(**base).rank_config(), base_env=env)
 
 
 def _request(rid: str, length: int, max_tokens: int, seed: int = 0) -> EngineRequest:
@@ -201,7 +201,7 @@ def test_rank_sigkill_during_a_transfer_fails_it_and_the_group_serves_again(tmp_
                 await asyncio.wait_for(held, WAIT_S)
             (tmp_path / "hold-transfer").unlink()
             await group.wait_ready(120)
-            assert group.epoch == 2 and not group._pending
+            assert group.epoch == 2 and not group.messages.num_pending
             # The L1 slots outlive the rank: the new epoch restores them.
             restored = await asyncio.wait_for(group.import_blocks(0, 0, 2), WAIT_S)
             await group.release(0, restored)
@@ -285,7 +285,7 @@ def test_a_transfer_on_the_channel_waits_for_the_zmq_command_numbered_before_it(
         group = _group(tmp_path)
         await group.start()
         try:
-            r = group._ranks[0]
+            r = group.links[0]
             kept = await _cached_turn(group)
             assert r.channel is not None and not r.channel.closed  # the rank connected
             await group.export_blocks(0, kept, 0)
@@ -330,7 +330,7 @@ def test_an_import_sent_during_a_long_export_runs_between_its_parts(tmp_path: Pa
     meanwhile between two of them, so on the rank's clock the import ends before the export."""
     async def scenario() -> None:
         group = _group(tmp_path)
-        group._base_env["DIB_EXPORT_PART_BYTES"] = "1"  # one block per part
+        group.processes.base_env["DIB_EXPORT_PART_BYTES"] = "1"  # one block per part
         await group.start()
         try:
             kept = await _cached_turn(group)
@@ -367,7 +367,7 @@ def test_a_reply_the_channel_cannot_take_goes_by_zmq_and_the_rank_serves_on(tmp_
         group = _group(tmp_path)
         await group.start()
         try:
-            r = group._ranks[0]
+            r = group.links[0]
             kept = await _cached_turn(group)
             assert r.channel is not None
             (tmp_path / "hold-transfer").touch()

@@ -14,15 +14,15 @@ every rank: ``has_unfinished_requests()`` is itself the collective (all_reduce M
 group), ``step()`` on a rank with nothing to run is DeepInfer's placeholder forward (block table
 ``[0]``, state slot 0; it keeps the expert collectives matched), and ``flush_inflight_reqs()`` is
 rank-local (the step still in flight under zero-overhead scheduling). Hence ``owns_lockstep``:
-``rank/worker.py`` calls ``lockstep_has_work()`` then ``step()`` every iteration, and
+the rank loop (``rank/rank_loop.py``) calls ``lockstep_has_work()`` then ``step()`` every iteration, and
 ``group_had_work`` (the vote, equal on every rank) marks the iterations idle group-wide.
 ``placeholder_step()`` runs ``llm.step()`` and keeps its outputs for the next ``step()``. Before
 ``llm.step()`` at an ALL vote point, ``rank/vote_filler.py`` may queue a one-token request.
 
 Tests (only) run this adapter in real rank processes over the stand-in: the worker's factory
 (``rank.engines.make_deepinfer_engine``) takes ``api_module``, a module whose ``deepinfer_api()``
-returns what ``import_deepinfer`` would (``standins.fake_deepinfer_lockstep``); the worker passes
-it from ``DIB_DEEPINFER_MODULE``.
+returns what ``import_deepinfer`` would (``standins.fake_deepinfer_lockstep``); the rank's setup
+passes it from ``DIB_DEEPINFER_MODULE`` (``rank/rank_setup.py``).
 
 Semantics the adapter papers over
 ---------------------------------

@@ -148,7 +148,7 @@ class Engine(abc.ABC):
     """One rank's engine. Not thread-safe: the rank loop calls it from one thread (except the
     transfers of an engine that declares ``concurrent_transfers``).
 
-    The attributes below are what the rank loop (rank/worker.py) and the in-process group
+    The attributes below are what the rank loop (rank/rank_loop.py) and the in-process group
     (rank/local_group.py) read; the class-level values are the defaults an engine overrides.
     """
 

@@ -1,8 +1,8 @@
 """How a rank process is started: its interpreter, its environment and its rendezvous port.
 
-``RankGroup`` (``rank/group.py``) starts one ``python -m rank.worker`` per rank with these. A rank
-gets only what it needs: no API keys, tokens or the backend's other settings, and only the
-backend's code on ``PYTHONPATH`` (``tests/server/test_backend_import_order.py`` checks what a rank
+``RankProcesses`` (``rank/rank_processes.py``) starts one ``python -m rank.worker`` per rank with
+these. A rank gets only what it needs: no API keys, tokens or the backend's other settings, and
+only the backend's code on ``PYTHONPATH`` (``tests/server/test_backend_import_order.py`` checks what a rank
 may import).
 """
 
@@ -24,8 +24,8 @@ BACKEND_ROOT = str(Path(__file__).resolve().parents[1])
 ENV_PASSTHROUGH = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_HOME")
 KERNEL_CACHE_VARS = ("DG_JIT_CACHE_DIR", "EP_JIT_CACHE_DIR", "TILELANG_CACHE_DIR", "TRITON_CACHE_DIR")
 ENV_PREFIXES = ("NCCL_", "DEEPINFER_")  # engine knobs an operator may set; never credentials
-# TEST ONLY knobs of the rank worker (DIB_DEEPINFER_MODULE, DIB_FAKE_DEEPINFER: rank/worker.py), passed
-# on when the backend's own environment sets them (the worker stand-in does; a rank logs a warning).
+# Test and benchmark knobs of the rank worker (rank/rank_setup.py lists them), passed on when the
+# backend's own environment sets them (the worker stand-in does; a rank logs a warning for the test ones).
 TEST_ENV_PREFIX = "DIB_"
 DEEPINFER_PORT_OFFSET = 50  # DeepInfer's rendezvous: tcp://MASTER_ADDR:(MASTER_PORT-50+engine_group_rank)
 

@@ -6,7 +6,7 @@ could read and write the store, which has no authentication. ``install`` replace
 rendezvous handler in this process with one that binds rank 0's listening socket to HOST itself
 (``MASTER_ADDR``: ``127.0.0.1`` unless the deployment names another interface) and hands it to
 the store (``TCPStore(master_listen_fd=...)``). It serves both our own group
-(``init_process_group(init_method="tcp://...")`` in ``rank/worker.py``) and the one DeepInfer
+(``init_process_group(init_method="tcp://...")`` in ``rank/rank_setup.py``) and the one DeepInfer
 builds while its engine loads, which the backend does not otherwise control.
 
 Gloo's and NCCL's own pair sockets are chosen by ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``

@@ -156,7 +156,7 @@ def run_command(engine: Engine, header: dict[str, Any], received: float,
     ``Engine.export_blocks``.
 
     A successful reply's ``ts`` is [received, started, done] on ``time.monotonic()`` (system-wide on
-    Linux, so the backend can compare it with its own clock: ``rank/group.py`` ``TransferTiming``):
+    Linux, so the backend can compare it with its own clock: ``rank/link.py`` ``TransferTiming``):
     when the command left the socket, when this call began, when the engine returned."""
     op = header["op"]
     cid = header.get("cid")

@@ -1,9 +1,10 @@
 """``RankConfig``: what the rank layer reads of the workload config, typed and frozen.
 
 The server validates the workload config (``server/config.py``, pydantic) and builds this with
-``WorkloadConfig.rank_config()``; ``RankGroup`` writes it as JSON for every rank process, and
-``rank.worker`` reads it back with ``from_json``. Only the standard library: a rank runs the
-DeepInfer venv's interpreter, which has no pydantic and must not import the server.
+``WorkloadConfig.rank_config()``; ``RankProcesses`` (``rank/rank_processes.py``) writes it as JSON
+for every rank process, and ``rank.worker`` reads it back with ``from_json``. Only the standard
+library: a rank runs the DeepInfer venv's interpreter, which has no pydantic and must not import
+the server.
 Derived values are resolved by the server once (``model_dir`` from ``DEEPINFER_HF_MODEL_DIR``,
 ``master_port`` from ``deepinfer_env``/``env``), so no rank needs the server's rules.
 """
@@ -65,7 +66,7 @@ class RankConfig:
         return self.engine == "deepinfer" or self.reference_device.startswith("cuda")
 
     def to_json(self) -> dict[str, Any]:
-        """Plain JSON values (what ``RankGroup`` writes for the rank processes)."""
+        """Plain JSON values (what ``RankProcesses`` writes for the rank processes)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["env"], out["deepinfer_env"] = dict(self.env), dict(self.deepinfer_env)
         return out

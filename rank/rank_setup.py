@@ -4,7 +4,8 @@ In order: the sockets to the backend, the ``RankConfig`` the supervisor wrote, t
 pool (pinned in the background: a restart is ready in seconds, ``rank/host_pool.py``), the engine
 (``rank/engines.py``), the lockstep group, then the transfer thread (``rank/transfers.py``), which
 takes the backend's command socket and leaves the loop an inproc one. ``rank/rank_loop.py`` runs
-the loop over what comes out (``RankParts``); nothing here runs per step.
+the loop over what comes out (``RankParts``); of this module only the collectives handed to the
+engine (``step_collective``, ``group_min``) run once the loop has started.
 
 The group: engines that own their lockstep (``owns_lockstep``: DeepInfer) create
 torch.distributed's default group while loading; the worker checks it and adds a gloo side group

@@ -204,6 +204,8 @@ GRAPH_PACKAGES = (*PRODUCT, "standins")
 DYNAMIC_IMPORTS: dict[str, tuple[str, ...]] = {
     # DIB_DEEPINFER_MODULE (tests only): the stand-in for DeepInfer's Python API
     "rank/engines.py": ("standins.fake_deepinfer_lockstep",),
+    # DIB_TEST_ENGINE_WRAPPER (tests only): a wrapper around the rank's engine
+    "rank/rank_setup.py": ("standins.step_gate",),
 }
 _IMPORT_FUNCS = {"import_module", "__import__"}
 

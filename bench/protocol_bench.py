@@ -8,7 +8,7 @@ the default suite and the perf guard)
 Prints
 1. CPU ms from a parsed (validated) Anthropic request to prompt ids for a Claude-Code-like
    session of ~N tokens whose newest turn adds ~2K tokens, median over repeats, with the piece
-   cache warm from the previous turn (what a real session sees), next to
+   and prompt chunk caches warm from the previous turn (what a real session sees), next to
 2. the naive cost: tokenizing the whole prompt text in the same run, and
 3. parse + emit throughput (detokenizer, streaming parser, Anthropic, OpenAI chat and OpenAI
    Responses emitters) in tokens/s on one core, feeding one token per call (the worst case: one
@@ -97,7 +97,7 @@ def build_session(target_tokens: int, seed: int = 0) -> tuple[dict[str, Any], in
 
 
 def bench_prepare(proto: Protocol, body: dict[str, Any], repeats: int) -> dict[str, float]:
-    """Time turn N (cache warm from turn N-1): validate, convert, render, tokenize."""
+    """Time turn N (piece and chunk caches warm from turn N-1): validate, convert, render, tokenize."""
     prev = dict(body, messages=body["messages"][:-2])
     raw = orjson.dumps(body)
     proto.prepare_anthropic(prev, {})  # turn N-1 warms the piece cache
@@ -105,6 +105,7 @@ def bench_prepare(proto: Protocol, body: dict[str, Any], repeats: int) -> dict[s
     n_tokens = 0
     for _ in range(repeats):
         proto.tokenizer.cache.clear()
+        proto.chunks.clear()  # both caches warm from turn N-1 only, never from turn N itself
         proto.prepare_anthropic(prev, {})
         t0 = time.process_time()
         data = orjson.loads(raw)

@@ -40,6 +40,7 @@ from protocol.depth import check_json_depth
 from protocol.detokenize import TokenTable
 from protocol.errors import InvalidRequest, ModelNotAvailable, PromptTooLong, ProtocolError, lower_headers
 from protocol.ledger import OutputLedger
+from protocol.prompt_chunks import ChunkCache
 from protocol.render import AssistantSpan, ToolsTextCache, render
 from protocol.responses_api import prepare_responses
 from protocol.responses_store import ResponseStore
@@ -96,8 +97,8 @@ def _load_body(body: bytes | dict[str, Any]) -> dict[str, Any]:
 
 
 class Protocol:
-    """Holds the tokenizer (with its piece cache), the token table, the ledger and the tool
-    schema text cache."""
+    """Holds the tokenizer (with its piece cache), the prompt chunk cache, the token table, the
+    ledger and the tool schema text cache."""
 
     def __init__(
         self,
@@ -116,6 +117,7 @@ class Protocol:
         self.table = table if table is not None else TokenTable(tokenizer.full)
         self.responses_store = ResponseStore()  # previous_response_id / item_reference (bounded)
         self._tools_text = ToolsTextCache()  # tool schema text by tools hash (bounded LRU)
+        self.chunks = ChunkCache()  # ids of prompt chunks by their segments (protocol/prompt_chunks.py)
 
     # --- requests ----------------------------------------------------------------------------------
     def prepare_anthropic(self, body: bytes | dict[str, Any],
@@ -204,7 +206,7 @@ class Protocol:
         limit = self.max_model_len - 1
         try:
             return encode_bound(self.tokenizer, self.ledger, segments, spans, scope, limit, strict_parts,
-                                self.table.end_think_id, self.table.eos_id)
+                                self.table.end_think_id, self.table.eos_id, self.chunks)
         except TokenBudgetExceeded as exc:
             raise PromptTooLong(exc.num_tokens, limit) from None
 

@@ -54,6 +54,7 @@ _ID_BYTES = 16
 _MAC_BYTES = 16
 _ENTRY_OVERHEAD_BYTES = 512
 _META_LEN = 4  # bytes of the encoded entry's metadata length prefix
+_SIGNATURE_CHARS = 4 * ((_ID_BYTES + _MAC_BYTES + 2) // 3)  # base64 of entry id + MAC
 
 
 @dataclass(slots=True)
@@ -206,6 +207,8 @@ class OutputLedger:
 
     def verify_signature(self, signature: str) -> bytes | None:
         """The entry id of a genuine signature; None for forged, foreign or malformed ones."""
+        if len(signature) != _SIGNATURE_CHARS:  # not ours, whatever it decodes to
+            return None
         try:
             raw = base64.urlsafe_b64decode(signature.encode("ascii"))
         except (ValueError, UnicodeEncodeError):

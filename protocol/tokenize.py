@@ -425,6 +425,10 @@ class PromptTokenizer:
             return np.zeros(0, dtype=np.int32)
         return np.concatenate(chunks) if len(chunks) > 1 else chunks[0].copy()
 
+    def refuse_if_surely_over(self, segments: list[Segment], max_tokens: int) -> None:
+        """The cheap refusal (below) over ``segments``, before any of them is encoded."""
+        self._refuse_if_surely_over("", segments, 0, max_tokens)
+
     def _refuse_if_surely_over(self, text: str, rest: list[Segment], num_ids: int, max_tokens: int) -> None:
         """Raise ``TokenBudgetExceeded`` when a lower bound on the prompt's length is already over
         ``max_tokens``: ``num_ids`` counted so far, then ``text`` (the piece about to be encoded)

@@ -100,30 +100,34 @@ def encode_bound(tokenizer: PromptTokenizer, ledger: OutputLedger | None, segmen
             if hasher is not None:
                 hasher.update(part.data)
 
-    pos = 0
-    for start, end, m, with_reasoning in spans:
-        encode_chunk(pos, start)
-        pos = start
-        if ledger is not None and hasher is not None:
-            calls = [(c.name, _parse_args(c.arguments)) for c in m.tool_calls]
-            possible, signature = ledger.screen(m.signature, m.text_parts, calls)
-            entry = ledger.match(hasher.digest(), signature, m.reasoning, m.text_parts, calls,
-                                 strict_parts) if possible else None
-            ids = entry.render_ids(with_reasoning, end_think_id, eos_id) if entry is not None else None
-            if entry is not None and ids is not None:
-                m.ledger_entry = entry
-                hits += 1
-                if num_ids + len(ids) > limit:
-                    raise TokenBudgetExceeded(num_ids + len(ids), limit)
-                parts.append(ids)
-                num_ids += len(ids)
-                hasher.update(ids.data)
-                pos = end
-                continue
-        # the client's rendering of the turn stays: tokenized with the chunk after it
-    encode_chunk(pos, len(segments))
-    if view is not None:
-        view.commit()
+    complete = False
+    try:
+        pos = 0
+        for start, end, m, with_reasoning in spans:
+            encode_chunk(pos, start)
+            pos = start
+            if ledger is not None and hasher is not None:
+                calls = [(c.name, _parse_args(c.arguments)) for c in m.tool_calls]
+                possible, signature = ledger.screen(m.signature, m.text_parts, calls)
+                entry = ledger.match(hasher.digest(), signature, m.reasoning, m.text_parts, calls,
+                                     strict_parts) if possible else None
+                ids = entry.render_ids(with_reasoning, end_think_id, eos_id) if entry is not None else None
+                if entry is not None and ids is not None:
+                    m.ledger_entry = entry
+                    hits += 1
+                    if num_ids + len(ids) > limit:
+                        raise TokenBudgetExceeded(num_ids + len(ids), limit)
+                    parts.append(ids)
+                    num_ids += len(ids)
+                    hasher.update(ids.data)
+                    pos = end
+                    continue
+            # the client's rendering of the turn stays: tokenized with the chunk after it
+        encode_chunk(pos, len(segments))
+        complete = True
+    finally:
+        if view is not None:
+            view.finish(keep=complete)
     # a new array: chunk ids are the cache's, ledger ids the entry's
     ids_all = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     divergences = ledger.stats.num_divergences - divergences_before if ledger is not None else 0

@@ -22,7 +22,7 @@ tokenizing client text gives.
 
 Bounded: at most ``per_head`` prompts per head (the most recent), and ``max_bytes`` in all
 (the ids and the characters of the text held), least recently used head out first. Thread-safe:
-a request reads committed prompts (never changed afterwards) and commits its own at the end.
+a request reads committed prompts (never changed afterwards) and commits its own once it is complete.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class ChunkStats:
 
 class PromptView:
     """One request's use of the cache: earlier prompts with its head to reuse chunks from, and
-    its own prompt, recorded chunk by chunk and committed at the end."""
+    its own prompt, recorded chunk by chunk and kept when complete (``finish``)."""
 
     def __init__(self, cache: ChunkCache, head: int | None, earlier: list[_Prompt]) -> None:
         self._cache = cache
@@ -110,9 +110,10 @@ class PromptView:
         self._prompt.chunks[start] = chunk
         self._prompt.nbytes += chunk.nbytes
 
-    def commit(self) -> None:
-        """Keep this request's prompt for the next turn (the prompt it extended is dropped)."""
-        self._cache._commit(self._head, self._prompt, self)
+    def finish(self, keep: bool) -> None:
+        """Count this request's chunks; with ``keep`` (its prompt was tokenized in full), keep its
+        prompt for the next turn (the earlier prompt it extended is dropped)."""
+        self._cache._finish(self._head, self._prompt if keep else None, self)
 
 
 class ChunkCache:
@@ -142,13 +143,13 @@ class ChunkCache:
                     self._heads.move_to_end(head)
         return PromptView(self, head, earlier)
 
-    def _commit(self, head: int | None, prompt: _Prompt, view: PromptView) -> None:
+    def _finish(self, head: int | None, prompt: _Prompt | None, view: PromptView) -> None:
         with self._lock:
             stats = self.stats
             stats.num_hits += view.num_hits
             stats.num_misses += view.num_misses
             stats.hit_tokens += view.hit_tokens
-            if head is None or not prompt.chunks or prompt.nbytes > self.max_bytes:
+            if head is None or prompt is None or not prompt.chunks or prompt.nbytes > self.max_bytes:
                 return
             prompts = self._heads.pop(head, [])
             # the earlier prompt this one extends: this one holds its chunks (by this request's text)

@@ -12,6 +12,7 @@ import pytest
 
 from protocol.api import Protocol
 from protocol.detokenize import TokenTable
+from protocol.errors import PromptTooLong
 from protocol.prompt_chunks import ChunkCache
 from protocol.render import CLIENT, OURS, Segment
 from protocol.tokenize import PromptTokenizer
@@ -111,6 +112,19 @@ def test_ledger_turns_stay_with_their_caller(proto: Protocol, tok: PromptTokeniz
         assert a.ledger_binding != b.ledger_binding
 
 
+def test_reused_history_over_the_limit_is_refused(proto: Protocol) -> None:
+    """Chunks reused from the cache still count against the context limit: the turn is refused
+    with an estimate above the limit, as when it is tokenized."""
+    body = _session(20)
+    num_ids = len(proto.prepare_anthropic(body, {}).prompt_ids)
+    proto.max_model_len = num_ids // 2
+    with pytest.raises(PromptTooLong) as refused:
+        proto.prepare_anthropic(body, {})
+    assert refused.value.max_prompt_tokens == num_ids // 2 - 1
+    assert refused.value.num_prompt_tokens > num_ids // 2 - 1
+    assert proto.chunks.stats.num_hits > 0
+
+
 def _holds(ids: list[int], part: list[int]) -> bool:
     return any(ids[k : k + len(part)] == part for k in range(len(ids) - len(part) + 1))
 
@@ -130,14 +144,14 @@ def test_chunk_cache_bounds() -> None:
         segments = _prompt(3, tag)
         view = cache.view(segments, 3)
         view.put(segments, 0, len(segments), np.arange(len(segments), dtype=np.int32), 10)
-        view.commit()
+        view.finish(keep=True)
     assert cache.stats.num_prompts == 3 and cache.stats.num_evictions == 1  # two per head
     small = ChunkCache(max_bytes=4_000)
     for tag in "abcdef":
         segments = _prompt(2, tag)
         view = small.view(segments, 3)
         view.put(segments, 0, len(segments), np.arange(600, dtype=np.int32), 10)
-        view.commit()
+        view.finish(keep=True)
     assert 0 < small.stats.num_bytes <= 4_000 and small.stats.num_evictions >= 4
     segments = _prompt(2, "f")
     assert small.view(segments, 3).get(segments, 0, len(segments)) is not None  # the newest is kept

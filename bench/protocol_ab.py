@@ -1,7 +1,8 @@
 """Request -> ids of several checkouts, interleaved in one run (not a test).
 
-Run: ``python -m bench.protocol_ab DIR [DIR ...] [--rounds 3] [--repeats 9] [--tokens 500000]``,
-each DIR a checkout (``git worktree add --detach DIR <commit>``, its ``.venv`` a link to this
+Run: ``python -m bench.protocol_ab DIR [DIR ...] [--rounds 3] [--repeats 9] [--tokens 500000]``
+(``--quick``: this checkout alone, a 40K-token session, one round of one repeat), each DIR a checkout
+(``git worktree add --detach DIR <commit>``, its ``.venv`` a link to this
 one's). Each round runs every checkout's own ``bench.protocol_bench.bench_prepare`` once in a
 subprocess from its root (its product and bench code), in an order that rotates by round; prints
 per checkout the median over rounds of the per-round medians (CPU ms, ``time.process_time``) of
@@ -19,6 +20,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from bench.support.quick import add_quick
 
 _CHILD = """
 import json, sys
@@ -44,11 +47,13 @@ def run_one(tree: Path, tokens: int, repeats: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trees", nargs="+", type=Path)
+    ap.add_argument("trees", nargs="*", type=Path, help="checkouts (default: this one)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=500_000)
+    add_quick(ap, argv, tokens=40_000, rounds=1, repeats=1)
     args = ap.parse_args(argv)
+    args.trees = args.trees or [Path(".")]
     samples: dict[Path, dict[str, list[float]]] = {t: {"parsed": [], "body": []} for t in args.trees}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):

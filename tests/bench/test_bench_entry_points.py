@@ -58,6 +58,7 @@ ENTRIES = (
                "(3 min on 2 shared cores); tests/multigpu/test_multigpu_run_script.py asserts its phases"),
     Entry("bench.perf_guard", ("--quick",), r"^perf guard: pass"),
     Entry("bench.protocol_bench", ("--quick",), r"parsed request -> prompt ids .*: [\d.]+ ms median"),
+    Entry("bench.protocol_ab", ("--quick",), r"^  \S+ +[\d.]+ \([\d.]+-[\d.]+\) +[\d.]+ \("),
     Entry("bench.rank_bench", ("--quick",), r"IPC \+ lockstep overhead [\d.]+ ms/step", device=True),
     Entry("bench.reliability.storm", ("--quick",), r"^  balance: OK"),
     Entry("bench.restore_copy_paths", ("--quick",), r"^prio -1 runs4 +contiguous", needs="cuda"),

@@ -70,7 +70,8 @@ def encode_bound(tokenizer: PromptTokenizer, ledger: OutputLedger | None, segmen
     divergences_before = ledger.stats.num_divergences if ledger is not None else 0
     refusal_checked = False  # the cheap refusal bound ran over the rest of the prompt
 
-    view = chunks.view(segments, spans[0][0] if spans else len(segments)) if chunks is not None else None
+    head_end = spans[0][0] if spans else len(segments)
+    view = chunks.view(segments, head_end, scope) if chunks is not None else None
 
     def encode_chunk(start: int, end: int) -> None:
         nonlocal num_ids, num_chars, refusal_checked

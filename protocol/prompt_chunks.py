@@ -17,8 +17,10 @@ ids depend only on the segments (``protocol/tokenize.py``), so the ids are the o
 ``encode_segments`` gives. Ledger ids are never stored here: the ledger is asked anew for every
 assistant turn of every request (the binding of the ids in front of it, the caller scope and the
 client's view are checked exactly as without this cache), and a turn it replaces is not a chunk.
-Like the piece cache, the prompts are shared by all sessions and callers; they hold only what
-tokenizing client text gives.
+The prompts hold only what tokenizing client text gives, and they are found per caller: the
+head's key includes the caller scope (``server/auth.caller_scope``), so how fast one caller's
+request is tokenized never tells whether another caller sent the same history (the piece cache
+below it is shared, as it holds single pieces of text, not conversations).
 
 Bounded: at most ``per_head`` prompts per head (the most recent), and ``max_bytes`` in all
 (the ids and the characters of the text held), least recently used head out first. Thread-safe:
@@ -128,11 +130,11 @@ class ChunkCache:
         self._lock = threading.Lock()
         self.stats = ChunkStats()
 
-    def view(self, segments: list[Segment], head_end: int) -> PromptView:
-        """A request's view; ``segments[:head_end]`` is its first chunk."""
+    def view(self, segments: list[Segment], head_end: int, scope: bytes = b"") -> PromptView:
+        """A request's view; ``segments[:head_end]`` is its first chunk, ``scope`` its caller's."""
         head: int | None
         try:
-            head = hash(tuple(segments[:head_end]))
+            head = hash((scope, tuple(segments[:head_end])))
         except TypeError:  # ledger ids (an array) in the head: nothing to share
             head = None
         earlier: list[_Prompt] = []

@@ -66,6 +66,21 @@ def test_next_turn_tokenizes_only_its_new_part(proto: Protocol, table: TokenTabl
     assert np.array_equal(ids, _uncached(proto, table).prepare_anthropic(body, {}).prompt_ids)
 
 
+def test_one_callers_prompts_are_not_reused_for_another(proto: Protocol) -> None:
+    """The chunk cache is found per caller: caller B sending caller A's exact history reuses
+    nothing of A's (how fast B's turn is tokenized says nothing about what A sent); A's own next
+    turn reuses its history."""
+    body = _session(12)
+    prev = dict(body, messages=body["messages"][:-2])
+    proto.prepare_anthropic(prev, {}, scope=b"caller-a")
+    hits = proto.chunks.stats.num_hits
+    b = proto.prepare_anthropic(body, {}, scope=b"caller-b")
+    assert proto.chunks.stats.num_hits == hits
+    a = proto.prepare_anthropic(body, {}, scope=b"caller-a")
+    assert proto.chunks.stats.num_hits > hits
+    assert np.array_equal(a.prompt_ids, b.prompt_ids)
+
+
 def test_a_changed_history_is_tokenized_again(proto: Protocol, table: TokenTable) -> None:
     body = _session(12)
     proto.prepare_anthropic(body, {})

@@ -7,7 +7,10 @@
 * **Prefetch** (``start_prefetch``): the same, started from the session header alone, before the
   prompt is tokenized; the turn's admission waits for it and counts its blocks as L1 hits.
 
-Imports check the epoch after every await: a restart voids what they carried.
+Imports check the epoch after every await: a restart voids what they carried. A restore's import
+runs in a task of its own: the rank imports whether or not the turn still waits for its reply, so
+a turn cancelled meanwhile (its client went away) leaves the import to end there, and the blocks
+it hands back are released (they count as releasing from the cancellation on).
 """
 
 from __future__ import annotations
@@ -75,15 +78,13 @@ class L1Restores:
             entry, m1, num_l2 = await self._fill_from_l2(sid, epoch, hashes, first, count)
             count = min(count, m1 - first)
         if entry is not None and count > 0 and m1 >= first + count:
-            s.l1.begin_read(entry)
+            s.l1.begin_read(entry)  # ended by the import's task
+            task = s.tasks.spawn(self._import_entry(rank, entry, first, count, epoch))
             try:
-                ids = await self.import_blocks(rank, HostSlot(entry.start_slot + first), count, epoch)
-            except RANK_ERRORS as exc:
-                log.warning("L1 restore of %d blocks on rank %d failed: %s", count, rank, exc)
-                ids = None
-                disable_l1_if_unsupported(s, exc)
-            finally:
-                s.l1.end_read(entry)
+                ids = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                self._orphan(rank, epoch, count, task)
+                raise
             restore_s = s.clock() - started
             if ids is not None and s.epoch == epoch:
                 self._file_restored(rank, hashes[: first + count], first, ids, sid)
@@ -106,6 +107,38 @@ class L1Restores:
         if s.epoch != epoch or fill.entry is None:
             return None, 0, 0
         return fill.entry, fill.num_blocks, fill.loaded_within(first, count)
+
+    async def _import_entry(self, rank: Rank, entry: L1Entry, first: int, count: int,
+                            epoch: Epoch) -> list[BlockId] | None:
+        """Import blocks ``first .. first+count`` of ``entry`` (held for reading by the caller;
+        the hold ends here, when the rank is done with its slots). None when it failed."""
+        s = self._s
+        try:
+            return await self.import_blocks(rank, HostSlot(entry.start_slot + first), count, epoch)
+        except RANK_ERRORS as exc:
+            log.warning("L1 restore of %d blocks on rank %d failed: %s", count, rank, exc)
+            disable_l1_if_unsupported(s, exc)
+            return None
+        finally:
+            s.l1.end_read(entry)
+
+    def _orphan(self, rank: Rank, epoch: Epoch, count: int, task: asyncio.Task[list[BlockId] | None]) -> None:
+        """The turn whose restore started ``task`` was cancelled (its client went away) before it
+        took the imported block ids. The rank imports whether or not anyone waits for its reply,
+        and the cache ref on each block it hands back is the cache's to give back, so the blocks
+        count as releasing from now on and are released once the import ends (the turn's
+        reservation, which covered them, is given back by its admission's undo)."""
+        s = self._s
+        if s.epoch != epoch:
+            return  # that epoch's blocks are gone with its ranks
+        s.releases.hold(rank, count)
+
+        def ended(done: asyncio.Task[list[BlockId] | None]) -> None:
+            ids = None if done.cancelled() or done.exception() is not None else done.result()
+            if s.epoch == epoch:
+                s.tasks.spawn(s.releases.send(rank, ids or [], epoch, num_held=count))
+
+        task.add_done_callback(ended)
 
     async def import_blocks(self, rank: Rank, host_slot: HostSlot, count: int, epoch: Epoch) -> list[BlockId]:
         """``import_blocks`` that rides out blocks the engine still holds for a moment: releases

@@ -53,9 +53,11 @@ class ReleaseLedger:
             self.hold(rank, len(block_ids))
             self._state.tasks.spawn(self.send(rank, block_ids, self._state.epoch))
 
-    async def send(self, rank: Rank, block_ids: list[BlockId], epoch: Epoch) -> None:
+    async def send(self, rank: Rank, block_ids: list[BlockId], epoch: Epoch,
+                   num_held: int | None = None) -> None:
         """Send the release of held blocks and count them free once it lands (or failed: a
-        dead rank's blocks go with its epoch)."""
+        dead rank's blocks go with its epoch). ``num_held``: the blocks ``hold`` counted, when
+        fewer came to exist (an import held before its reply, which failed: nothing to send)."""
         state = self._state
         try:
             if block_ids and state.epoch == epoch:
@@ -64,7 +66,7 @@ class ReleaseLedger:
             log.info("release of %d blocks on rank %d dropped: %s", len(block_ids), rank, exc)
         finally:
             if state.epoch == epoch:
-                self._landed(rank, len(block_ids))
+                self._landed(rank, len(block_ids) if num_held is None else num_held)
             state.queue.notify(rank)
             state.on_change()
 

@@ -1,0 +1,133 @@
+"""Copies between L1 and a rank racing a client that goes away, or a rank group restart: nothing
+leaks ("a dead rank, a dropped client or a full KV pool leaks nothing").
+
+The 4-rank-process disconnect storm (``tests/reliability/test_reliability_disconnect_storm.py``)
+failed about half its runs with "engine holds N cached blocks, index N-k": every leaked block
+came from an L1 -> GPU import (traced at the rank messenger: the import's reply arrived, its ids
+were never filed nor released). With rank processes ``import_blocks`` is a round trip; the rank
+imports whether or not anyone still waits for the reply, and a turn cancelled while it waited
+(its client went away) lost the block ids, so their cache refs were never given back. A copy
+to L1 the turn waited for (its victims' chains) had the same shape: its L1 write stayed planned.
+
+The rank's side is stood in for by the engine's own call (done at once) followed by a reply the
+test holds and lets land, so each race is replayed exactly, e.g. the reply lands and the task is
+cancelled in the same step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import pytest
+
+from cache.manager import CacheManager
+from cache.sessions import StopKind
+from rank.errors import RankFailed
+from rank.ids import BlockId, HostSlot, Rank
+from rank.local_group import LocalRankGroup
+from tests.cache.cache_harness import make_group, make_manager, next_prompt, run_turn, settle, tokens
+
+pytestmark = pytest.mark.timeout(120)
+
+Import = Callable[[Rank, HostSlot, int], Awaitable[list[BlockId]]]
+
+
+class HeldReply:
+    """Wraps ``group.import_blocks``: the engine imports at once (as a rank process does when the
+    command arrives), the reply is held until the test lets it land. A restart meanwhile fails
+    it, as ``RankMessenger.fail_all`` fails an epoch's pending commands."""
+
+    def __init__(self, group: LocalRankGroup) -> None:
+        self.group = group
+        self.real: Import = group.import_blocks
+        self.sent = asyncio.Event()
+        self.reply: asyncio.Future[None] | None = None
+        self.imported: list[BlockId] = []
+
+    async def __call__(self, rank: Rank, host_slot: HostSlot, num_blocks: int) -> list[BlockId]:
+        epoch = self.group.epoch
+        ids = await self.real(rank, host_slot, num_blocks)
+        self.imported = list(ids)
+        self.reply = asyncio.get_running_loop().create_future()
+        self.sent.set()
+        await self.reply
+        if self.group.epoch != epoch:
+            raise RankFailed(f"rank group epoch {epoch} failed: restarted")
+        return ids
+
+    def land(self) -> None:
+        """The reply arrives (dropped, as the messenger drops it, when its waiter is gone)."""
+        assert self.reply is not None
+        if not self.reply.done():
+            self.reply.set_result(None)
+
+
+async def _session_in_l1(mgr: CacheManager, group: LocalRankGroup, rng: np.random.Generator,
+                         head: np.ndarray) -> np.ndarray:
+    """Session "a"'s next prompt, whose chain L1 holds while the GPU holds only ``head`` (shared
+    with session "b", whose longer turn pushed a's own blocks out of the GPU)."""
+    first = await run_turn(mgr, group, np.concatenate([head, tokens(rng, 100)]), "a", stop=StopKind.END_TURN)
+    await mgr.drain()
+    await run_turn(mgr, group, np.concatenate([head, tokens(rng, 300)]), "b", stop=StopKind.END_TURN)
+    await mgr.drain()
+    assert mgr.l1.backed_blocks(first.admission.session_id) > 0
+    return next_prompt(first, tokens(rng, 20))
+
+
+def test_a_turn_cancelled_as_its_restore_reply_lands_releases_the_imported_blocks() -> None:
+    async def main() -> None:
+        rng = np.random.default_rng(11)
+        group = await make_group("null", num_blocks=26, num_ranks=1, host_slots=64)
+        mgr, _ = make_manager(group, l1_write_watermark=0.0, protect_s=0.0)
+        held = HeldReply(group)
+        try:
+            a2 = await _session_in_l1(mgr, group, rng, tokens(rng, 32))
+            group.import_blocks = held  # type: ignore[method-assign]
+            task = asyncio.get_running_loop().create_task(run_turn(mgr, group, a2, "a"))
+            await asyncio.wait_for(held.sent.wait(), 5.0)  # the turn restores
+            assert held.imported  # the rank holds them for the cache from now on
+            held.land()
+            task.cancel()  # the client went away in the same step as the reply arrived
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            group.import_blocks = held.real  # type: ignore[method-assign]
+            assert mgr.num_open_turns == 0
+            await settle(mgr, group)  # engine cache-held blocks == L0 index, refs balanced
+            assert not set(held.imported) & {n.block_id for n in mgr.l0[0].nodes.values()}
+            # and the session's next turn restores the chain as if nothing happened
+            await run_turn(mgr, group, a2, "a")
+            await settle(mgr, group)
+        finally:
+            await group.close()
+
+    asyncio.run(main())
+
+
+def test_a_turn_cancelled_before_its_restore_reply_lands_releases_the_imported_blocks() -> None:
+    async def main() -> None:
+        rng = np.random.default_rng(12)
+        group = await make_group("null", num_blocks=26, num_ranks=1, host_slots=64)
+        mgr, _ = make_manager(group, l1_write_watermark=0.0, protect_s=0.0)
+        held = HeldReply(group)
+        try:
+            a2 = await _session_in_l1(mgr, group, rng, tokens(rng, 32))
+            group.import_blocks = held  # type: ignore[method-assign]
+            task = asyncio.get_running_loop().create_task(run_turn(mgr, group, a2, "a"))
+            await asyncio.wait_for(held.sent.wait(), 5.0)  # the turn restores
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Until the reply lands the blocks are held by the rank but not filed: they count as
+            # releasing, so no planner counts them free.
+            assert mgr.state.releases.pending(0) == len(held.imported)
+            held.land()
+            group.import_blocks = held.real  # type: ignore[method-assign]
+            await settle(mgr, group)
+            assert mgr.state.releases.pending(0) == 0
+        finally:
+            await group.close()
+
+    asyncio.run(main())
+

@@ -68,7 +68,14 @@ class L1Writes:
         Chained after a write of the same session still in flight (one write per session at a
         time, and the later one copies only what the earlier did not). Returns True when L1
         holds the chain afterwards; False only when it cannot (not resident, no L1 room, the
-        copy failed, or the group restarted)."""
+        copy failed, or the group restarted).
+
+        Once planned, the copy runs in a task of its own: the rank copies whether or not the
+        caller still waits (a turn whose client went away is cancelled), and only the copy's
+        end may commit or abort the plan and unpin the chain. A cancelled caller that left the
+        plan pending kept its slots and refused every later write of the session. The task's
+        first step sends the export before a cancelled caller resumes (the loop runs callbacks
+        in order), so a release the caller sends then reaches the rank after the export."""
         s = self._s
         if not await self.wait_write(sid, epoch):
             return False
@@ -77,6 +84,12 @@ class L1Writes:
             return s.l1.holds_chain(sid, chain)
         done = asyncio.Event()
         self._writes[sid] = done
+        return await asyncio.shield(s.tasks.spawn(self._write(rank, sid, plan, chain, epoch, nodes, done)))
+
+    async def _write(
+        self, rank: Rank, sid: SessionId, plan: WritePlan, chain: list[BlockHash], epoch: Epoch,
+        nodes: tuple[Node, ...] | None, done: asyncio.Event,
+    ) -> bool:
         try:
             return await self._export(rank, plan, chain, epoch, nodes)
         finally:

@@ -21,12 +21,14 @@ def test_move_waits_for_the_write_in_flight_then_hits_on_the_new_rank() -> None:
         group = await make_group(num_blocks=96, num_ranks=2, host_slots=256)
         mgr, registry = make_manager(group, l1_write_watermark=0.0)  # every finish writes through
         gate = asyncio.Event()
+        exporting = asyncio.Event()
         num_exports = 0
         real_export = group.export_blocks
 
         async def slow_export(rank: int, block_ids: list[int], host_slot: int) -> None:
             nonlocal num_exports
             num_exports += 1
+            exporting.set()
             await gate.wait()  # the rank is in a long step: the copy lands later
             await real_export(rank, block_ids, host_slot)
 
@@ -34,7 +36,7 @@ def test_move_waits_for_the_write_in_flight_then_hits_on_the_new_rank() -> None:
             group.export_blocks = slow_export  # type: ignore[method-assign]
             first = await run_turn(mgr, group, tokens(rng, 300), "a")
             src = first.admission.rank
-            await asyncio.sleep(0)  # the finish's write-through starts and waits on the rank
+            await exporting.wait()  # the finish's write-through starts and waits on the rank
             assert num_exports == 1 and mgr.l1.is_writing(first.admission.session_id)
             move = asyncio.create_task(mgr.move_session("a", 1 - src))
             await asyncio.sleep(0.05)

@@ -131,3 +131,56 @@ def test_a_turn_cancelled_before_its_restore_reply_lands_releases_the_imported_b
 
     asyncio.run(main())
 
+
+class HeldExport:
+    """Wraps ``group.export_blocks``: the engine copies at once, the reply is held until the test
+    lets it land."""
+
+    def __init__(self, group: LocalRankGroup) -> None:
+        self.real = group.export_blocks
+        self.sent = asyncio.Event()
+        self.reply: asyncio.Future[None] | None = None
+
+    async def __call__(self, rank: Rank, block_ids: list[BlockId], host_slot: HostSlot) -> None:
+        await self.real(rank, block_ids, host_slot)
+        self.reply = asyncio.get_running_loop().create_future()
+        self.sent.set()
+        await self.reply
+
+    def land(self) -> None:
+        """The reply arrives (dropped, as the messenger drops it, when its waiter is gone)."""
+        assert self.reply is not None
+        if not self.reply.done():
+            self.reply.set_result(None)
+
+
+def test_a_turn_cancelled_while_its_victims_go_to_l1_settles_the_l1_write() -> None:
+    """A turn that evicted another session's blocks waits for their copy to L1 before their
+    release (``Retirer.retire``). Its client going away meanwhile must not leave the L1 write
+    planned forever: its slots leaked and every later write of that session refused."""
+
+    async def main() -> None:
+        rng = np.random.default_rng(13)
+        group = await make_group("null", num_blocks=26, num_ranks=1, host_slots=64)
+        # no write-through after a turn: the eviction itself copies the victims to L1
+        mgr, _ = make_manager(group, l1_write_watermark=1.0, protect_s=0.0)
+        held = HeldExport(group)
+        try:
+            first = await run_turn(mgr, group, tokens(rng, 132), "a", stop=StopKind.END_TURN)
+            await mgr.drain()
+            assert mgr.l1.backed_blocks(first.admission.session_id) == 0
+            group.export_blocks = held  # type: ignore[method-assign]
+            task = asyncio.get_running_loop().create_task(run_turn(mgr, group, tokens(rng, 300), "b"))
+            await asyncio.wait_for(held.sent.wait(), 5.0)  # b evicted a's blocks: their copy runs
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            held.land()
+            group.export_blocks = held.real  # type: ignore[method-assign]
+            await settle(mgr, group)  # no L1 write pending, no slot leaked
+            assert mgr.l1.backed_blocks(first.admission.session_id) > 0  # the copy did complete
+        finally:
+            await group.close()
+
+    asyncio.run(main())
+

@@ -6,7 +6,9 @@ giving back.
 then the release, which rides with the turn's next command), restores the planned prefix blocks
 from L1 (``cache/l1_restores.py``) and returns the ``Admission``: use refs on its prefix, its
 blocks reserved. ``close`` gives both back exactly once. A turn cancelled anywhere in between
-(the client went away) gives back what it took before the cancellation propagates.
+(the client went away) gives back what it took before the cancellation propagates. A turn whose
+epoch ended while it waited (the rank group restarted) is refused with a retry and touches nothing
+of the new epoch: its holds went with the old one.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class RankAdmitter:
         if s.epoch != epoch or res is None:
             if s.epoch == epoch:
                 s.ledgers[rank].uncount_running(context_tokens)
-            raise Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)
+            raise _restarted()
         plan = res.plan
         adm = Admission(
             rank=rank, prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier=TierTokens(),
@@ -143,6 +145,12 @@ class RankAdmitter:
                 adm.is_closed = True
                 self._release_holds(adm)
             raise
+        if s.epoch != adm.epoch:
+            # The group restarted while the import ran: the index and ledger this admission
+            # holds on went with the old epoch (nothing to give back), and those of the new one
+            # are not its to touch; its close would skip them. Refused like a turn that waited.
+            adm.is_closed = True
+            raise _restarted()
         adm.restore_s = got.seconds
         if got.num_blocks:  # filed (same epoch, nothing awaited since): move the pin onto them
             count, bs = got.num_blocks, s.block_size
@@ -166,3 +174,7 @@ class RankAdmitter:
         self._s.ledgers[adm.rank].close(adm)
         self._s.l0[adm.rank].release_uses(adm.hashes[: adm.num_used_blocks])
         adm.num_used_blocks = 0
+
+
+def _restarted() -> Overloaded:
+    return Overloaded("the rank group restarted while the turn waited; retry", retry_after_s=1.0)

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from cache.manager import CacheManager
-from cache.sessions import StopKind
+from cache.sessions import SessionId, StopKind
+from protocol.errors import Overloaded
 from rank.errors import RankFailed
 from rank.ids import BlockId, HostSlot, Rank
 from rank.local_group import LocalRankGroup
@@ -184,3 +185,46 @@ def test_a_turn_cancelled_while_its_victims_go_to_l1_settles_the_l1_write() -> N
 
     asyncio.run(main())
 
+
+def test_a_restart_during_a_restore_leaves_the_new_epoch_untouched() -> None:
+    """The rank group restarts while a turn's restore waits for its import: the import fails
+    with the old epoch, and that turn, of the old epoch, must not touch the new epoch's index or
+    ledger (it used to fall back to replaying its last L0 block there: a use taken on the new
+    index and one given back that it never took, and a reservation on the new ledger that its
+    close, skipping an old epoch's admission, never gave back). It is refused with a retry."""
+
+    async def main() -> None:
+        rng = np.random.default_rng(14)
+        group = await make_group("null", num_blocks=26, num_ranks=1, host_slots=64)
+        mgr, _ = make_manager(group, l1_write_watermark=0.0, protect_s=0.0)
+        held = HeldReply(group)
+        head = tokens(rng, 32)
+        try:
+            a2 = await _session_in_l1(mgr, group, rng, head)
+            group.import_blocks = held  # type: ignore[method-assign]
+            task = asyncio.get_running_loop().create_task(mgr.admit(a2, "a", 8))
+            await asyncio.wait_for(held.sent.wait(), 5.0)
+            old_epoch = mgr.epoch
+            await group.restart("test: a rank died")
+            assert mgr.epoch != old_epoch
+            group.import_blocks = held.real  # type: ignore[method-assign]
+            # The new epoch files the shared head again (another session's turn), so the old
+            # turn's replay would find the blocks it wants to pin there.
+            await run_turn(mgr, group, np.concatenate([head, tokens(rng, 40)]), "c")
+            assert mgr.l0[0].match(mgr.hasher.hashes(a2)) >= 2
+            ledger = mgr.state.ledgers[0]
+            assert (ledger.reserved_blocks, ledger.running_tokens, ledger.num_open) == (0, 0, 0)
+            held.land()  # the old epoch's import fails: the turn goes on with its reply
+            with pytest.raises(Overloaded, match="restarted"):
+                await task
+            assert (ledger.reserved_blocks, ledger.running_tokens, ledger.num_open) == (0, 0, 0)
+            assert mgr.num_open_turns == 0
+            session = mgr.sessions.get(SessionId("hint:a"))
+            assert session is not None and session.num_in_flight == 0
+            await settle(mgr, group)  # no use refs on the new index, its ledger's sums hold
+            await run_turn(mgr, group, a2, "a")  # the session's next turn runs in the new epoch
+            await settle(mgr, group)
+        finally:
+            await group.close()
+
+    asyncio.run(main())

@@ -31,6 +31,12 @@ class HostSlots:
         """Private memory (tests and benches without rank processes)."""
         return cls(np.zeros((num_slots, bytes_per_block), dtype=np.uint8))
 
+    def check_row_bytes(self, stamp_bytes_per_block: int) -> None:
+        """A tier below L1 stores blocks of its stamp's size: refuse slots of another size."""
+        if self.bytes_per_block != stamp_bytes_per_block:
+            raise ValueError(f"host slots hold {self.bytes_per_block} bytes per block, "
+                             f"the stamp says {stamp_bytes_per_block}")
+
     def run(self, slot: int, count: int) -> np.ndarray:
         if count < 1 or slot < 0 or slot + count > self.num_slots:
             raise ValueError(f"host slots [{slot}, {slot + count}) outside 0..{self.num_slots}")

@@ -118,9 +118,7 @@ class L2Store:
     ) -> None:
         """``header_key``: the extent headers' HMAC key (``cache/l2_format.py``); the server
         passes one derived from its state key, b"" (tests, benches) makes the tag a checksum."""
-        if host.bytes_per_block != stamp.bytes_per_block:
-            raise ValueError(f"host slots hold {host.bytes_per_block} bytes per block, "
-                             f"the stamp says {stamp.bytes_per_block}")
+        host.check_row_bytes(stamp.bytes_per_block)
         self.directory = directory
         self.max_bytes = max_bytes
         self.stamp = stamp

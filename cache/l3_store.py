@@ -85,9 +85,7 @@ class L3Store:
         assumed_latency_s: float = 1e-3, max_known: int = 1 << 21,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if host.bytes_per_block != stamp.bytes_per_block:
-            raise ValueError(f"host slots hold {host.bytes_per_block} bytes per block, "
-                             f"the stamp says {stamp.bytes_per_block}")
+        host.check_row_bytes(stamp.bytes_per_block)
         self._connect = connect
         self.stamp = stamp
         self.host = host

@@ -24,13 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
 
 from tests.e2e.e2e_harness import API_KEY, REPO, Backend
 from tests.e2e.test_warm_restart import _cached_share, _first_turn, _next_turn, _wait_restarted
 from tests.support.ports import free_port
+from tests.support.sdk_serve import wait_healthz
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -57,18 +57,7 @@ def _sdk_serve(config: dict[str, Any], timeout_s: float = 300) -> tuple[Backend,
             cwd=workdir, env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
             stdout=out, stderr=err, start_new_session=True)
     backend = Backend(proc, f"http://127.0.0.1:{http_port}", err_path, workdir)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, err_path.read_text()[-4000:]
-        try:
-            if httpx.get(f"http://127.0.0.1:{sdk_port}/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("SDK serve did not become ready: " + err_path.read_text()[-4000:])
+    wait_healthz(f"http://127.0.0.1:{sdk_port}", proc, err_path, timeout_s)
     backend.wait_ready(60)
     return backend, err_path
 

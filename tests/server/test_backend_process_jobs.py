@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 
 from tests.support.ports import free_port
 from tests.support.process_bridge import anthropic_client, openai_client
+from tests.support.sdk_serve import wait_healthz
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEM_MARK = "SYSTEM-MARKER-7"
@@ -57,16 +57,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
             cwd=tmp, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
     sdk_url = f"http://127.0.0.1:{sdk_port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(sdk_url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.3)
+        wait_healthz(sdk_url, proc, log_path, 180)
         yield sdk_url, f"http://127.0.0.1:{native_port}"
     finally:
         proc.kill()

@@ -26,6 +26,7 @@ from inferencekey.errors import BackendSetupError
 from deepinfer_backend import DeepInferBackend
 from server.config import ConfigError
 from tests.support.ports import free_port
+from tests.support.sdk_serve import wait_healthz
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = {"replies": [{"name": "hello", "text": "Hello from the scripted model."}]}
@@ -53,18 +54,7 @@ def sdk_server(
          "--backend", "deepinfer_backend:DeepInferBackend", "--config-json", json.dumps(config)],
         cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
     sdk_url = f"http://127.0.0.1:{sdk_port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (tmp / "serve.log").read_text()
-        try:
-            if httpx.get(sdk_url + "/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("SDK serve did not become ready: " + (tmp / "serve.log").read_text())
+    wait_healthz(sdk_url, proc, tmp / "serve.log", 180)
     try:
         yield sdk_url, f"http://127.0.0.1:{http_port}", proc
     finally:

@@ -15,7 +15,7 @@ copies each run of consecutive block ids straight from the pinned slots into its
 Paths, each timed from the call to its stream's synchronize, median and p95 over ``--repeats``:
 
 * ``gather``: the staging + ``index_copy_`` path (``rank/host_pool.py`` ``by_kernel``: the only
-  path before, now the one for runs shorter than ``DIRECT_MIN_RUN_BYTES`` on average);
+  path before, now the one for stretches of adjacent runs shorter than ``DIRECT_MIN_RUN_BYTES``);
 * ``runs``: one H2D copy per run of consecutive ids (``by_runs``);
 * ``contiguous``: one H2D copy of the same bytes into consecutive rows (the link's limit).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import given, strategies as st
 from rank import host_pool as host_pool_module
 from rank.block_manager import BlockManager
 from rank.host_budget import host_pool_path, plan_host_pool_bytes, unlink_host_pool
-from rank.host_pool import DIRECT_MIN_RUN_BYTES, HostPool, by_kernel, by_runs, runs
+from rank.host_pool import DIRECT_MIN_RUN_BYTES, HostPool, by_kernel, by_runs, copy_plan, runs
 from rank.pool_transfers import PoolTransfers
 
 
@@ -64,21 +65,24 @@ def test_an_import_takes_its_free_rows_in_order(tmp_path: os.PathLike[str]) -> N
         host.close()
 
 
-@pytest.mark.parametrize(("block_bytes", "ids", "path"), [
-    (DIRECT_MIN_RUN_BYTES, [1, 3, 5, 7], "runs"),  # runs of one row, each a whole MiB
-    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 3, 4], "runs"),  # one run of 2 MiB
-    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 5, 6], "runs"),  # two runs of exactly 1 MiB
-    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 3, 7], "runs"),  # runs of 1.5 and 0.5 MiB: 1 MiB on average
-    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 4, 7], "kernel"),  # three runs: 0.67 MiB on average
-    (DIRECT_MIN_RUN_BYTES // 2, [1, 3, 5, 7], "kernel"),
+@pytest.mark.parametrize(("block_bytes", "ids", "calls"), [
+    (DIRECT_MIN_RUN_BYTES, [1, 3, 5, 7], ["runs"]),  # runs of one row, each a whole MiB
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 3, 4], ["runs"]),  # one run of 2 MiB
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 5, 6], ["runs"]),  # two runs of exactly 1 MiB
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 3, 7], ["runs"]),  # 1.5 MiB, then a lone short run
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 2, 4, 7], ["runs", "kernel"]),  # 1 MiB, then two short runs
+    (DIRECT_MIN_RUN_BYTES // 2, [1, 3, 5, 7], ["kernel"]),
+    # a fragmented free list's holes first, then one long run (a big restore into a busy pool):
+    # the holes together by the kernel, the run by itself (the average alone said "per run")
+    (DIRECT_MIN_RUN_BYTES // 4, [1, 3, 5, 7, 9, 11, 20, 21, 22, 23, 24, 25, 26, 27], ["kernel", "runs"]),
 ])
-def test_a_copy_goes_per_run_only_where_runs_average_a_mib(
+def test_long_runs_are_copied_directly_and_adjacent_short_runs_together(
         tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, block_bytes: int, ids: list[int],
-        path: str) -> None:
-    chosen: list[str] = []
-    monkeypatch.setattr(host_pool_module, "by_runs", lambda *a: chosen.append("runs"))
-    monkeypatch.setattr(host_pool_module, "by_kernel", lambda *a: chosen.append("kernel"))
-    host = HostPool(os.path.join(str(tmp_path), "l1"), 4 * block_bytes, pin=False)
+        calls: list[str]) -> None:
+    chosen: list[tuple[str, int]] = []
+    monkeypatch.setattr(host_pool_module, "by_runs", lambda r, s, *a: chosen.append(("runs", len(s))))
+    monkeypatch.setattr(host_pool_module, "by_kernel", lambda r, s, *a: chosen.append(("kernel", len(s))))
+    host = HostPool(os.path.join(str(tmp_path), "l1"), len(ids) * block_bytes, pin=False)
     host.open(block_bytes)
     try:
         assert host.tensor is not None
@@ -86,7 +90,19 @@ def test_a_copy_goes_per_run_only_where_runs_average_a_mib(
         host._copy(torch.empty(0), host.tensor, ids, to_device=False)
     finally:
         host.close()
-    assert chosen == [path, path]
+    assert [c for c, _ in chosen] == calls + calls
+    assert sum(n for _, n in chosen) == 2 * len(ids)  # every slot moved once each way
+
+
+@given(st.lists(st.integers(0, 40), unique=True, min_size=1, max_size=24), st.integers(1, 6))
+def test_copy_plan_covers_every_block_once_in_order(ids: list[int], min_run: int) -> None:
+    plan = copy_plan(ids, min_run)
+    assert [i for _, a, b in plan for i in range(a, b)] == list(range(len(ids)))
+    for direct, a, b in plan:
+        stretch = runs(ids[a:b])
+        if not direct:  # two or more adjacent short runs, nothing else
+            assert len(stretch) >= 2 and all(n < min_run for _, _, n in stretch)
+    assert all(not (x[0] and y[0]) for x, y in itertools.pairwise(plan))  # direct ones merged
 
 
 @given(st.permutations(range(12)).flatmap(lambda p: st.integers(1, 12).map(lambda n: p[:n])))

@@ -1,4 +1,4 @@
-"""L2 restores at the disk's speed: one stream of large aligned reads, copied and verified behind it.
+"""L2 restores at the disk's speed: a stream of large aligned reads, copied and verified behind it.
 
 A restore reads consecutive blocks of one or more extent files into consecutive host slots and
 checks each block's xxh3_64 against its header (``cache/l2_format.py``). Three kinds of work:
@@ -8,15 +8,19 @@ did all three for its own chunk, one thread left the disk idle while it copied a
 threads issued N reads at once that the disk served no faster than one stream (restore 0.93-1.40
 GB/s against 2.02 GB/s raw on the H200 host; 0.29-0.36 against 0.80 on the 2-core build machine).
 
-Here one reader thread (``read_windows``, on the store's one-thread reader executor) issues the
-reads back to back, in chain order, each into the next free buffer of a ring (``BufferRing``:
-page-aligned, one window plus the alignment slack each), and hands every filled buffer to the
-verify pool, which copies the window's blocks into their slots, hashes them and returns the
-buffer to the ring. So the disk has the next read as soon as the last one ends, like ``dd
-iflag=direct``, while the CPU work runs beside it: the restore runs at the raw read speed as long
-as copy and hash (several GB/s per thread) keep ahead of the disk. Verify threads only add CPU
-for that copy and hash, so more of them are never slower than fewer; the number of reads in
-flight stays one.
+Here one thread (``read_windows``, on the store's one-thread reader executor) issues the reads in
+chain order, each into the next free buffer of a ring (``BufferRing``: page-aligned, one window
+plus the alignment slack each), and hands every filled buffer to the verify pool, which copies
+the window's blocks into their slots, hashes them and returns the buffer to the ring. Up to
+``depth`` reads are in flight at once (``READ_DEPTH``, each on a thread of the store's reads
+pool): with one, the disk waited between reads for the reader to take the GIL back, hand the
+buffer over and issue the next, and an NVMe drive's queue drained at the end of every read (the
+H200 host: restores at 63-87% of a one-stream raw read, levelling off at 2.0-2.1 GB/s where raw
+read 2.7). With two, the next read is already queued when one ends, as ``fio --iodepth=2`` keeps
+it. CPU work runs beside the reads: the restore runs at the raw read speed as long as copy and
+hash (several GB/s per thread; xxhash and numpy's copy release the GIL for these sizes) keep
+ahead of the disk. Verify threads only add CPU for that copy and hash, and the store gives no
+more of them than the ring has buffers, so more of them are never slower than fewer.
 
 A window is whole blocks, so it is verified alone; windows are cut where a block starts on a page
 (``window_blocks``), so their aligned byte ranges follow each other with no gap and no overlap,
@@ -24,9 +28,10 @@ except where no such cut fits in a window (rows whose size shares no factor of 2
 then neighbours overlap by less than a page, read twice). A window
 whose slots and file range are both aligned (rows a multiple of 4096) is read straight into its
 slots, with no copy. The first window that fails (a short read: the file was truncated; an I/O
-error; a checksum) ends the restore there: no later window is read, and the result lists the
+error; a checksum) ends the restore there: no later window is started, and the result lists the
 windows up to that one (``cache/l2_store.py`` turns it into the verified prefix and drops the
-extent).
+extent). Reads in flight may end in any order; a window is cut only by a failure before it, so
+the outcome does not depend on which read ended first (``_FirstFailure``).
 
 Every function here blocks; ``read_windows`` must not run on an event loop's thread unless the
 store runs inline (``io_threads=0``, the virtual-time tests), where the verify "pool" is inline too.
@@ -48,10 +53,17 @@ import numpy as np
 from cache.l2_format import ALIGN, align_up, block_checksum
 from cache.l2_io import read_at
 
-# Read buffers: one being read and two being verified or waiting for a verify thread. A window's
-# hash and copy take less than its read wherever the restore can keep up with the disk, and the
-# second absorbs a slow one (a thread descheduled); a deeper ring would only hold memory.
-RING_DEPTH = 3
+# Reads in flight by default (``read_windows``'s ``depth``), and the read buffers beyond them: two
+# being verified or waiting for a verify thread. A window's hash and copy take less than its read
+# wherever the restore can keep up with the disk, and the second absorbs a slow one (a thread
+# descheduled); a deeper ring would only hold memory.
+READ_DEPTH = 2
+VERIFY_BUFFERS = 2
+
+
+def ring_depth(read_depth: int) -> int:
+    """Buffers for ``read_depth`` reads in flight and the windows verified behind them."""
+    return read_depth + VERIFY_BUFFERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,53 +173,110 @@ def verify_into(window: Window, data: np.ndarray | None) -> int:
     return count
 
 
-def read_windows(windows: Sequence[Window], ring: BufferRing, verify: Executor) -> list[int | BaseException]:
-    """Restore ``windows`` in order (module docstring). Returns, per window up to the first that
-    failed, the number of leading blocks verified or the exception its read raised (``ShortRead``,
-    ``OSError``); the windows after a failure are not read. Returns only once every copy it
-    started has ended (the caller may reuse the slots then)."""
-    failed = threading.Event()
-    started: list[Future[int]] = []
+class _FirstFailure:
+    """The lowest index of a window that failed so far, across the reading and verify threads.
+    A window after it is not read; every window before it is, whatever order reads end in, so the
+    verified prefix does not depend on which read finished first."""
 
-    def copy_and_verify(window: Window, data: np.ndarray | None, buf: np.ndarray) -> int:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.index = math.inf
+
+    def set(self, index: int) -> None:
+        with self._lock:
+            self.index = min(self.index, index)
+
+    def after(self, index: int) -> bool:
+        return index > self.index
+
+
+def read_windows(windows: Sequence[Window], ring: BufferRing, verify: Executor, *,
+                 reads: Executor | None = None, depth: int = 1) -> list[int | BaseException]:
+    """Restore ``windows`` (module docstring) with up to ``depth`` reads in flight: the calling
+    thread issues them in order, each on a ``reads`` thread (``depth`` > 1 needs ``reads``; at
+    ``depth`` 1 the calling thread reads). Returns, per window up to the first that failed, the
+    number of leading blocks verified or the exception its read raised (``ShortRead``,
+    ``OSError``); no window after a failure is started. Returns only once every read and copy it
+    started has ended (the caller may reuse the slots then)."""
+    if depth < 1 or (depth > 1 and reads is None):
+        raise ValueError(f"read depth {depth} needs depth >= 1 and, above 1, a reads executor")
+    first_failure = _FirstFailure()
+    issued = threading.Semaphore(depth)  # reads issued (or waiting for a buffer) and not yet ended
+
+    def copy_and_verify(index: int, window: Window, data: np.ndarray | None, buf: np.ndarray) -> int:
         try:
             got = verify_into(window, data)
         finally:
             ring.release(buf)
         if got < window.num_blocks:
-            failed.set()
+            first_failure.set(index)
         return got
 
-    error: BaseException | None = None
-    try:
-        for window in windows:
-            buf = ring.acquire()  # waits while the ring's buffers are all being verified
-            if failed.is_set():
+    def read_one(index: int, window: Window) -> Future[int] | BaseException | None:
+        """The window's verify, the exception its read raised, or None: not read (after a failure)."""
+        try:
+            buf = ring.acquire()  # waits while the ring's buffers are all being read or verified
+            if first_failure.after(index):
                 ring.release(buf)
-                break
+                return None
             try:
                 data = _read(window, buf)
             except (OSError, EOFError, ValueError) as exc:
                 ring.release(buf)
-                error = exc
+                first_failure.set(index)
+                return exc
+            return verify.submit(copy_and_verify, index, window, data, buf)
+        except BaseException:
+            first_failure.set(index)  # unexpected (a pool shut down): no later window starts
+            raise
+        finally:
+            issued.release()
+
+    started: list[Future[Future[int] | BaseException | None]] = []
+    try:
+        for index, window in enumerate(windows):
+            issued.acquire()
+            if first_failure.after(index):
+                issued.release()
                 break
-            started.append(verify.submit(copy_and_verify, window, data, buf))
+            if reads is None or depth == 1:
+                started.append(_done(read_one(index, window)))
+            else:
+                started.append(reads.submit(read_one, index, window))
     finally:
-        results: list[int | BaseException] = []
-        for future in started:  # every copy ends before this returns, even on an unexpected raise
-            raised = future.exception()
-            results.append(raised if raised is not None else future.result())
-    if error is not None:
-        results.append(error)
+        results = [_outcome(future) for future in started]  # every read and copy ends before this returns
     return _up_to_first_failure(results, windows)
 
 
-def _up_to_first_failure(results: list[int | BaseException],
+def _done(value: Future[int] | BaseException | None) -> Future[Future[int] | BaseException | None]:
+    future: Future[Future[int] | BaseException | None] = Future()
+    future.set_result(value)
+    return future
+
+
+def _outcome(read: Future[Future[int] | BaseException | None]) -> int | BaseException | None:
+    """A window's result once its read and verify have ended: blocks verified, an exception, or
+    None where it was not read."""
+    raised = read.exception()
+    if raised is not None:
+        return raised
+    value = read.result()
+    if not isinstance(value, Future):
+        return value
+    raised = value.exception()
+    return raised if raised is not None else value.result()
+
+
+def _up_to_first_failure(results: list[int | BaseException | None],
                          windows: Sequence[Window]) -> list[int | BaseException]:
+    out: list[int | BaseException] = []
     for i, res in enumerate(results):
+        if res is None:  # not read: a window before it failed (it is in ``out`` already)
+            break
+        out.append(res)
         if isinstance(res, BaseException) or res < windows[i].num_blocks:
-            return results[: i + 1]
-    return results
+            break
+    return out
 
 
 class RestoresFirst:

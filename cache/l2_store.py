@@ -52,13 +52,14 @@ from cache.l2_io import (
     write_at,
 )
 from cache.l2_reader import (
-    RING_DEPTH,
+    READ_DEPTH,
     BufferRing,
     RestoresFirst,
     Window,
     aligned_windows,
     read_windows,
     ring_bytes,
+    ring_depth,
     window_blocks,
 )
 from cache.l2_scan import TMP_SUFFIX, ScanReport, extent_from_header, scan_into
@@ -113,7 +114,7 @@ class L2Store:
     def __init__(
         self, directory: str, max_bytes: int, stamp: L2Stamp, host: HostSlots, *,
         io_threads: int = 4, chunk_bytes: int = 16 * MIB, direct: bool = True,
-        min_free_bytes: int = 1 << 30, clock: Callable[[], float] = time.time,
+        read_depth: int = READ_DEPTH, min_free_bytes: int = 1 << 30, clock: Callable[[], float] = time.time,
         free_bytes: Callable[[str], int] = statvfs_free_bytes, header_key: bytes = b"",
     ) -> None:
         """``header_key``: the extent headers' HMAC key (``cache/l2_format.py``); the server
@@ -134,14 +135,21 @@ class L2Store:
         self._free_bytes = free_bytes
         self._pool: Executor = (ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="l2-io")
                                 if io_threads > 0 else InlineExecutor())
-        # Restores (cache/l2_reader.py): one reader thread, ``io_threads`` verify threads, and a
-        # ring of read buffers: one being read, the others being copied out and verified.
-        self._reader: Executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2-read")
-                                  if io_threads > 0 else InlineExecutor())
-        self._verify: Executor = (ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="l2-verify")
-                                  if io_threads > 0 else InlineExecutor())
+        # Restores (cache/l2_reader.py): one thread issues the reads, ``read_depth`` threads
+        # run them, and a ring of read buffers holds the windows being read and those being
+        # copied out and verified. Verify threads beyond the ring's buffers would never get a
+        # window, so there are at most that many (more io_threads cannot slow a restore down).
+        inline = io_threads <= 0
+        self.read_depth = 1 if inline else max(1, read_depth)
+        depth = ring_depth(self.read_depth)
+        self._reader: Executor = (InlineExecutor() if inline
+                                  else ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2-read"))
+        self._reads: Executor | None = (None if self.read_depth == 1 else ThreadPoolExecutor(
+            max_workers=self.read_depth, thread_name_prefix="l2-pread"))
+        self._verify: Executor = (InlineExecutor() if inline else ThreadPoolExecutor(
+            max_workers=min(io_threads, depth), thread_name_prefix="l2-verify"))
         self.blocks_per_window = window_blocks(stamp.bytes_per_block, self.chunk_bytes)
-        self._ring = BufferRing(RING_DEPTH, ring_bytes(self.blocks_per_window * stamp.bytes_per_block))
+        self._ring = BufferRing(depth, ring_bytes(self.blocks_per_window * stamp.bytes_per_block))
         self._restores_first = RestoresFirst(enabled=io_threads > 0)
         self._seq = 0
         self._last_warning: dict[str, float] = {}
@@ -166,6 +174,8 @@ class L2Store:
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
+        if self._reads is not None:
+            self._reads.shutdown(wait=True)
         self._verify.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
@@ -294,7 +304,8 @@ class L2Store:
                     where.append((run.extent, b))
                 slot += run.count
             with self._restores_first.restoring():
-                results = await self._on(self._reader, read_windows, windows, self._ring, self._verify)
+                results = await self._on(self._reader, read_windows, windows, self._ring, self._verify,
+                                         reads=self._reads, depth=self.read_depth)
         finally:
             for fd, _ in fds.values():
                 await self._on(self._reader, os.close, fd)

@@ -1,5 +1,6 @@
 """The pipelined restore reader (cache/l2_reader.py): exact bytes, short and partial reads, bad
-files cut the restore, and the same outcome whatever the number of verify threads."""
+files cut the restore, and the same outcome whatever the number of verify threads and of reads
+in flight, in whatever order those reads end."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import pytest
 from cache.l2_format import ALIGN, align_up, block_checksum
 from cache.l2_io import ShortRead, open_direct
 from cache.l2_reader import (
-    RING_DEPTH,
     BufferRing,
     RestoresFirst,
     Window,
     aligned_windows,
     read_windows,
     ring_bytes,
+    ring_depth,
     window_blocks,
 )
 from cache.l2_store import InlineExecutor
@@ -60,23 +61,27 @@ def _slots(num: int, bpb: int, shift: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("bpb", [ODD_BPB, 4 * ALIGN], ids=["odd-rows", "aligned-rows"])
 @pytest.mark.parametrize("threads", [0, 1, 4])
-def test_restores_exact_bytes(tmp_path, direct: bool, bpb: int, threads: int) -> None:
+@pytest.mark.parametrize("depth", [1, 3])
+def test_restores_exact_bytes(tmp_path, direct: bool, bpb: int, threads: int, depth: int) -> None:
     blocks = np.random.default_rng(1).integers(0, 256, (40, bpb), dtype=np.uint8)
     path = str(tmp_path / "e.kv")
     sums = _extent_file(path, blocks)
     fd, is_direct = open_direct(path, os.O_RDONLY, direct=direct)
     verify = ThreadPoolExecutor(threads) if threads else InlineExecutor()
+    reads = ThreadPoolExecutor(depth)
     try:
         per = 7  # window edges fall inside pages
-        ring = BufferRing(RING_DEPTH, ring_bytes(per * bpb))
+        ring = BufferRing(ring_depth(depth), ring_bytes(per * bpb))
         for shift in (0, 123):
             dst = _slots(33, bpb, shift)
-            results = read_windows(_windows(fd, is_direct, dst, sums, bpb, per, first=5), ring, verify)
+            results = read_windows(_windows(fd, is_direct, dst, sums, bpb, per, first=5), ring, verify,
+                                   reads=reads, depth=depth)
             assert results == [7, 7, 7, 7, 5]
             assert np.array_equal(dst, blocks[5:38])
     finally:
         os.close(fd)
         verify.shutdown()
+        reads.shutdown()
 
 
 def test_partial_reads_are_resumed(tmp_path, monkeypatch) -> None:
@@ -107,7 +112,10 @@ def test_partial_reads_are_resumed(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("threads", [0, 1, 4])
-def test_truncated_file_ends_the_restore_at_the_cut(tmp_path, threads: int) -> None:
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_truncated_file_ends_the_restore_at_the_cut(tmp_path, threads: int, depth: int) -> None:
+    """A short read at the end of a cut file: the windows before the cut are restored, whatever
+    reads were in flight past it; the one it cuts is reported as ``ShortRead``, nothing after."""
     bpb = ODD_BPB
     blocks = np.random.default_rng(3).integers(0, 256, (30, bpb), dtype=np.uint8)
     path = str(tmp_path / "e.kv")
@@ -115,13 +123,15 @@ def test_truncated_file_ends_the_restore_at_the_cut(tmp_path, threads: int) -> N
     os.truncate(path, PAYLOAD_OFFSET + 17 * bpb)  # inside the third window of 8
     fd, is_direct = open_direct(path, os.O_RDONLY)
     verify = ThreadPoolExecutor(threads) if threads else InlineExecutor()
+    reads = ThreadPoolExecutor(depth)
     try:
         dst = _slots(30, bpb)
-        results = read_windows(_windows(fd, is_direct, dst, sums, bpb, 8), BufferRing(RING_DEPTH,
-                               ring_bytes(8 * bpb)), verify)
+        results = read_windows(_windows(fd, is_direct, dst, sums, bpb, 8), BufferRing(ring_depth(depth),
+                               ring_bytes(8 * bpb)), verify, reads=reads, depth=depth)
     finally:
         os.close(fd)
         verify.shutdown()
+        reads.shutdown()
     assert results[:2] == [8, 8] and len(results) == 3 and isinstance(results[2], ShortRead)
     assert np.array_equal(dst[:16], blocks[:16])
 
@@ -156,6 +166,146 @@ def test_a_checksum_failure_stops_further_reads(tmp_path) -> None:
         os.close(fd)
     assert results == [4, 4, 3]  # block 8 + 3 = 11 failed
     assert verify.num == 3  # windows 4.. were never read
+
+
+def test_a_checksum_failure_with_reads_in_flight(tmp_path) -> None:
+    """With several reads in flight, windows after a bad block may already be read; the result
+    still ends at the bad block, and those windows are not reported."""
+    bpb = ODD_BPB
+    blocks = np.random.default_rng(4).integers(0, 256, (40, bpb), dtype=np.uint8)
+    path = str(tmp_path / "e.kv")
+    sums = _extent_file(path, blocks)
+    sums[11] ^= 1  # as if block 11's bytes had changed
+    fd, is_direct = open_direct(path, os.O_RDONLY)
+    reads, verify = ThreadPoolExecutor(3), ThreadPoolExecutor(2)
+    try:
+        dst = _slots(40, bpb)
+        results = read_windows(_windows(fd, is_direct, dst, sums, bpb, 4), BufferRing(ring_depth(3),
+                               ring_bytes(4 * bpb)), verify, reads=reads, depth=3)
+    finally:
+        os.close(fd)
+        reads.shutdown()
+        verify.shutdown()
+    assert results == [4, 4, 3] and np.array_equal(dst[:11], blocks[:11])
+
+
+def _gated_preadv(monkeypatch, hold: int, until: int) -> tuple[list[int], threading.Event]:
+    """``os.preadv`` where the read at offset ``hold`` waits until the read at ``until`` has
+    returned (or raised); returns the offsets in the order their reads ended and the event."""
+    real = os.preadv
+    ended: list[int] = []
+    released = threading.Event()
+
+    def gated(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset == hold:
+            assert released.wait(5), "the later read never ran: reads were not in flight together"
+        try:
+            return real(fd, buffers, offset)
+        finally:
+            ended.append(offset)
+            if offset == until:
+                released.set()
+
+    monkeypatch.setattr(os, "preadv", gated)
+    return ended, released
+
+
+def _page(offset: int) -> int:
+    return offset - offset % ALIGN
+
+
+@pytest.mark.parametrize("verify_threads", [0, 2])
+def test_reads_that_end_out_of_order(tmp_path, monkeypatch, verify_threads: int) -> None:
+    """The first window's read ends after the third's (one slow request): every block still
+    lands in its own slot, verified, and the result lists the windows in chain order."""
+    bpb = ODD_BPB
+    blocks = np.random.default_rng(6).integers(0, 256, (24, bpb), dtype=np.uint8)
+    path = str(tmp_path / "e.kv")
+    sums = _extent_file(path, blocks)
+    third = _page(PAYLOAD_OFFSET + 16 * bpb)
+    ended, _ = _gated_preadv(monkeypatch, hold=PAYLOAD_OFFSET, until=third)
+    fd, is_direct = open_direct(path, os.O_RDONLY)
+    reads = ThreadPoolExecutor(3)
+    verify = ThreadPoolExecutor(verify_threads) if verify_threads else InlineExecutor()
+    try:
+        dst = _slots(24, bpb, 99)
+        results = read_windows(_windows(fd, is_direct, dst, sums, bpb, 8), BufferRing(ring_depth(3),
+                               ring_bytes(8 * bpb)), verify, reads=reads, depth=3)
+    finally:
+        os.close(fd)
+        reads.shutdown()
+        verify.shutdown()
+    assert ended.index(third) < ended.index(PAYLOAD_OFFSET)  # the reads did end out of order
+    assert results == [8, 8, 8] and np.array_equal(dst, blocks)
+
+
+def test_a_later_read_failing_first_does_not_cut_earlier_windows(tmp_path, monkeypatch) -> None:
+    """The read past the end of a cut file fails while the first window's read is still in
+    flight: the windows before the cut are restored all the same (the verified prefix does not
+    depend on which read ended first)."""
+    bpb = ODD_BPB
+    blocks = np.random.default_rng(7).integers(0, 256, (24, bpb), dtype=np.uint8)
+    path = str(tmp_path / "e.kv")
+    sums = _extent_file(path, blocks)
+    os.truncate(path, align_up(PAYLOAD_OFFSET + 16 * bpb))  # the third window is gone
+    third = _page(PAYLOAD_OFFSET + 16 * bpb)
+    ended, _ = _gated_preadv(monkeypatch, hold=PAYLOAD_OFFSET, until=third)
+    fd, is_direct = open_direct(path, os.O_RDONLY)
+    reads = ThreadPoolExecutor(3)
+    try:
+        dst = _slots(24, bpb)
+        results = read_windows(_windows(fd, is_direct, dst, sums, bpb, 8), BufferRing(ring_depth(3),
+                               ring_bytes(8 * bpb)), InlineExecutor(), reads=reads, depth=3)
+    finally:
+        os.close(fd)
+        reads.shutdown()
+    assert ended.index(third) < ended.index(PAYLOAD_OFFSET)
+    assert results[:2] == [8, 8] and len(results) == 3 and isinstance(results[2], ShortRead)
+    assert np.array_equal(dst[:16], blocks[:16])
+
+
+def test_reads_in_flight_are_bounded_by_the_depth(tmp_path, monkeypatch) -> None:
+    """At most ``depth`` reads are in the disk's hands at once (and more than one is)."""
+    bpb = ODD_BPB
+    blocks = np.random.default_rng(8).integers(0, 256, (48, bpb), dtype=np.uint8)
+    path = str(tmp_path / "e.kv")
+    sums = _extent_file(path, blocks)
+    real = os.preadv
+    lock = threading.Lock()
+    now, peak = [0], [0]
+
+    def counted(fd: int, buffers: list[memoryview], offset: int) -> int:
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        try:
+            threading.Event().wait(0.01)  # long enough for the others to start theirs
+            return real(fd, buffers, offset)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(os, "preadv", counted)
+    fd, is_direct = open_direct(path, os.O_RDONLY)
+    reads, verify = ThreadPoolExecutor(8), ThreadPoolExecutor(2)  # more read threads than the depth
+    try:
+        dst = _slots(48, bpb)
+        results = read_windows(_windows(fd, is_direct, dst, sums, bpb, 4), BufferRing(ring_depth(3),
+                               ring_bytes(4 * bpb)), verify, reads=reads, depth=3)
+    finally:
+        os.close(fd)
+        reads.shutdown()
+        verify.shutdown()
+    assert results == [4] * 12 and np.array_equal(dst, blocks)
+    assert 2 <= peak[0] <= 3
+
+
+def test_depth_above_one_needs_a_reads_executor() -> None:
+    ring = BufferRing(1, ALIGN)
+    with pytest.raises(ValueError, match="read depth"):
+        read_windows([], ring, InlineExecutor(), depth=2)
+    with pytest.raises(ValueError, match="read depth"):
+        read_windows([], ring, InlineExecutor(), depth=0)
 
 
 def test_reads_wait_for_a_free_buffer(tmp_path) -> None:
@@ -203,11 +353,12 @@ def test_reads_wait_for_a_free_buffer(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_store_restores_the_same_whatever_the_threads(tmp_path, threads: int) -> None:
-    """The store with one verify thread or several: same bytes, same verified prefix, and a
-    truncated extent is dropped, never restored past its cut."""
+@pytest.mark.parametrize("read_depth", [1, 2, 4])
+def test_store_restores_the_same_whatever_the_threads(tmp_path, threads: int, read_depth: int) -> None:
+    """The store with one verify thread or several, one read in flight or several: same bytes,
+    same verified prefix, and a truncated extent is dropped, never restored past its cut."""
     d = str(tmp_path / f"t{threads}")
-    store = make_store(d, io_threads=threads)
+    store = make_store(d, io_threads=threads, read_depth=read_depth)
     c = chain(120)
     data = fill(store.host, 0, 120, seed=9)
     assert run(store.save(c[:50], HASHER.root, 0)) == 50

@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -141,13 +141,16 @@ def drop_cache(fd: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class DiskSpeed:
-    """One sequential write + read of a scratch file (the disk's own speed, no L2 logic)."""
+    """One sequential write + read of a scratch file (the disk's own speed, no L2 logic).
+    ``read_*``: one read in flight (``dd iflag=direct``); ``read_bps_at_depth``: bytes/s of a
+    read of the same file with that many reads in flight (1 included)."""
 
     write_bytes: int
     write_s: float
     read_bytes: int
     read_s: float
     is_direct: bool
+    read_bps_at_depth: dict[int, float] = field(default_factory=dict)
 
     @property
     def write_bytes_per_s(self) -> float:
@@ -157,14 +160,57 @@ class DiskSpeed:
     def read_bytes_per_s(self) -> float:
         return self.read_bytes / self.read_s if self.read_s > 0 else 0.0
 
+    @property
+    def best_read_bytes_per_s(self) -> float:
+        """The fastest of the reads, whatever their depth."""
+        return max([self.read_bytes_per_s, *self.read_bps_at_depth.values()])
+
+
+def measure_read(fd: int, is_direct: bool, num_bytes: int, buffers: list[np.ndarray],
+                 max_seconds: float = 10.0) -> tuple[int, float]:
+    """Read ``num_bytes`` of an open file from offset 0 in ``len(buffers)`` streams that each take
+    the next chunk (the buffers' size, aligned), so that many reads are in flight at once, as
+    ``fio --rw=read --iodepth=N`` keeps them; one buffer is ``dd iflag=direct``. A read cut short
+    by the end of the file ends it. Returns (bytes read, seconds); stops after ``max_seconds``."""
+    chunk = len(buffers[0])
+    lock = threading.Lock()
+    state = {"next": 0, "done": 0}
+    start = time.perf_counter()
+
+    def stream(buf: np.ndarray) -> None:
+        while time.perf_counter() - start < max_seconds:
+            with lock:
+                offset = state["next"]
+                if offset >= num_bytes:
+                    return
+                state["next"] = offset + chunk
+            got = os.preadv(fd, [buf[: min(chunk, align_up(num_bytes - offset))].data], offset)
+            with lock:
+                state["done"] += got
+            if got < min(chunk, num_bytes - offset):
+                return
+
+    threads = [threading.Thread(target=stream, args=(buf,), name="l2-speed") for buf in buffers[1:]]
+    for t in threads:
+        t.start()
+    stream(buffers[0])
+    for t in threads:
+        t.join()
+    if not is_direct:
+        drop_cache(fd)
+    return state["done"], time.perf_counter() - start
+
 
 def measure_sequential(directory: str, num_bytes: int, chunk_bytes: int = 16 * MIB,
-                       max_seconds: float = 10.0) -> DiskSpeed:
+                       max_seconds: float = 10.0, read_depths: tuple[int, ...] = ()) -> DiskSpeed:
     """Write then read ``num_bytes`` (rounded to chunks) in one stream, like ``dd oflag=direct``,
-    then delete the file. Stops early after ``max_seconds`` per direction."""
+    then read it again with each of ``read_depths`` reads in flight (``measure_read``), then
+    delete the file. Stops early after ``max_seconds`` per pass."""
     chunk_bytes = align_up(chunk_bytes)
     path = os.path.join(directory, f".l2-speed-{os.getpid()}-{threading.get_ident()}.tmp")
-    buf = np.frombuffer(mmap.mmap(-1, chunk_bytes), dtype=np.uint8)
+    num_buffers = max((1, *read_depths))
+    buffers = [np.frombuffer(mmap.mmap(-1, chunk_bytes), dtype=np.uint8) for _ in range(num_buffers)]
+    buf = buffers[0]
     buf[:] = np.random.default_rng(0).integers(0, 256, chunk_bytes, dtype=np.uint8)
     fd, is_direct = open_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     try:
@@ -177,13 +223,12 @@ def measure_sequential(directory: str, num_bytes: int, chunk_bytes: int = 16 * M
         write_s = time.perf_counter() - start
         if not is_direct:
             drop_cache(fd)
-        done = 0
-        start = time.perf_counter()
-        while done < written and time.perf_counter() - start < max_seconds:
-            read_at(fd, is_direct, done, buf)
-            done += chunk_bytes
-        read_s = time.perf_counter() - start
+        done, read_s = measure_read(fd, is_direct, written, buffers[:1], max_seconds)
+        at_depth = {}
+        for depth in read_depths:
+            got, seconds = measure_read(fd, is_direct, written, buffers[:depth], max_seconds)
+            at_depth[depth] = got / seconds if seconds > 0 else 0.0
     finally:
         os.close(fd)
         os.unlink(path)
-    return DiskSpeed(written, write_s, done, read_s, is_direct)
+    return DiskSpeed(written, write_s, done, read_s, is_direct, at_depth)

@@ -6,8 +6,8 @@ a run of a chain into consecutive slots; a restore then goes on to the GPU throu
 ``import_blocks``, so it is disk -> host -> GPU. Saves run on a thread pool in chunks that
 overlap (several writes in flight, checksums computed alongside) with direct I/O
 (``cache/l2_io.py``). Restores have threads of their own, so a restore never queues behind a
-save's writes: one reader that keeps one large read in flight and a verify pool that copies and
-hashes behind it (``cache/l2_reader.py``). The index (``cache/l2_index.py``) lives in memory and
+save's writes: one thread that keeps ``read_depth`` large reads in flight (2 by default) and a
+verify pool that copies and hashes behind them (``cache/l2_reader.py``). The index (``cache/l2_index.py``) lives in memory and
 is rebuilt from the files' headers at ``open`` (``cache/l2_scan.py``), so it survives a backend
 restart.
 
@@ -16,8 +16,8 @@ or truncated file all end in "not cached" (``save`` stores nothing, ``load`` ret
 it verified) plus a log line and a counter; the turn recomputes what is missing.
 
 Threading: the public methods run on one event loop; the index is touched only there.
-``io_threads``: the save pool's threads and the restore's verify threads (the restore's reader is
-one thread whatever it is). With ``io_threads=0`` every file operation runs inline on the loop's
+``io_threads``: the save pool's threads and the restore's verify threads (at most the restore's
+read buffers: ``read_depth`` + 2; the reads have ``read_depth`` threads of their own). With ``io_threads=0`` every file operation runs inline on the loop's
 thread (``InlineExecutor``): the tests on virtual time use it, as that loop cannot wait for real
 threads and an outcome must not depend on how long a read took. A call
 that is cancelled still waits for its chunks in flight (they hold its file descriptor and write
@@ -146,8 +146,9 @@ class L2Store:
                                   else ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2-read"))
         self._reads: Executor | None = (None if self.read_depth == 1 else ThreadPoolExecutor(
             max_workers=self.read_depth, thread_name_prefix="l2-pread"))
+        self.verify_threads = 0 if inline else min(io_threads, depth)
         self._verify: Executor = (InlineExecutor() if inline else ThreadPoolExecutor(
-            max_workers=min(io_threads, depth), thread_name_prefix="l2-verify"))
+            max_workers=self.verify_threads, thread_name_prefix="l2-verify"))
         self.blocks_per_window = window_blocks(stamp.bytes_per_block, self.chunk_bytes)
         self._ring = BufferRing(depth, ring_bytes(self.blocks_per_window * stamp.bytes_per_block))
         self._restores_first = RestoresFirst(enabled=io_threads > 0)

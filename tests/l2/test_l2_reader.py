@@ -273,13 +273,17 @@ def test_reads_in_flight_are_bounded_by_the_depth(tmp_path, monkeypatch) -> None
     real = os.preadv
     lock = threading.Lock()
     now, peak = [0], [0]
+    overlapped = threading.Event()
 
     def counted(fd: int, buffers: list[memoryview], offset: int) -> int:
         with lock:
             now[0] += 1
             peak[0] = max(peak[0], now[0])
+            if now[0] >= 2:
+                overlapped.set()
         try:
-            threading.Event().wait(0.01)  # long enough for the others to start theirs
+            if offset == PAYLOAD_OFFSET:  # the first read ends only once a second one has started
+                assert overlapped.wait(5), "no second read was issued while the first was in flight"
             return real(fd, buffers, offset)
         finally:
             with lock:
@@ -374,6 +378,19 @@ def test_store_restores_the_same_whatever_the_threads(tmp_path, threads: int, re
     assert np.array_equal(store.host.array[130 : 130 + got], data[:got])
     store.close()
     assert second not in files(d)
+
+
+@pytest.mark.parametrize(("io_threads", "read_depth", "depth", "verify"),
+                         [(0, 2, 1, 0), (1, 2, 2, 1), (4, 2, 2, 4), (8, 2, 2, 4), (8, 1, 1, 3), (8, 4, 4, 6)])
+def test_verify_threads_stop_at_the_read_buffers(tmp_path, io_threads: int, read_depth: int, depth: int,
+                                                 verify: int) -> None:
+    """A verify thread beyond the ring's buffers would never get a window: 8 io_threads restore
+    with the same threads as 4. The inline store (virtual-time tests) reads one window at a time."""
+    store = make_store(str(tmp_path), io_threads=io_threads, read_depth=read_depth)
+    try:
+        assert (store.read_depth, store.verify_threads) == (depth, verify)
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("bpb", [114_048, ODD_BPB, 4 * ALIGN, 12_345])

@@ -214,22 +214,25 @@ def read_windows(windows: Sequence[Window], ring: BufferRing, verify: Executor, 
 
     def read_one(index: int, window: Window) -> Future[int] | BaseException | None:
         """The window's verify, the exception its read raised, or None: not read (after a failure)."""
+        buf = None
         try:
             buf = ring.acquire()  # waits while the ring's buffers are all being read or verified
             if first_failure.after(index):
-                ring.release(buf)
                 return None
             try:
                 data = _read(window, buf)
             except (OSError, EOFError, ValueError) as exc:
-                ring.release(buf)
                 first_failure.set(index)
                 return exc
-            return verify.submit(copy_and_verify, index, window, data, buf)
+            verified = verify.submit(copy_and_verify, index, window, data, buf)
+            buf = None  # the verify returns it to the ring
+            return verified
         except BaseException:
             first_failure.set(index)  # unexpected (a pool shut down): no later window starts
             raise
         finally:
+            if buf is not None:
+                ring.release(buf)
             issued.release()
 
     started: list[Future[Future[int] | BaseException | None]] = []

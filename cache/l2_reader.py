@@ -104,6 +104,10 @@ class BufferRing:
     def release(self, buf: np.ndarray) -> None:
         self._free.put(buf)
 
+    @property
+    def num_free(self) -> int:
+        return self._free.qsize()
+
 
 def window_blocks(bytes_per_block: int, chunk_bytes: int) -> int:
     """Blocks per window: about ``chunk_bytes``, and a multiple of the blocks that span a whole

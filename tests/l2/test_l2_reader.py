@@ -305,6 +305,27 @@ def test_reads_in_flight_are_bounded_by_the_depth(tmp_path, monkeypatch) -> None
     assert 2 <= peak[0] <= 3
 
 
+def test_a_refused_verify_ends_the_restore_and_keeps_every_buffer(tmp_path) -> None:
+    """A verify pool that refuses work (shut down under a restore): the restore ends at the
+    first window with that error, and every read buffer is back in the ring for the next one."""
+    bpb = ODD_BPB
+    blocks = np.random.default_rng(9).integers(0, 256, (16, bpb), dtype=np.uint8)
+    path = str(tmp_path / "e.kv")
+    sums = _extent_file(path, blocks)
+    fd, is_direct = open_direct(path, os.O_RDONLY)
+    verify, reads = ThreadPoolExecutor(1), ThreadPoolExecutor(2)
+    verify.shutdown()
+    ring = BufferRing(ring_depth(2), ring_bytes(4 * bpb))
+    try:
+        results = read_windows(_windows(fd, is_direct, _slots(16, bpb), sums, bpb, 4), ring, verify,
+                               reads=reads, depth=2)
+    finally:
+        os.close(fd)
+        reads.shutdown()
+    assert len(results) == 1 and isinstance(results[0], RuntimeError)
+    assert ring.num_free == ring.depth  # none lost
+
+
 def test_depth_above_one_needs_a_reads_executor() -> None:
     ring = BufferRing(1, ALIGN)
     with pytest.raises(ValueError, match="read depth"):

@@ -7,9 +7,9 @@ a run of a chain into consecutive slots; a restore then goes on to the GPU throu
 overlap (several writes in flight, checksums computed alongside) with direct I/O
 (``cache/l2_io.py``). Restores have threads of their own, so a restore never queues behind a
 save's writes: one thread that keeps ``read_depth`` large reads in flight (2 by default) and a
-verify pool that copies and hashes behind them (``cache/l2_reader.py``). The index (``cache/l2_index.py``) lives in memory and
-is rebuilt from the files' headers at ``open`` (``cache/l2_scan.py``), so it survives a backend
-restart.
+verify pool that copies and hashes behind them (``cache/l2_reader.py``). The index
+(``cache/l2_index.py``) lives in memory and is rebuilt from the files' headers at ``open``
+(``cache/l2_scan.py``), so it survives a backend restart.
 
 Failure is never the client's problem: disk full, a vanished directory, an unreadable, corrupt
 or truncated file all end in "not cached" (``save`` stores nothing, ``load`` returns the prefix
@@ -17,12 +17,13 @@ it verified) plus a log line and a counter; the turn recomputes what is missing.
 
 Threading: the public methods run on one event loop; the index is touched only there.
 ``io_threads``: the save pool's threads and the restore's verify threads (at most the restore's
-read buffers: ``read_depth`` + 2; the reads have ``read_depth`` threads of their own). With ``io_threads=0`` every file operation runs inline on the loop's
-thread (``InlineExecutor``): the tests on virtual time use it, as that loop cannot wait for real
-threads and an outcome must not depend on how long a read took. A call
-that is cancelled still waits for its chunks in flight (they hold its file descriptor and write
-into its host slots) before it lets the cancellation through, so the caller may reuse the slots
-as soon as the call has returned or raised.
+read buffers: ``read_depth`` + 2; the reads have ``read_depth`` threads of their own). With
+``io_threads=0`` every file operation runs inline on the loop's thread (``InlineExecutor``): the
+tests on virtual time use it, as that loop cannot wait for real threads and an outcome must not
+depend on how long a read took; one window is read at a time there. A call that is cancelled
+still waits for its chunks in flight (they hold its file descriptor and write into its host
+slots) before it lets the cancellation through, so the caller may reuse the slots as soon as the
+call has returned or raised.
 """
 
 from __future__ import annotations

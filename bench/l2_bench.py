@@ -140,16 +140,18 @@ def bench_rounds(directory: str, num_blocks: int, bytes_per_block: int, thread_l
                  chunk_bytes: int, direct: bool, depths: list[int] | None = None, raw: bool = True,
                  ) -> list[L2Run]:
     """``repeats`` rounds; each round saves the session once per thread count and restores it
-    once per read depth, each restore between raw reads of the same extent file at every depth
-    (``_raw_read_bps``) and compared with the best of them, so a disk whose speed drifts (a shared
-    machine, a virtual disk, an SSD still busy after a large write) moves a restore and its raw
-    figure alike, and never in the restore's favour. The order of thread counts and of depths is
-    reversed every other round. Returns, per (thread count, depth), the medians
-    and the median of each round's restore / best raw read (NaN without ``raw``)."""
+    once per read depth, each restore between raw reads of the same extent file at one read in
+    flight and at every depth (``_raw_read_bps``) and compared with the best of them, so a disk
+    whose speed drifts (a shared machine, a virtual disk, an SSD still busy after a large write)
+    moves a restore and its raw figure alike, and never in the restore's favour. The order of
+    thread counts and of depths is reversed every other round. Returns, per (thread count,
+    depth), the medians and the median of each round's restore / best raw read (NaN without
+    ``raw``)."""
     depths = depths or [READ_DEPTH]
+    raw_depths = sorted({1, *depths})  # one stream (dd) always among them
 
     def raw_bps() -> float:
-        return _raw_read_bps(sub, depths, chunk_bytes) if raw else float("nan")
+        return _raw_read_bps(sub, raw_depths, chunk_bytes) if raw else float("nan")
 
     slots, shm = _shm_slots(2 * num_blocks, bytes_per_block)
     try:
@@ -352,7 +354,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{nbytes / 1e6:,.1f} MB; windows {args.chunk_mb} MiB; median of {args.repeats}")
     runs = bench_rounds(directory, num_blocks, args.bytes_per_block, args.thread_list, args.repeats,
                         args.chunk_mb << 20, raw.is_direct and not args.buffered, args.depth_list)
-    print(f"raw: the best raw read of the saved extent file at {args.depths} reads in flight, just before "
+    raw_depths = ",".join(str(d) for d in sorted({1, *args.depth_list}))
+    print(f"raw: the best raw read of the saved extent file at {raw_depths} reads in flight, just before "
           "and just after each restore; of raw: the median over rounds of restore / that raw")
     print(f"{'L2 threads':<12}{'reads':>6}{'save GB/s':>10}{'raw GB/s':>10}{'restore GB/s':>14}{'of raw':>8}"
           f"{'restore tok/s':>15}{'identical':>11}{'direct':>8}")

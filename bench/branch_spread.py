@@ -11,7 +11,9 @@ cache):
 * ``stacked``: one session id with ``branch_routing: false`` (every turn on the home rank).
 
 Run: ``.venv/bin/python -m bench.branch_spread`` (``--rounds``, ``--prompt-tokens``,
-``--model``, ``--ranks``; ``--quick``: 1 rank, the null model, 1 round of ~200 tokens, seconds).
+``--model``, ``--ranks``, ``--device``, ``--num-blocks``, ``--l1-gb``; ``--quick``: 1 rank, the
+null model, 1 round of ~200 tokens, seconds). With ``--device cuda`` on a host with a GPU per
+rank, each rank owns its GPU, the case where stacking four branches on one rank costs.
 The shapes served by one server run interleaved, round by round; ``stacked`` needs a server of
 its own, where ``separate-off`` (four session ids again) is its reference. It prints one line per
 shape:
@@ -119,9 +121,10 @@ async def _shapes(url: str, shapes: tuple[str, ...], rounds: int, prompt_tokens:
              "routed": routed[shape], "peak": peaks[shape]} for shape in shapes]
 
 
-def _serve(tmp: Path, model: str, branch_routing: bool, ranks: int) -> tuple[object, str]:
-    return start_server(tmp, {"reference_model": model, "ep": ranks, "l1_cache": True, "l1_host_gb": 0.25,
-                              "reference_num_blocks": 1024, "max_num_batched_tokens": 8192,
+def _serve(tmp: Path, args: argparse.Namespace, branch_routing: bool) -> tuple[object, str]:
+    return start_server(tmp, {"reference_model": args.model, "reference_device": args.device,
+                              "ep": args.ranks, "l1_cache": True, "l1_host_gb": args.l1_gb,
+                              "reference_num_blocks": args.num_blocks, "max_num_batched_tokens": 8192,
                               "branch_routing": branch_routing, "api_key": "bench"})
 
 
@@ -132,6 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--model", default="small")
     ap.add_argument("--ranks", type=int, default=4, help="reference ranks (the 4 branches spread over them)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="the reference ranks' device; cuda: rank r on GPU r (one GPU per rank where "
+                         "there are as many as ranks)")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per rank (128 tokens each)")
+    ap.add_argument("--l1-gb", type=float, default=0.25, help="the shared host pool (L1), GB")
     add_quick(ap, argv, rounds=1, prompt_tokens=200, max_tokens=2, model="null", ranks=1)
     args = ap.parse_args(argv)
     results = []
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         for branch_routing, shapes in servers:
             tmp = Path(tmp_dir) / f"routing-{branch_routing}"
             tmp.mkdir()
-            proc, url = _serve(tmp, args.model, branch_routing, args.ranks)
+            proc, url = _serve(tmp, args, branch_routing)
             try:
                 # one warm-up round (first-call costs in the rank processes), not counted
                 asyncio.run(_shapes(url, ("separate",), 1, args.prompt_tokens, args.max_tokens, seed=999,
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                 stop_server(proc)  # type: ignore[arg-type]
     base = {r["shape"]: r["median"] for r in results if str(r["shape"]).startswith("separate")}
     print(f"4 branches x ~{args.prompt_tokens} prompt tokens, model {args.model!r}, {args.ranks} reference "
-          f"ranks, {args.rounds} rounds each (median wall; shapes interleaved per server), "
+          f"ranks on {args.device}, {args.rounds} rounds each (median wall; shapes interleaved per server), "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end")
     print(f"{'shape':<12} {'wall s':>7} {'vs separate':>11}  routed per rank   peak running per rank  walls")
     for r in results:

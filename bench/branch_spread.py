@@ -11,8 +11,13 @@ cache):
 * ``stacked``: one session id with ``branch_routing: false`` (every turn on the home rank).
 
 Run: ``.venv/bin/python -m bench.branch_spread`` (``--rounds``, ``--prompt-tokens``,
-``--model``, ``--ranks``; ``--quick``: 1 rank, the null model, 1 round of ~200 tokens, seconds).
-It prints one line per shape: the median wall time of a round, its ratio to ``separate``, the
+``--model``, ``--ranks``, ``--device``, ``--num-blocks``, ``--l1-gb``; ``--quick``: 1 rank, the
+null model, 1 round of ~200 tokens, seconds). With ``--device cuda`` on a host with a GPU per
+rank, each rank owns its GPU, the case where stacking four branches on one rank costs.
+The shapes served by one server run interleaved, round by round; ``stacked`` needs a server of
+its own, where ``separate-off`` (four session ids again) is its reference. It prints one line per
+shape:
+the median wall time of a round, its ratio to ``separate``, the
 turns routed to each rank (``deepinfer_cache_routed_turns_total``) and the peak number of
 requests running on one rank (``deepinfer_rank_num_running``, polled every 10 ms).
 Figures are in ``docs/cache.md`` ("Routing rules"). On a machine whose cores are fewer than the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import re
 import statistics
@@ -70,7 +76,7 @@ async def _round(url: str, shape: str, rng: random.Random, prompt_tokens: int, t
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         headers = {"x-api-key": "bench", "anthropic-version": "2023-06-01"}
-        if shape == "separate":
+        if shape.startswith("separate"):
             headers["x-claude-code-session-id"] = f"{tag}-s{i}"
         else:
             headers["x-claude-code-session-id"] = tag
@@ -92,25 +98,33 @@ async def _round(url: str, shape: str, rng: random.Random, prompt_tokens: int, t
     return wall, peak
 
 
-async def _shape(url: str, shape: str, rounds: int, prompt_tokens: int, max_tokens: int,
-                 seed: int, ranks: int) -> dict[str, object]:
+async def _shapes(url: str, shapes: tuple[str, ...], rounds: int, prompt_tokens: int, max_tokens: int,
+                  seed: int, ranks: int) -> list[dict[str, object]]:
+    """``rounds`` rounds of every shape, interleaved (round n runs the shapes in an order rotated
+    by n), so a change in the machine's other load falls on every shape alike."""
     rng = random.Random(seed)
-    walls, peaks = [], [0] * ranks
+    walls: dict[str, list[float]] = {shape: [] for shape in shapes}
+    routed = {shape: [0] * ranks for shape in shapes}
+    peaks = {shape: [0] * ranks for shape in shapes}
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        before = _routed((await client.get("/metrics")).text, ranks)
         for n in range(rounds):
-            wall, peak = await _round(url, shape, rng, prompt_tokens, f"{shape}-{seed}-{n}", max_tokens,
-                                      ranks)
-            walls.append(wall)
-            peaks = [max(a, b) for a, b in zip(peaks, peak)]
-        after = _routed((await client.get("/metrics")).text, ranks)
-    return {"shape": shape, "walls": walls, "median": statistics.median(walls),
-            "routed": [a - b for a, b in zip(after, before)], "peak": peaks}
+            for k in range(len(shapes)):
+                shape = shapes[(n + k) % len(shapes)]
+                before = _routed((await client.get("/metrics")).text, ranks)
+                wall, peak = await _round(url, shape, rng, prompt_tokens, f"{shape}-{seed}-{n}", max_tokens,
+                                          ranks)
+                after = _routed((await client.get("/metrics")).text, ranks)
+                walls[shape].append(wall)
+                routed[shape] = [r + a - b for r, a, b in zip(routed[shape], after, before)]
+                peaks[shape] = [max(a, b) for a, b in zip(peaks[shape], peak)]
+    return [{"shape": shape, "walls": walls[shape], "median": statistics.median(walls[shape]),
+             "routed": routed[shape], "peak": peaks[shape]} for shape in shapes]
 
 
-def _serve(tmp: Path, model: str, branch_routing: bool, ranks: int) -> tuple[object, str]:
-    return start_server(tmp, {"reference_model": model, "ep": ranks, "l1_cache": True, "l1_host_gb": 0.25,
-                              "reference_num_blocks": 1024, "max_num_batched_tokens": 8192,
+def _serve(tmp: Path, args: argparse.Namespace, branch_routing: bool) -> tuple[object, str]:
+    return start_server(tmp, {"reference_model": args.model, "reference_device": args.device,
+                              "ep": args.ranks, "l1_cache": True, "l1_host_gb": args.l1_gb,
+                              "reference_num_blocks": args.num_blocks, "max_num_batched_tokens": 8192,
                               "branch_routing": branch_routing, "api_key": "bench"})
 
 
@@ -121,30 +135,37 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--model", default="small")
     ap.add_argument("--ranks", type=int, default=4, help="reference ranks (the 4 branches spread over them)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="the reference ranks' device; cuda: rank r on GPU r (one GPU per rank where "
+                         "there are as many as ranks)")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per rank (128 tokens each)")
+    ap.add_argument("--l1-gb", type=float, default=0.25, help="the shared host pool (L1), GB")
     add_quick(ap, argv, rounds=1, prompt_tokens=200, max_tokens=2, model="null", ranks=1)
     args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="branch-spread-") as tmp_dir:
-        for branch_routing, shapes in ((True, ("separate", "agent-ids", "detected")), (False, ("stacked",))):
+        servers = ((True, ("separate", "agent-ids", "detected")), (False, ("separate-off", "stacked")))
+        for branch_routing, shapes in servers:
             tmp = Path(tmp_dir) / f"routing-{branch_routing}"
             tmp.mkdir()
-            proc, url = _serve(tmp, args.model, branch_routing, args.ranks)
+            proc, url = _serve(tmp, args, branch_routing)
             try:
                 # one warm-up round (first-call costs in the rank processes), not counted
-                asyncio.run(_shape(url, "separate", 1, args.prompt_tokens, args.max_tokens, seed=999,
-                                   ranks=args.ranks))
-                for i, shape in enumerate(shapes):
-                    results.append(asyncio.run(_shape(url, shape, args.rounds, args.prompt_tokens,
-                                                      args.max_tokens, seed=i, ranks=args.ranks)))
+                asyncio.run(_shapes(url, ("separate",), 1, args.prompt_tokens, args.max_tokens, seed=999,
+                                    ranks=args.ranks))
+                results += asyncio.run(_shapes(url, shapes, args.rounds, args.prompt_tokens, args.max_tokens,
+                                               seed=int(branch_routing), ranks=args.ranks))
             finally:
                 stop_server(proc)  # type: ignore[arg-type]
-    base = next(r["median"] for r in results if r["shape"] == "separate")
+    base = {r["shape"]: r["median"] for r in results if str(r["shape"]).startswith("separate")}
     print(f"4 branches x ~{args.prompt_tokens} prompt tokens, model {args.model!r}, {args.ranks} reference "
-          f"ranks, {args.rounds} rounds each (median wall)")
-    print(f"{'shape':<10} {'wall s':>7} {'vs separate':>11}  routed per rank   peak running per rank  walls")
+          f"ranks on {args.device}, {args.rounds} rounds each (median wall; shapes interleaved per server), "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end")
+    print(f"{'shape':<12} {'wall s':>7} {'vs separate':>11}  routed per rank   peak running per rank  walls")
     for r in results:
         walls = " ".join(f"{w:.2f}" for w in r["walls"])  # type: ignore[attr-defined]
-        print(f"{r['shape']:<10} {r['median']:>7.2f} {r['median'] / base:>10.2f}x  "  # type: ignore[operator]
+        ref = base["separate-off" if r["shape"] in ("separate-off", "stacked") else "separate"]
+        print(f"{r['shape']:<12} {r['median']:>7.2f} {r['median'] / ref:>10.2f}x  "  # type: ignore[operator]
               f"{r['routed']!s:<17} {r['peak']!s:<22} {walls}")
 
 

@@ -6,6 +6,9 @@ for subagents, new sessions sharing a prefix with another rank, and compaction.
   start of the new session's (or branch's) L1 entry, and the turn's admission restores it
   (``cache/planner.py`` counts L1 blocks as restorable). While the copy runs, the turn's tokens
   count as waiting on its rank (``placing``), so turns arriving meanwhile do not all choose it.
+  Branches that route while a copy of the same chain is in flight (four subagents starting at
+  once, all lacking their shared prefix off the parent's rank) join that copy instead of making
+  their own: L1 then holds the chain once, and each admission restores it from there.
 * ``retire``: a compaction replaced a session's prefix; its first turn on the new prefix (told
   by the compaction headers, or by its prompt: ``prefix_broken``) makes the old chain's blocks
   ownerless, so eviction takes them first (``cache/eviction.py``), while the blocks the new
@@ -17,6 +20,7 @@ for subagents, new sessions sharing a prefix with another rank, and compaction.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from cache.hashing import BlockHash
@@ -36,25 +40,41 @@ class Branches:
         self._s = state
         self._writes = writes
         self.placing = [0] * state.client.num_ranks  # prompt tokens of turns copying a prefix, per rank
+        # Copies to L1 in flight, by the last hash of the chain they copy (joined, not repeated).
+        self._copies: dict[BlockHash, asyncio.Task[bool]] = {}
 
     async def copy_prefix(self, session: Session, decision: RouteDecision, hashes: list[BlockHash],
                           num_tokens: int) -> bool:
         """Copy ``hashes[:decision.copy_blocks]`` from ``decision.copy_from`` to L1 under the
-        session's id. A failed copy only costs the prefill it meant to save."""
+        session's id, or wait for a copy of the same chain already in flight (``joined``). A
+        failed copy only costs the prefill it meant to save."""
         s = self._s
-        assert decision.copy_from is not None
+        assert decision.copy_from is not None and decision.copy_blocks > 0
         dst = decision.rank
+        chain = hashes[: decision.copy_blocks]
+        task = self._copies.get(chain[-1])
+        joined = task is not None
+        if task is None:
+            # A task of its own: a caller cancelled while it runs leaves it to its joiners.
+            task = s.tasks.spawn(self._writes.write_through(decision.copy_from, session.session_id, chain,
+                                                            s.epoch))
+            self._copies[chain[-1]] = task
+            task.add_done_callback(lambda done: self._copy_done(chain[-1], done))
         self.placing[dst] += num_tokens
         try:
-            ok = await self._writes.write_through(decision.copy_from, session.session_id,
-                                                  hashes[: decision.copy_blocks], s.epoch)
+            ok = await asyncio.shield(task)
         finally:
             self.placing[dst] -= num_tokens
+        outcome = "joined" if joined and ok else "copied" if ok else "failed"
         log.info("prefix of %s: %d blocks from rank %d to rank %d through L1 (%s)", session.session_id,
-                 decision.copy_blocks, decision.copy_from, dst, "copied" if ok else "failed")
+                 decision.copy_blocks, decision.copy_from, dst, outcome)
         if s.metrics is not None:
-            s.metrics.prefix_copies.labels("copied" if ok else "failed").inc()
+            s.metrics.prefix_copies.labels(outcome).inc()
         return ok
+
+    def _copy_done(self, tail: BlockHash, task: asyncio.Task[bool]) -> None:
+        if self._copies.get(tail) is task:
+            del self._copies[tail]
 
     def continues(self, session: Session, hashes: list[BlockHash]) -> bool:
         """The prompt named ``hashes`` holds all of the session's first prompt (its full blocks)

@@ -1,4 +1,4 @@
-"""Claude Code's agent and request-class headers -> the cache's ``SessionHint``.
+"""Claude Code's and Codex CLI's agent headers -> the cache's ``SessionHint``.
 
 Claude Code (2.1.3xx) labels each request with where it sits in its session
 (``docs/claude-code.md``, "Agent headers", has what each version sends):
@@ -14,6 +14,13 @@ Claude Code (2.1.3xx) labels each request with where it sits in its session
 ``x-claude-code-auxiliary-type``   a one-off beside the session (title, memory pass)
 ``x-claude-code-prompt-id``        the user prompt the request serves
 =================================  ==========================================================
+
+Codex CLI (0.169-0.171) runs each subagent (``spawn_agent``) as a thread of its own under the
+root session's ``session-id`` (and ``prompt_cache_key``); a subagent's requests add
+``x-codex-parent-thread-id`` (the thread that spawned it) and ``x-openai-subagent``
+(``collab_spawn``), and their ``thread-id`` is the subagent's own (the main thread's equals its
+session id). So a request with a parent thread is a subagent whose agent id is its
+``thread-id`` (``docs/claude-code.md``, "Codex CLI subagents").
 
 Only the session key itself comes from the protocol layer (``PreparedRequest.session_key``,
 which also reads bodies); ``ChatService`` fills it in. Values are bounded and unknown classes
@@ -37,12 +44,26 @@ _CLASSES = {
 }
 
 
-def _get(headers: Mapping[str, str], name: str) -> str | None:
-    value = headers.get(_PREFIX + name)
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
     if not value:
         return None
     value = value.strip()
     return value if 0 < len(value) <= MAX_HEADER_CHARS else None
+
+
+def _get(headers: Mapping[str, str], name: str) -> str | None:
+    return _header(headers, _PREFIX + name)
+
+
+def _codex_subagent(headers: Mapping[str, str]) -> SessionHint | None:
+    """A Codex CLI subagent's request: its thread is the branch, its parent thread the parent."""
+    parent = _header(headers, "x-codex-parent-thread-id")
+    thread = _header(headers, "thread-id")
+    if parent is None or thread is None or thread == parent:
+        return None
+    return SessionHint(agent_id=thread, parent_agent_id=parent,
+                       agent_type=_header(headers, "x-openai-subagent"), request_class=RequestClass.SUBAGENT)
 
 
 def agent_hint(headers: Mapping[str, str] | None) -> SessionHint:
@@ -52,6 +73,8 @@ def agent_hint(headers: Mapping[str, str] | None) -> SessionHint:
     if not headers:
         return SessionHint()
     agent_id = _get(headers, "agent-id")
+    if agent_id is None and (codex := _codex_subagent(headers)) is not None:
+        return codex
     auxiliary_type = _get(headers, "auxiliary-type")
     label = (_get(headers, "request-class") or "").lower()
     request_class = _CLASSES.get(label, RequestClass.MAIN)

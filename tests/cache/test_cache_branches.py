@@ -90,6 +90,7 @@ async def _fan_out(agent_headers: bool, branch_routing: bool = True, **cfg: obje
             "sessions": sorted(results),
             "l1_tokens": sum(f.admission.cached_tokens_by_tier[Tier.L1] for f in firsts),
             "copies": registry.get_sample_value("deepinfer_cache_prefix_copies_total", {"outcome": "copied"}),
+            "joined": registry.get_sample_value("deepinfer_cache_prefix_copies_total", {"outcome": "joined"}),
         }
         await settle(mgr, group)
         return out
@@ -128,10 +129,11 @@ def test_shared_prefix_is_copied_through_l1_to_a_branch_on_another_rank() -> Non
     system prompt gets it through one copy to L1 instead of a prefill."""
     out = asyncio.run(_fan_out(True, copy_min_tokens=0, l1_write_watermark=1.0))
     assert out["first_ranks"] == [0, 1, 2, 3]
-    # The four branches route at once: each of the three off the parent's rank copies, as a
-    # copy runs in a task of its own (``L1Writes.write_through``) and is not in L1 before it
-    # lands (with rank processes it is a round trip: the same three copies).
-    assert out["copies"] == 3
+    # The four branches route at once, before the first copy lands (it runs in a task of its
+    # own): the first of the three off the parent's rank copies the shared prefix, the other two
+    # join that copy instead of writing the same chain to L1 again (three copies before).
+    assert out["copies"] == 1
+    assert out["joined"] == 2
     # the three branches off the parent's rank restored the shared 96-token prefix from L1
     # (its 6 blocks but the replayed last one)
     assert out["l1_tokens"] >= 3 * (SYSTEM // 16 - 1) * 16  # type: ignore[operator]

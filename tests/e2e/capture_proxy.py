@@ -22,8 +22,11 @@ _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive
 
 
 class CaptureProxy:
-    def __init__(self, upstream: str) -> None:
+    """``paths``: the POST routes recorded (``/v1/responses`` for Codex CLI)."""
+
+    def __init__(self, upstream: str, paths: tuple[str, ...] = ("/v1/messages",)) -> None:
         self.upstream = upstream.rstrip("/")
+        self.paths = paths
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         proxy = self
@@ -39,7 +42,7 @@ class CaptureProxy:
                 body = self.rfile.read(length) if length else b""
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                 record: dict[str, Any] | None = None
-                if self.command == "POST" and self.path.split("?")[0] == "/v1/messages":
+                if self.command == "POST" and self.path.split("?")[0] in proxy.paths:
                     record = {"t": time.monotonic(), "body": json.loads(body or b"{}"),
                               "headers": {k.lower(): v for k, v in self.headers.items()}}
                 with httpx.Client(timeout=600) as client, client.stream(

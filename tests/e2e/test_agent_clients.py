@@ -132,6 +132,99 @@ def test_codex_multi_turn_hits_the_cache(backend, tmp_path: Path):
            "4-turn session, cached tokens per turn " + "/".join(str(r[1]) for r in rows), "pass")
 
 
+_CODEX_HEADERS = ("session-id", "thread-id", "x-codex-parent-thread-id", "x-openai-subagent",
+                  "x-codex-window-id", "x-client-request-id")
+_CODEX_META = ("thread_source", "subagent_kind", "request_kind", "agent_name", "parent_thread_id")
+_LOG_ROW = re.compile(r"request (\S+) api=responses finish=\w+ rank=(-?\d+) prompt=(\d+) cached=(\d+) .* "
+                      r"session=(\S*)")
+
+
+def codex_subagent_rows(records: list[dict], log: str) -> list[dict]:
+    """One scrubbed row per captured ``/v1/responses`` request: Codex's session/thread headers
+    (ids replaced by ``<session>``, ``<thread-N>``), what its turn metadata says about the thread,
+    its first user text, and the rank, prompt and cached tokens and routing unit the backend
+    logged."""
+    names: dict[str, str] = {}
+
+    def scrub(value: str) -> str:
+        for old, new in names.items():
+            value = value.replace(old, new)
+        return value
+
+    by_id = {m.group(1): m for m in _LOG_ROW.finditer(log)}
+    rows = []
+    for rec in sorted(records, key=lambda r: r["t"]):
+        headers, body = rec["headers"], rec["body"]
+        session, thread = headers.get("session-id", ""), headers.get("thread-id", "")
+        names.setdefault(session, "<session>")
+        if thread and thread not in names:
+            names[thread] = f"<thread-{len(names)}>"
+        meta = json.loads(headers.get("x-codex-turn-metadata") or "{}")
+        texts = [c.get("text", "") for item in body.get("input", []) if item.get("role") == "user"
+                 for c in item.get("content") or [] if isinstance(c, dict)]
+        first = next((text for text in texts if text.startswith("[")), "")
+        row = {"request_id": rec.get("request_id", ""), "status": rec.get("status"),
+               "headers": {k: scrub(headers[k]) for k in _CODEX_HEADERS if k in headers},
+               "prompt_cache_key": scrub(str(body.get("prompt_cache_key", ""))),
+               "turn_metadata": {k: scrub(str(meta[k])) for k in _CODEX_META if k in meta},
+               "tools": len(body.get("tools", [])), "num_input_items": len(body.get("input", [])),
+               "first_user_text": first[:80]}
+        m = by_id.get(row["request_id"])
+        if m is not None:
+            row.update(rank=int(m.group(2)), prompt_tokens=int(m.group(3)), cached_tokens=int(m.group(4)),
+                       routing_unit=scrub(m.group(5)))
+        rows.append(row)
+    return rows
+
+
+def test_codex_subagents_run_as_branches(tmp_path: Path):
+    """Codex CLI's ``spawn_agent`` (multi_agent_v1) starts two subagents and waits for them, on 4
+    ranks through a recording proxy. Each subagent's requests carry the root session's
+    ``session-id``, a ``thread-id`` of its own and ``x-codex-parent-thread-id``; the backend runs
+    each as a branch of the session (``server/agent_hints.py``), its second turn from its own
+    prefix. With ``E2E_CAPTURE_DIR`` the rows are written as ``codex-<version>-subagents.json``
+    (the fixtures in ``tests/e2e/captures/``)."""
+    from tests.e2e.capture_proxy import CaptureProxy
+
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "a.txt").write_text("x\ny\nz\n")
+    (tmp_path / "project" / "b.txt").write_text("1\n2\n3\n4\n5\n")
+    task = "[flow:cx-sub] Count the lines of a.txt and b.txt, one subagent each."
+    with running_backend("agent_clients.json", ranks=4) as b, \
+            CaptureProxy(b.base_url, ("/v1/responses",)) as proxy:
+        class Through:
+            base_url = proxy.base_url
+
+        done, _ = codex(Through, tmp_path, task)
+        log = b.log_text()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Both subagents reported." in done.stdout
+    rows = codex_subagent_rows(proxy.records, log)
+    if os.environ.get("E2E_CAPTURE_DIR"):
+        out = Path(os.environ["E2E_CAPTURE_DIR"]) / f"codex-{VERSIONS['codex']}-subagents.json"
+        out.write_text(json.dumps({"cli_version": VERSIONS["codex"], "requests": rows}, indent=1) + "\n")
+    for r in rows:
+        print(r.get("rank"), f"{r.get('cached_tokens')}/{r.get('prompt_tokens')}",
+              r["headers"].get("thread-id"), r.get("routing_unit"))
+    parent = [r for r in rows if r["first_user_text"].startswith("[flow:cx-sub]")]
+    children = [r for r in rows if r["first_user_text"].startswith("[cx-sub-child]")]
+    assert len(parent) >= 3 and len(children) >= 4, rows
+    assert all(r["headers"]["session-id"] == r["headers"]["thread-id"] == "<session>" for r in parent)
+    assert all("x-codex-parent-thread-id" not in r["headers"] for r in parent)
+    threads = {r["headers"]["thread-id"] for r in children}
+    assert len(threads) == 2 and "<session>" not in threads
+    assert all(r["headers"]["session-id"] == r["headers"]["x-codex-parent-thread-id"] == "<session>"
+               for r in children)
+    # the backend's routing units: the parent is the session, each subagent thread a branch of it
+    assert {r["routing_unit"] for r in parent} == {"hint:<session>"}
+    assert {r["routing_unit"] for r in children} == {f"hint:<session>/agent:{t}" for t in threads}
+    for thread in threads:
+        turns = [r for r in children if r["headers"]["thread-id"] == thread]
+        for r in turns[1:]:  # a subagent's later turns start from its own prefix
+            assert r["cached_tokens"] >= 0.9 * r["prompt_tokens"], r
+    record("codex", "responses", "two spawn_agent subagents: each its own routing unit", "pass")
+
+
 # --- OpenCode --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("provider, wire",
                          [("@ai-sdk/openai-compatible", "chat"), ("@ai-sdk/openai", "responses")])

@@ -125,16 +125,20 @@ def test_parallel_subagents_run_as_branches(claude_bin, tmp_path: Path):
     assert parent_later, json.dumps(session, indent=1)
     for r in parent_later:
         assert r["cached_tokens"] >= 0.95 * r["prompt_tokens"], r
-    # spread: four routing units, each sticky to the rank of its first turn, over more than one
-    # rank. The CLI starts them a few hundred ms apart, so whether two first turns overlap on one
-    # rank depends on timing (printed, not asserted: docs/claude-code.md has what was seen)
+    # spread: four routing units over more than one rank. The CLI starts them a few hundred ms
+    # apart, so whether two first turns overlap on one rank depends on timing (printed, not
+    # asserted: docs/claude-code.md has what was seen). A later turn stays on its first turn's
+    # rank unless it was bound late (router rule 4: L1 holds all of its chain once its turn was
+    # written through, and another rank had room first while siblings ran on its own); then it
+    # restores its prefix there, so the >= 90% above holds either way (printed: which moved).
     assert len({r["routing_unit"] for r in subagent_rows}) == 4
-    assert all(len({r["rank"] for r in turns}) == 1 for turns in by_agent.values()), report_ranks(by_agent)
     firsts = [turns[0] for turns in by_agent.values()]
     assert len({r["rank"] for r in firsts}) >= 2, [r["rank"] for r in firsts]
     overlaps = _overlapping_on_one_rank(subagent_rows)
+    moved = {agent: ranks for agent, ranks in report_ranks(by_agent).items() if len(set(ranks)) > 1}
     print(f"claude {version}: subagent first turns on ranks {sorted(r['rank'] for r in firsts)}; "
-          f"{len(overlaps)} pairs of subagent requests on one rank overlapped from arrival to finish")
+          f"{len(overlaps)} pairs of subagent requests on one rank overlapped from arrival to finish; "
+          f"bound late to another rank: {moved or 'none'}")
 
 
 def test_compaction_requests_captured(claude_bin, shared_backend, tmp_path: Path):

@@ -1,4 +1,4 @@
-"""Claude Code's agent headers -> SessionHint -> the cache's session ids (one owner)."""
+"""Claude Code's and Codex CLI's agent headers -> SessionHint -> the cache's session ids (one owner)."""
 
 from __future__ import annotations
 
@@ -59,3 +59,35 @@ def test_captured_claude_code_requests_map_to_their_branches(capture: Path) -> N
     # the backend ran each on the routing unit the hint names, on >= 3 ranks
     assert [r["routing_unit"] for r in rows] == [i.replace("hint:s", "hint:<session>") for i in ids]
     assert len({r["rank"] for r, sub in zip(rows, subagent) if sub}) >= 3
+
+
+def test_codex_subagent_thread_headers_name_a_branch() -> None:
+    """Codex CLI: a request with a parent thread is a subagent whose agent id is its own thread;
+    the main thread (thread-id = session id, no parent) stays the main session."""
+    sub = agent_hint({"session-id": "s1", "thread-id": "t2", "x-codex-parent-thread-id": "s1",
+                      "x-openai-subagent": "collab_spawn"})
+    assert (sub.agent_id, sub.parent_agent_id, sub.agent_type, sub.request_class) == (
+        "t2", "s1", "collab_spawn", RequestClass.SUBAGENT)
+    assert session_id_for_hint(replace(sub, key="s1")) == "hint:s1/agent:t2"
+    assert agent_hint({"session-id": "s1", "thread-id": "s1"}) == SessionHint()
+    # a thread naming itself as its parent, or an over-long id, is not a branch
+    assert agent_hint({"thread-id": "s1", "x-codex-parent-thread-id": "s1"}) == SessionHint()
+    too_long = "t" * (MAX_HEADER_CHARS + 1)
+    assert agent_hint({"thread-id": too_long, "x-codex-parent-thread-id": "s1"}) == SessionHint()
+    # Claude Code's agent id wins where a request carries both
+    both = agent_hint({"x-claude-code-agent-id": "a1", "thread-id": "t2", "x-codex-parent-thread-id": "s1"})
+    assert both.agent_id == "a1"
+
+
+@pytest.mark.parametrize("capture", sorted(CAPTURES.glob("codex-*-subagents.json")), ids=lambda p: p.stem)
+def test_captured_codex_requests_map_to_their_branches(capture: Path) -> None:
+    """Codex CLI's real requests (tests/e2e/captures, from test_agent_clients.py's
+    test_codex_subagents_run_as_branches): the parent's turns are the main session, each spawned
+    subagent's turns one branch of it, as the backend ran them."""
+    rows = json.loads(capture.read_text())["requests"]
+    ids = [session_id_for_hint(replace(agent_hint(r["headers"]), key="<session>")) for r in rows]
+    subagent = [r["first_user_text"].startswith("[cx-sub-child]") for r in rows]
+    assert {i for i, sub in zip(ids, subagent) if not sub} == {"hint:<session>"}
+    assert {i for i, sub in zip(ids, subagent) if sub} == {"hint:<session>/agent:<thread-1>",
+                                                          "hint:<session>/agent:<thread-2>"}
+    assert [r["routing_unit"] for r in rows] == ids

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,15 @@ def unreadable_references(paths: list[Path]) -> list[str]:
 
 
 def repository_text_files() -> list[Path]:
-    return [p for p in sorted(REPO.rglob("*"))
+    """The checkout's own text files: tracked or new, never what git ignores (venvs, caches,
+    installed agent clients), so a developer's machine checks what a clone has."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                cwd=REPO, check=True, capture_output=True).stdout.decode().split("\0")
+        candidates = [REPO / name for name in listed if name]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (an unpacked archive)
+        candidates = list(REPO.rglob("*"))
+    return [p for p in sorted(candidates)
             if p.suffix in TEXT_SUFFIXES and p.is_file() and p != Path(__file__).resolve()
             and not NOT_OURS.intersection(p.relative_to(REPO).parts)]
 
@@ -170,9 +179,11 @@ def test_the_reference_check_sees_a_planted_one(tmp_path: Path) -> None:
     planted.write_text("Fixed in issue 31 (session 10); see ../shared/reference/measurements.md.\n"
                        "A session 99.1% cached, 1,610 sessions: fine.\n", encoding="utf-8")
     try:
+        listed = repository_text_files()  # a new, not yet committed doc is checked too
         bad = unreadable_references([planted])
     finally:
         planted.unlink()
+    assert planted in listed
     assert len(bad) == 1 and bad[0].endswith("measurements.md."), bad
 
 

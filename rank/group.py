@@ -213,7 +213,10 @@ class RankGroup:
         try:
             await self.processes.launch(self.epoch, self.messages.on_message)
         except Exception as exc:  # noqa: BLE001 - e.g. exec failure; reported as the reason
-            return f"could not launch ranks: {type(exc).__name__}: {exc}", False
+            # An exec failure's OSError names no file; the reason is the one line an operator sees.
+            unnamed = isinstance(exc, OSError) and not exc.filename
+            where = f" (rank interpreter {self.python})" if unnamed else ""
+            return f"could not launch ranks: {type(exc).__name__}: {exc}{where}", False
         reason = await self.processes.wait_loaded(started)
         if reason is not None:
             return reason, False

@@ -59,6 +59,10 @@ def check_l2_dir(config: WorkloadConfig, probe: SystemProbe, *, sample_bytes: in
             fits = max(0.0, (free - PROTOCOL_STATE_BYTES) / GIB)
             fixes.append(f"Free disk space or lower l2_gb to {fits:.0f}: L2 holds itself to what the disk "
                          "has free.")
+    if config.l2_gb <= 0:
+        fixes.append("Set l2_gb to keep KV on disk: with l2_gb 0 only the ledger and tokenization cache "
+                     "persist, so a restart (a redeploy, an exit on a rank group failure) starts every "
+                     "session cold.")
     if sample_bytes > 0 and config.l2_gb > 0:
         try:
             speed = probe.disk_speed(path, sample_bytes, max_seconds)

@@ -134,3 +134,29 @@ def test_cli_serve_exits_non_zero_when_the_rank_group_fails(tmp_path: Path, star
     assert code == 3, backend.log_text()[-3000:]
     assert "exiting with status 3" in last_line and "restart budget spent" in last_line
     _assert_nothing_left(backend.proc.pid)
+
+
+def test_cli_serve_exits_when_a_new_group_cannot_start(tmp_path: Path, started: list[Backend]) -> None:
+    """The other way a group cannot come back: the restart after a rank kill never gets ready (here
+    the ranks' interpreter is gone; on a worker, a broken driver or a full disk). Three failed
+    starts in a row and the process exits 3, whatever rank_max_restarts allows."""
+    venv = tmp_path / "rank-venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"  # a wrapper: a symlink would lose the venv's site-packages
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    script = tmp_path / "unused-script.txt"
+    script.write_text("")
+    config = _config(tmp_path / "l2", deepinfer_venv=str(venv))  # the ranks run its interpreter
+    del config["ep"]
+    backend = Backend.start(script, ranks=2, config=config, timeout_s=300)
+    started.append(backend)
+    python.unlink()
+    _kill_ranks(backend)
+    code, took = _wait_exit(backend)
+    last_line = backend.log_text().strip().splitlines()[-1]
+    print(f"\nCLI serve exited with status {code} {took:.1f} s after the rank kill: {last_line}")
+    assert code == 3, backend.log_text()[-3000:]
+    assert "exiting with status 3" in last_line and "3 failed starts in a row" in last_line
+    assert "could not launch ranks" in last_line and str(python) in last_line, last_line
+    _assert_nothing_left(backend.proc.pid)

@@ -47,10 +47,12 @@ def test_too_little_room_and_a_slow_disk_warn(tmp_path: Path) -> None:
     assert "lower l2_gb to 99" in result.fix and "below 1 GB/s" in result.fix
 
 
-def test_protocol_state_only_skips_the_speed_test(tmp_path: Path) -> None:
+def test_protocol_state_only_warns_that_restarts_are_cold_and_skips_the_speed_test(tmp_path: Path) -> None:
     cfg = load_config({"l2_dir": str(tmp_path / "l2")})  # l2_gb 0: ledger and pieces only
     probe = FakeProbe()
-    assert check_l2_dir(cfg, probe).status is Status.OK
+    result = check_l2_dir(cfg, probe)
+    assert result.status is Status.WARN and "Set l2_gb to keep KV on disk" in result.fix
+    assert "starts every session cold" in result.fix
     assert not [c for c in probe.calls if c[0] == "disk_speed"]
 
 

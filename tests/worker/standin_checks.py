@@ -128,8 +128,28 @@ def process_openai(sdk_url: str) -> str:
             f"{plain.usage.prompt_tokens} without; turn 2 cached {cached} of {second.usage.prompt_tokens}")
 
 
-def _long_text(tag: str) -> str:
-    return " ".join(f"line {i} ({tag}): the quick brown fox jumps over the lazy dog." for i in range(160))
+Conversation = list[dict[str, Any]]
+
+
+def process_session_turn(sdk_url: str, session: str,
+                         history: Conversation | None = None) -> tuple[Conversation, int, int]:
+    """One turn of a Claude Code-shaped session (``metadata.user_id``'s ``session_id``) through
+    /process: the first turn is a long user message; a next turn is ``history`` plus one short user
+    message. Returns (the conversation with the answer, cached prompt tokens, prompt tokens)."""
+    client, _ = anthropic_client(sdk_url)
+    metadata = {"user_id": json.dumps({"device_id": "standin", "session_id": session})}
+    if history is None:
+        messages: Conversation = [{"role": "user", "content": _long_text(session, lines=320)}]
+    else:
+        messages = [*history, {"role": "user", "content": "And the last line?"}]
+    answer = client.messages.create(model=MODEL, max_tokens=8, metadata=metadata, messages=messages)
+    cached = answer.usage.cache_read_input_tokens or 0
+    reply = [b.model_dump() for b in answer.content] or "."
+    return [*messages, {"role": "assistant", "content": reply}], cached, answer.usage.input_tokens + cached
+
+
+def _long_text(tag: str, lines: int = 160) -> str:
+    return " ".join(f"line {i} ({tag}): the quick brown fox jumps over the lazy dog." for i in range(lines))
 
 
 def native_healthz(native_url: str) -> str:

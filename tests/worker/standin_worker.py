@@ -172,6 +172,7 @@ class Worker:
     engine: str
     machine: Machine
     config: dict[str, Any]
+    tag: str = ""  # a second serve of the same engine keeps its own log, run and temp directories
     sdk_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     ranks: list[psutil.Process] = field(default_factory=list)
@@ -187,14 +188,14 @@ class Worker:
 
     @property
     def log_path(self) -> Path:
-        return self.machine.work / f"serve-{self.engine}.log"
+        return self.machine.work / f"serve-{self.engine}{self.tag}.log"
 
     @property
     def tmpdir(self) -> Path:
-        return self.machine.work / f"tmp-{self.engine}"
+        return self.machine.work / f"tmp-{self.engine}{self.tag}"
 
     def environment(self) -> dict[str, str]:
-        home = self.machine.work / f"home-{self.engine}"
+        home = self.machine.work / f"home-{self.engine}{self.tag}"
         home.mkdir(exist_ok=True)
         self.tmpdir.mkdir(exist_ok=True)
         env = {
@@ -212,7 +213,7 @@ class Worker:
         self.shm_before = set(os.listdir("/dev/shm"))
         cmd = [str(self.machine.backend_venv / "bin" / "python"), "-m", "inferencekey.backend.serve",
                "--port", str(self.sdk_port), "--backend", "deepinfer_backend:DeepInferBackend"]
-        run_dir = self.machine.work / f"run-{self.engine}"
+        run_dir = self.machine.work / f"run-{self.engine}{self.tag}"
         run_dir.mkdir()
         started = time.monotonic()
         with self.log_path.open("wb") as out:
@@ -234,25 +235,51 @@ class Worker:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def family(self) -> list[psutil.Process]:
+        """The serve process and every process under it."""
+        assert self.proc is not None
+        top = psutil.Process(self.proc.pid)
+        return [top, *top.children(recursive=True)]
+
     def stop(self) -> tuple[int | None, float, list[str]]:
         """SIGTERM the serve process as a supervisor does; return (exit code, seconds, leftovers)."""
         assert self.proc is not None
-        family = [psutil.Process(self.proc.pid)]
-        family += family[0].children(recursive=True)
-        pids = [p.pid for p in family]
+        family = self.family()
         started = time.monotonic()
         self.proc.send_signal(signal.SIGTERM)
         try:
             code: int | None = self.proc.wait(90)
         except subprocess.TimeoutExpired:
             code = None
+        return code, time.monotonic() - started, self.leftovers(family)
+
+    def kill_ranks(self) -> list[int]:
+        """SIGKILL every rank process of the serve (the way a crash or the OOM killer ends them)."""
+        ranks = [p for p in self.family() if "rank.worker" in " ".join(p.cmdline())]
+        for rank in ranks:
+            rank.kill()
+        return [p.pid for p in ranks]
+
+    def wait_exit(self, family: list[psutil.Process],
+                  timeout_s: float) -> tuple[int | None, float, list[str]]:
+        """Wait for the serve process to end by itself; (exit code, seconds, leftovers)."""
+        assert self.proc is not None
+        started = time.monotonic()
+        try:
+            code: int | None = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        return code, time.monotonic() - started, self.leftovers(family)
+
+    def leftovers(self, family: list[psutil.Process]) -> list[str]:
+        """What outlived the serve process: its processes, its /dev/shm files, its temp files."""
         _, alive = psutil.wait_procs(family, timeout=20)
-        seconds = time.monotonic() - started
+        pids = [p.pid for p in family]
         left = [f"process {p.pid} {' '.join(p.cmdline())[:120]}" for p in alive]
         left += [f"/dev/shm/{n}" for n in sorted(set(os.listdir("/dev/shm")) - self.shm_before)
                  if any(str(pid) in n for pid in pids)]
         left += [f"temp {p}" for p in sorted(self.tmpdir.iterdir())]
-        return code, seconds, left
+        return left
 
     def kill(self) -> None:
         """Last resort after a failed run: no process of ours may outlive the stand-in."""

@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,8 +35,9 @@ from tests.worker.standin_worker import (
     standin_config,
 )
 
-pytestmark = [pytest.mark.worker_standin, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.worker_standin, pytest.mark.timeout(2700)]
 READY_TIMEOUT_S = 900.0
+EXIT_BOUND_S = 120.0  # the backend bounds its own cleanup at 60 s (+10 s hard exit); generous here
 
 
 def _build_dir() -> Path:
@@ -143,7 +145,64 @@ def test_worker_standin(machine: Machine, engine: str) -> None:
                 f"{left or 'no process, /dev/shm segment or temp file'}")
             if code != 0 or left:
                 report.failed.append("clean shutdown")
+    _exit_on_failure(machine, engine, config, report)
     assert not report.failed, f"{engine}: failed checks: {report.failed}\n{worker.log_tail(60)}"
+
+
+def _exit_on_failure(machine: Machine, engine: str, config: dict[str, Any], report: Report) -> None:
+    """The supervisor's view of a rank group that cannot come back: the SDK's serve exits non-zero
+    with one line, leaves nothing behind, and the next serve on the same ``l2_dir`` has the session.
+
+    Two more serves of the same archive and config, plus L2 (``l2_dir``, a path, and ``l2_gb``: with
+    ``l2_gb`` 0 only the protocol state is kept, not the KV) and ``rank_max_restarts: 0`` (so one kill
+    of the ranks spends the budget instead of six)."""
+    failing = {**config, "l2_dir": str(machine.work / f"l2-{engine}"), "l2_gb": 0.5, "rank_max_restarts": 0}
+    log(engine, f"exit on failure: the config above with l2_dir={failing['l2_dir']}, l2_gb=0.5, "
+        "rank_max_restarts=0")
+    first = Worker(engine, machine, failing, tag="-fail")
+    second = Worker(engine, machine, failing, tag="-again")
+    try:
+        ready_s = first.start(READY_TIMEOUT_S)
+        history, _, prompt = checks.process_session_turn(first.sdk_url, f"standin-exit-{engine}")
+        log(engine, f"serve #2 ready in {ready_s:.1f} s; /process turn 1 of a session: {prompt} prompt "
+            "tokens")
+        time.sleep(2.0)  # the turn has answered; its write-through runs beside the next steps
+
+        def exits() -> str:
+            family = first.family()
+            killed = first.kill_ranks()
+            code, seconds, left = first.wait_exit(family, EXIT_BOUND_S)
+            lines = first.log_path.read_text(errors="replace").strip().splitlines()
+            last = lines[-1] if lines else ""
+            checks.expect(code == 3, f"exit {code} after the rank kill (want 3):\n{first.log_tail(30)}")
+            checks.expect("exiting with status 3" in last and "restart budget spent" in last,
+                          f"last line: {last!r}")
+            checks.expect(not left, f"left behind: {left}")
+            return (f"SIGKILL of ranks {killed} -> exit {code} in {seconds:.1f} s, nothing left behind; "
+                    f"last line: {last}")
+
+        report.check("SDK serve exits non-zero when the rank group cannot come back", exits)
+
+        def warm() -> str:
+            again_s = second.start(READY_TIMEOUT_S)
+            _, cached, total = checks.process_session_turn(second.sdk_url, f"standin-exit-{engine}", history)
+            checks.expect(cached >= 0.9 * total, f"turn 2 cached {cached} of {total} ({cached / total:.1%})")
+            return (f"new serve on the same l2_dir ready in {again_s:.1f} s; /process turn 2 cached "
+                    f"{cached} of {total} ({cached / total:.1%})")
+
+        report.check("the next SDK serve has the session warm (>= 90% cached)", warm)
+    except Exception as exc:  # noqa: BLE001 - a failed start is one failed check, with the log
+        report.failed.append("exit on failure")
+        log(engine, f"FAIL exit on failure: {type(exc).__name__}: {exc}")
+    finally:
+        if second.proc is not None:
+            code, seconds, left = second.stop()
+            log(engine, f"{'PASS' if code == 0 and not left else 'FAIL'} SIGTERM to serve #3: exit {code} in "
+                f"{seconds:.1f} s; left behind: {left or 'nothing'}")
+            if code != 0 or left:
+                report.failed.append("clean shutdown of serve #3")
+        for worker in (first, second):
+            worker.kill()
 
 
 def _get(config: dict, dotted: str) -> object:

@@ -7,6 +7,13 @@
 * **Prefetch** (``start_prefetch``): the same, started from the session header alone, before the
   prompt is tokenized; the turn's admission waits for it and counts its blocks as L1 hits.
 
+* **Folded restore** (``fold``): a restore small enough that its own round trip (command, reply,
+  the event loop, then the turn's add: 0.6-1.1 ms on the H200 host) would cost more than its copy
+  travels in the turn's add instead (``rank/engine.py`` ``FoldedImport``, ``rank/transfers.py``):
+  the admission does not wait for it, and its reply, which reaches the cache before any output of
+  the turn, files the blocks (``FoldedRestore``). A failed one lowers the turn's cached prefix on
+  the rank, which computes the rest.
+
 Imports check the epoch after every await: a restart voids what they carried. A restore's import
 runs in a task of its own: the rank imports whether or not the turn still waits for its reply, so
 a turn cancelled meanwhile (its client went away) leaves the import to end there, and the blocks
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cache.hashing import BlockHash
@@ -26,11 +35,16 @@ from cache.restart import RANK_ERRORS, disable_l1_if_unsupported
 from cache.sessions import Session, SessionId
 from cache.state import CacheState
 from cache.turns import Admission, Tier
-from rank.engine import CapacityExhausted
+from rank.engine import CapacityExhausted, FoldedImport
 from rank.ids import BlockId, Epoch, HostSlot, Rank
 
 log = logging.getLogger("cache.manager")
 
+# A restore of at most this many bytes (from L1 alone) is folded into the turn's add: about 1.4 ms
+# of copy at the H200's ~45 GB/s pinned rate, twice the round trip it saves, so the fold removes
+# at least a third of such a restore's wall. ``FOLD_ENV`` overrides it (0: never fold), for A/B runs.
+FOLD_MAX_BYTES = 64 << 20
+FOLD_ENV = "DIB_L1_FOLD_MAX_BYTES"
 _IMPORT_ATTEMPTS = 3  # an import the engine is short for is retried (see import_blocks)
 _IMPORT_RETRY_S = 0.02  # x attempt number: about one engine step between tries
 
@@ -43,6 +57,28 @@ class Restored:
     num_blocks: int
     num_l2: int
     seconds: float
+
+
+@dataclass(eq=False)
+class FoldedRestore:
+    """A restore travelling in its turn's add (``L1Restores.fold``). ``state``: ``pending`` until
+    the reply comes; ``orphaned`` when the turn closed first after the add left (its blocks are
+    released when the reply comes, and count as releasing until then); ``done``."""
+
+    rank: Rank
+    epoch: Epoch
+    sid: SessionId
+    entry: L1Entry  # held for reading until the reply (or until dropped unsent)
+    chain: list[BlockHash]  # the prompt's chain up to the restored blocks' end
+    first: int
+    request: FoldedImport
+    started: float
+    on_filed: Callable[[bool, float], None]  # the admission's part: (filed, seconds)
+    state: str = "pending"
+
+    @property
+    def count(self) -> int:
+        return self.request.num_blocks
 
 
 class L1Restores:
@@ -93,6 +129,75 @@ class L1Restores:
                     s.metrics.restore_seconds.observe(restore_s)
                 return Restored(count, num_l2, restore_s)
         return Restored(0, 0, restore_s)
+
+    def fold(self, rank: Rank, epoch: Epoch, sid: SessionId, hashes: list[BlockHash], first: int, count: int,
+             fallback_blocks: int, on_filed: Callable[[bool, float], None]) -> FoldedRestore | None:
+        """A restore of blocks ``first .. first+count`` to run in the turn's add, or None when it
+        is not one to fold (too big, needs the tier below, or the client cannot): then
+        ``restore``. ``on_filed(filed, seconds)`` runs when the reply comes while the turn is
+        open: ``filed`` True when the blocks were imported and filed in L0 (the caller moves its
+        pin onto them), False when the rank computes them (it kept ``fallback_blocks``)."""
+        s = self._s
+        max_bytes = int(os.environ.get(FOLD_ENV, FOLD_MAX_BYTES))
+        if not getattr(s.client, "folds_imports", False) or count * s.client.bytes_per_block > max_bytes:
+            return None
+        entry, m1 = s.l1.match(hashes)
+        if entry is None or m1 < first + count:
+            return None
+        s.l1.begin_read(entry)  # ended with the reply (or when dropped unsent)
+        request = FoldedImport(HostSlot(entry.start_slot + first), count, fallback_blocks,
+                               fallback_blocks * s.block_size, asyncio.get_running_loop().create_future())
+        folded = FoldedRestore(rank, epoch, sid, entry, hashes[: first + count], first, request, s.clock(),
+                               on_filed)
+        request.reply.add_done_callback(lambda reply: self._folded(folded, reply))
+        return folded
+
+    def drop_fold(self, folded: FoldedRestore) -> None:
+        """The turn closed before the fold's reply: an add never sent imported nothing; a sent one
+        imports whether or not anyone waits, so its blocks count as releasing until the reply and
+        are released then (as ``_orphan``)."""
+        if folded.state != "pending":
+            return
+        s = self._s
+        if not folded.request.sent:
+            folded.state = "done"
+            s.l1.end_read(folded.entry)
+            folded.request.reply.cancel()
+            return
+        folded.state = "orphaned"
+        if s.epoch == folded.epoch:
+            s.releases.hold(folded.rank, folded.count)
+
+    def _folded(self, folded: FoldedRestore, reply: asyncio.Future[list[BlockId]]) -> None:
+        """The fold's reply (on the event loop, before any output of the turn is seen)."""
+        if folded.state == "done":
+            return
+        s = self._s
+        orphaned = folded.state == "orphaned"
+        folded.state = "done"
+        s.l1.end_read(folded.entry)
+        ids: list[BlockId] | None = None
+        if not reply.cancelled():
+            exc = reply.exception()
+            if exc is None:
+                ids = reply.result()
+            else:
+                log.warning("folded L1 restore of %d blocks on rank %d failed: %s", folded.count,
+                            folded.rank, exc)
+                disable_l1_if_unsupported(s, exc)
+        if s.epoch != folded.epoch:
+            return  # that epoch's blocks are gone with its ranks
+        rank = folded.rank
+        if orphaned:
+            s.tasks.spawn(s.releases.send(rank, ids or [], folded.epoch, num_held=folded.count))
+            return
+        seconds = s.clock() - folded.started
+        if ids is not None:
+            self._file_restored(rank, folded.chain, folded.first, ids, folded.sid)
+            if s.metrics is not None:
+                s.metrics.restored_tokens.inc(folded.count * s.block_size)
+                s.metrics.restore_seconds.observe(seconds)
+        folded.on_filed(ids is not None, seconds)
 
     async def _fill_from_l2(
         self, sid: SessionId, epoch: Epoch, hashes: list[BlockHash], first: int, count: int
@@ -208,7 +313,8 @@ class L1Restores:
         if not restored:
             return
         bs = self._s.block_size
-        num_l0_blocks = adm.num_used_blocks - adm.cached_tokens_by_tier[Tier.L1] // bs  # the chain's start
+        # the chain's start (a folded restore's blocks are counted though not filed yet)
+        num_l0_blocks = (adm.num_cached_tokens - adm.cached_tokens_by_tier[Tier.L1]) // bs
         num_prefetched = sum(1 for h in hashes[:num_l0_blocks] if h in restored)
         adm.cached_tokens_by_tier[Tier.L1] += num_prefetched * bs
         adm.cached_tokens_by_tier[Tier.L0] -= num_prefetched * bs

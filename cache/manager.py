@@ -451,8 +451,9 @@ class CacheManager:
             return
         known = known_prefix_blocks(session.tail_hashes, hashes)
         expected = usable_prefix_blocks(known, adm.num_prompt_tokens, self.block_size)
-        if adm.num_used_blocks < expected:
-            lost = (expected - adm.num_used_blocks) * self.block_size
+        num_used = adm.num_cached_tokens // self.block_size  # with a folded restore's blocks
+        if num_used < expected:
+            lost = (expected - num_used) * self.block_size
             self.num_partial_prefix_admissions += 1
             self.num_lost_prefix_tokens += lost
             if self.metrics is not None:

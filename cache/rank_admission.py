@@ -5,10 +5,14 @@ giving back.
 (``cache/planner.py``: ask, then commit), retires the blocks the commit evicted (their L1 copy,
 then the release, which rides with the turn's next command), restores the planned prefix blocks
 from L1 (``cache/l1_restores.py``) and returns the ``Admission``: use refs on its prefix, its
-blocks reserved. ``close`` gives both back exactly once. A turn cancelled anywhere in between
-(the client went away) gives back what it took before the cancellation propagates. A turn whose
-epoch ended while it waited (the rank group restarted) is refused with a retry and touches nothing
-of the new epoch: its holds went with the old one.
+blocks reserved. A small restore is folded into the turn's add instead of awaited
+(``L1Restores.fold``): the admission returns at once with the L0 part pinned and the restored
+blocks reserved, and the fold's reply (before any output of the turn) moves the pin onto them,
+or, if the import failed, trims the prefix as a failed restore does. ``close`` gives both back
+exactly once. A turn cancelled anywhere in between (the client went away) gives back what it
+took before the cancellation propagates. A turn whose epoch ended while it waited (the rank group
+restarted) is refused with a retry and touches nothing of the new epoch: its holds went with the
+old one.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from cache.admission import AdmitLevel
 from cache.hashing import BlockHash
-from cache.l1_restores import L1Restores
+from cache.l1_restores import FoldedRestore, L1Restores
 from cache.planner import AdmitPlanner, Reservation
 from cache.retire import Retirer
 from cache.sessions import RequestClass, Session
@@ -40,6 +44,7 @@ class RankAdmitter:
         self._retirer = retirer
         self._restores = restores
         self.open: set[Admission] = set()
+        self._folds: dict[Admission, FoldedRestore] = {}  # open admissions whose fold has no reply yet
 
     async def admit_on(
         self, ranks: Sequence[Rank], session: Session, tokens: np.ndarray, hashes: list[BlockHash],
@@ -111,7 +116,7 @@ class RankAdmitter:
         if plan.num_restore:
             await self._restore(adm, hashes, plan.num_l0, plan.num_restore)
         adm.prefix_blocks = s.l0[rank].block_ids(hashes[: adm.num_used_blocks])
-        adm.num_cached_tokens = adm.num_used_blocks * bs
+        adm.num_cached_tokens = (adm.num_used_blocks + (adm.fold.num_blocks if adm.fold else 0)) * bs
         by_tier = adm.cached_tokens_by_tier
         by_tier[Tier.L0] = adm.num_cached_tokens - by_tier[Tier.L1] - by_tier[Tier.L2]
         return adm
@@ -124,6 +129,9 @@ class RankAdmitter:
         adm.is_closed = True
         self.open.discard(adm)
         s = self._s
+        folded = self._folds.pop(adm, None)
+        if folded is not None:
+            self._restores.drop_fold(folded)
         session = s.sessions.get(adm.session_id)
         if session is not None:
             s.sessions.turn_ended(session, s.clock())
@@ -135,6 +143,14 @@ class RankAdmitter:
     async def _restore(self, adm: Admission, hashes: list[BlockHash], num_l0: int, num_restore: int) -> None:
         """Restore the planned blocks from L1; without them, the last L0 block is replayed."""
         s = self._s
+        keep = usable_prefix_blocks(num_l0, adm.num_prompt_tokens, s.block_size)
+        folded = self._restores.fold(adm.rank, adm.epoch, adm.session_id, hashes, num_l0, num_restore, keep,
+                                     lambda filed, seconds: self._fold_settled(adm, filed, seconds))
+        if folded is not None:
+            self._folds[adm] = folded
+            adm.fold = folded.request
+            adm.cached_tokens_by_tier[Tier.L1] = num_restore * s.block_size  # unless it fails
+            return
         try:
             got = await self._restores.restore(adm.rank, adm.epoch, adm.session_id, hashes, num_l0,
                                                num_restore)
@@ -169,6 +185,32 @@ class RankAdmitter:
             idx.release_uses(hashes[:num_l0])
             s.ledgers[adm.rank].grow(adm, num_l0 - keep)
             adm.num_used_blocks = keep
+
+    def _fold_settled(self, adm: Admission, filed: bool, seconds: float) -> None:
+        """The reply of the admission's fold (open, same epoch): pin the filed blocks, or keep the
+        prefix the rank kept (``usable_prefix_blocks`` of the L0 part) and give the rest of the
+        L0 pin back, as ``_restore`` does after a failed restore."""
+        s = self._s
+        folded = self._folds.pop(adm)
+        adm.fold = None
+        adm.restore_s = seconds
+        num_l0, count, bs = adm.num_used_blocks, folded.count, s.block_size
+        idx = s.l0[adm.rank]
+        hashes = adm.hashes
+        if filed:
+            idx.acquire(hashes[: num_l0 + count], adm.session_id, s.clock())
+            idx.release_uses(hashes[:num_l0])
+            adm.num_used_blocks = num_l0 + count
+            s.ledgers[adm.rank].restored(adm, count)
+            return
+        keep = folded.request.fallback_blocks
+        idx.acquire(hashes[:keep], adm.session_id, s.clock())
+        idx.release_uses(hashes[:num_l0])
+        s.ledgers[adm.rank].grow(adm, num_l0 - keep)
+        adm.num_used_blocks = keep
+        adm.num_cached_tokens = keep * bs
+        adm.cached_tokens_by_tier[Tier.L1] = 0
+        adm.cached_tokens_by_tier[Tier.L0] = keep * bs
 
     def _release_holds(self, adm: Admission) -> None:
         self._s.ledgers[adm.rank].close(adm)

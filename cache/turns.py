@@ -33,7 +33,7 @@ import numpy as np
 
 from cache.hashing import BlockHash, as_token_array
 from cache.sessions import SessionId, StopKind
-from rank.engine import EngineRequest, RequestOutput, SamplingParams
+from rank.engine import EngineRequest, FoldedImport, RequestOutput, SamplingParams
 from rank.ids import BlockId, Epoch, Rank
 
 if TYPE_CHECKING:
@@ -93,6 +93,9 @@ class Admission:
     room_blocks: int = 0  # blocks the turn may hold: prefix + reserved; grows while it decodes
     is_closed: bool = False
     caller_salt: bytes = b""  # the chain's per-caller salt (``ChainHasher``), b"" when shared
+    # A restore that rides in this turn's add (``cache/l1_restores.py``), until its reply: the
+    # blocks after ``prefix_blocks`` that ``num_cached_tokens`` already counts.
+    fold: FoldedImport | None = None
 
     def engine_request(
         self, request_id: str, prompt_ids: np.ndarray, sampling: SamplingParams
@@ -104,6 +107,7 @@ class Admission:
             prefix_blocks=list(self.prefix_blocks),
             num_cached_tokens=self.num_cached_tokens,
             keep_blocks=self.keep_blocks,
+            fold=self.fold,
         )
 
 

@@ -48,6 +48,8 @@ import numpy as np
 from rank.ids import BlockId, HostSlot
 
 if TYPE_CHECKING:
+    import asyncio
+
     from rank.host_pool import HostPool
 
 DEFAULT_BLOCK_SIZE = 128
@@ -103,6 +105,31 @@ class EngineRequest:
     prefix_blocks: Sequence[BlockId] = ()
     num_cached_tokens: int = 0
     keep_blocks: bool = True
+    # An L1 import the rank runs just before it applies this request (``FoldedImport``); the
+    # engines never see it: the rank has applied it to ``prefix_blocks`` by then.
+    fold: FoldedImport | None = None
+
+
+@dataclass(slots=True, eq=False)
+class FoldedImport:
+    """An L1 import carried by the ``add`` it serves, so that a small restore costs no round trip
+    of its own (``rank/transfers.py``, "Folded imports").
+
+    The rank imports ``num_blocks`` host slots from ``host_slot`` into free blocks and appends them
+    to the request's ``prefix_blocks`` (whose ``num_cached_tokens`` already counts them), then
+    applies the add. If the import fails, the add keeps ``prefix_blocks[:fallback_blocks]`` with
+    ``fallback_tokens`` cached and computes the rest: it never reads a block nobody filled.
+    ``reply`` (made by the caller) gets the imported ids, on which the caller owns one cache ref
+    each as after ``import_blocks``, or the failure. Over a rank process the reply leaves the rank
+    before any step output of the request, on the same socket. ``sent``: the add left (set by
+    the group); a fold never sent imports nothing."""
+
+    host_slot: HostSlot
+    num_blocks: int
+    fallback_blocks: int
+    fallback_tokens: int
+    reply: asyncio.Future[list[BlockId]] = field(repr=False)
+    sent: bool = False
 
 
 @dataclass(slots=True)

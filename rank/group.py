@@ -55,6 +55,8 @@ class RankGroup:
     ``epoch`` changes; restart listeners run before the next epoch accepts work.
     """
 
+    folds_imports = True  # submit runs an EngineRequest.fold (rank/transfers.py)
+
     def __init__(
         self,
         config: RankConfig,

@@ -14,11 +14,12 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from rank.client import GroupState, RequestStream
 from rank.config import RankConfig
-from rank.engine import Engine, EngineMisuse, EngineRequest, EngineStats, RequestOutput
+from rank.engine import CapacityExhausted, Engine, EngineMisuse, EngineRequest, EngineStats, RequestOutput
 from rank.engines import make_engine
 from rank.errors import RankFailed, RankUnavailable
 from rank.host_budget import host_pool_path, unlink_host_pool
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 class LocalRankGroup:
     """In-process rank group. Invariant: ``_streams[rank]`` holds exactly the requests submitted
     to that rank in this epoch whose terminal output has not been delivered yet."""
+
+    folds_imports = True  # submit runs an EngineRequest.fold before the add
 
     def __init__(
         self, engine_factory: Callable[[int], Engine], num_ranks: int, *, host_pool: HostPool | None = None,
@@ -159,12 +162,33 @@ class LocalRankGroup:
 
     def submit(self, rank: Rank, request: EngineRequest) -> RequestStream:
         engine = self._check(rank)
+        if request.fold is not None:
+            request = self._run_fold(engine, request)
         engine.add(request)  # raises EngineMisuse with nothing changed
         stream = RequestStream(request.request_id, rank, self.epoch,
                                lambda: self.abort(rank, request.request_id))
         self._streams[rank][request.request_id] = stream
         self._wake.set()
         return stream
+
+    @staticmethod
+    def _run_fold(engine: Engine, request: EngineRequest) -> EngineRequest:
+        """The request's folded L1 import, as a rank process runs it just before the add
+        (``rank/transfers.py``); its reply future is settled now, before any step of the request."""
+        fold = request.fold
+        assert fold is not None
+        fold.sent = True
+        prefix = list(request.prefix_blocks)
+        try:
+            ids = engine.import_blocks(fold.host_slot, fold.num_blocks)
+        except (EngineMisuse, CapacityExhausted, ValueError) as exc:
+            if not fold.reply.done():
+                fold.reply.set_exception(exc)
+            return replace(request, prefix_blocks=prefix[: fold.fallback_blocks],
+                           num_cached_tokens=fold.fallback_tokens, fold=None)
+        if not fold.reply.done():
+            fold.reply.set_result(list(ids))
+        return replace(request, prefix_blocks=prefix + list(ids), fold=None)
 
     def abort(self, rank: Rank, request_id: str) -> None:
         if self.state == GroupState.READY and 0 <= rank < self.num_ranks:

@@ -202,6 +202,9 @@ class RankLoop:
         header = self.wire.unpack_header(frames[0])
         op = header["op"]
         if op == "add":
+            # A folded L1 import (rank/transfers.py): its reply goes once the add is applied,
+            # before any step output of the request.
+            fold_reply = transfers.loop_fold_reply(self.engine, header, received)
             try:
                 request = self.wire.decode_add(header, frames[1])
                 self.engine.add(request)
@@ -211,6 +214,10 @@ class RankLoop:
                 if etype != "EngineMisuse":
                     log.warning("rank %d: add refused: %s", self.rank, traceback.format_exc())
                 return {"t": "reject", "h": header.get("h"), "etype": etype, "msg": str(exc)}
+            finally:
+                if fold_reply is not None:
+                    fold_reply["stats"] = self.wire.stats_list(self._stats())
+                    self.send(self.wire.pack(fold_reply))
             return None
         if op == "abort":
             self.engine.abort(header["rids"])

@@ -1,9 +1,11 @@
 """``RankMessenger``: what a ``RankGroup`` sends its ranks and what comes back (messaging).
 
 Out: a request (``add``, its ids as raw int32 bytes, ``rank/wire.py``) or an ``abort`` is sent
-without waiting; a ``release``/``export``/``import`` command gets a ``cid`` and a future that its
-reply settles (``command``). Each command is numbered per rank and goes on zmq or, for transfers
-once the rank's transfer thread has connected, on the transfer channel (``RankLink.send``).
+without waiting (a request's folded L1 import, ``FoldedImport``, gets a ``cid`` and its
+``reply`` future is settled like a command's); a ``release``/``export``/``import`` command gets
+a ``cid`` and a future that its reply settles (``command``). Each command is numbered per rank
+and goes on zmq or, for transfers once the rank's transfer thread has connected, on the
+transfer channel (``RankLink.send``).
 
 In: ``on_message`` is the receive path's callback (``RankLink.receive``, ``rank/link.py``): a step
 message's outputs go to the requests' streams (``dispatch``), a reply settles its command, a
@@ -46,6 +48,8 @@ class RankMessenger:
         self.on_status = on_status
         self.transfer_log: deque[TransferTiming] = deque(maxlen=4096)  # the latest round trips
         self._pending: dict[int, asyncio.Future[Any]] = {}
+        # Folded imports in flight (also in ``_pending``): their reply future and when the add left.
+        self._folds: dict[int, tuple[asyncio.Future[Any], float]] = {}
         self._cids = itertools.count(1)
 
     @property
@@ -79,10 +83,18 @@ class RankMessenger:
     def _on_reply(self, r: RankLink, header: dict[str, Any]) -> None:
         if "stats" in header:
             r.stats = header["stats"]
-        fut = self._pending.pop(header["cid"], None)
+        cid = header["cid"]
+        fut = self._pending.pop(cid, None)
+        fold = self._folds.pop(cid, None)
         if fut is None or fut.done():
             return
-        if header["ok"]:
+        if fold is not None and header["ok"]:
+            now = time.monotonic()
+            header["read"] = now
+            if (timing := TransferTiming.of("fold", r.rank, fold[1], header, now)) is not None:
+                self.transfer_log.append(timing)
+            fut.set_result(list(header["result"]))
+        elif header["ok"]:
             header["read"] = time.monotonic()
             fut.set_result(header)
         else:
@@ -103,7 +115,19 @@ class RankMessenger:
         """Send ``request`` to ``r``; its stream (``abort``: what ``stream.abort()`` calls)."""
         handle = r.next_handle
         r.next_handle = (handle + 1) & 0x7FFFFFFF
-        self.send(r, *wire.encode_add(request, handle))
+        fold = request.fold
+        if fold is None:
+            self.send(r, *wire.encode_add(request, handle))
+        else:
+            cid = next(self._cids)
+            self._pending[cid] = fold.reply
+            self._folds[cid] = (fold.reply, time.monotonic())
+            try:
+                self.send(r, *wire.encode_add(request, handle, cid))
+            except RankUnavailable:
+                del self._pending[cid], self._folds[cid]
+                raise
+            fold.sent = True
         stream = RequestStream(request.request_id, Rank(r.rank), epoch, abort,
                                num_prompt_tokens=len(request.prompt_ids),
                                num_cached_tokens=request.num_cached_tokens)
@@ -141,4 +165,5 @@ class RankMessenger:
             if not fut.done():
                 fut.set_exception(error)
         self._pending.clear()
+        self._folds.clear()
         return num_failed

@@ -69,6 +69,20 @@ at the boundary: the old order and outcome. Later imports follow it there until 
 it, so imports keep their order among themselves. A release here never waits behind such an
 import: it can only leave the import more free blocks.
 
+Folded imports. An ``add`` may carry a small L1 restore (``im``, ``rank/engine.py``
+``FoldedImport``): the import the cache would otherwise have sent and awaited before sending the
+add. A restore's own round trip (command, reply, the backend's event loop, then the add) costs
+0.6-1.1 ms on the H200 host, more than 3x the copy of a few blocks. This thread runs the import
+where the ``add`` stands in the backend's order, exactly as a separate ``import`` there would
+run (same gate, same fallback to the loop thread when blocks are short while forwarded commands
+are unapplied), rewrites the add's prefix (``wire.apply_fold``: the imported blocks appended, or
+the fallback prefix if the import failed) and forwards it; the loop thread sends the import's
+reply once it has applied the add (``loop_fold_reply``), before any step output of the request,
+on the socket that carries those outputs: the backend files the blocks before it can see the
+request finish. A release of an imported block cannot overtake the add: the forwarded add names
+them among its prefix blocks (point 1). Without this thread the loop thread runs the import the
+same way.
+
 Failure: a refused command gets an error reply, as on the loop thread. Any other exception (a
 CUDA error) stops the thread, and the loop thread raises it at its next iteration, so the rank
 reports a fatal error and exits as if the loop had failed. Nothing is half-done: an import that
@@ -175,6 +189,30 @@ def run_command(engine: Engine, header: dict[str, Any], received: float,
                 "ts": [received, started, time.monotonic()]}
     except (EngineMisuse, CapacityExhausted, ValueError) as exc:
         return {"t": "reply", "cid": cid, "ok": False, "etype": type(exc).__name__, "msg": str(exc)}
+
+
+def run_fold(engine: Engine, header: dict[str, Any], received: float) -> dict[str, Any]:
+    """Run an ``add``'s folded import (``im``) and rewrite the add (``wire.apply_fold``); the
+    import's reply (without its stats)."""
+    reply = run_command(engine, fold_command(header), received)
+    wire.apply_fold(header, reply)
+    return reply
+
+
+def fold_command(header: dict[str, Any]) -> dict[str, Any]:
+    """The ``import`` command an ``add``'s ``im`` stands for."""
+    im = header["im"]
+    return {"op": "import", "cid": im["cid"], "slot": im["slot"], "n": im["n"]}
+
+
+def loop_fold_reply(engine: Engine, header: dict[str, Any], received: float) -> dict[str, Any] | None:
+    """On the loop thread, for an ``add`` before it is applied: the folded import's reply, to send
+    once the add is applied (module docstring, "Folded imports"); runs the import now if the
+    transfer thread left it to this thread. None for an add without one."""
+    if "im" in header:
+        return run_fold(engine, header, received)
+    reply: dict[str, Any] | None = header.pop("imr", None)
+    return reply
 
 
 class TransferThread:
@@ -322,6 +360,13 @@ class TransferThread:
     def _handle(self, frames: list[bytes], header: dict[str, Any], received: float) -> None:
         """One command, in the backend's order: run here or forwarded (module docstring)."""
         op = header.get("op")
+        if op == "add" and "im" in header:
+            if self._fold(header, received):
+                frames = [orjson.dumps(header), *frames[1:]]
+            else:  # the loop thread runs it after what is queued before it
+                self._forward(frames, header)
+                self._import_queued_at = self.forwarded
+                return
         if op not in THREAD_OPS or (op == "release" and self._held_back(header)):
             self._forward(frames, header)
             return
@@ -381,6 +426,19 @@ class TransferThread:
         if not isinstance(ids, list):
             return True
         return bool(adds) and any(isinstance(b, int) and b in blocks for b in ids for _, blocks in adds)
+
+    def _fold(self, header: dict[str, Any], received: float) -> bool:
+        """Run an ``add``'s folded import here, as ``_transfer`` runs an ``import``; False (the add
+        unchanged) when it must wait for forwarded commands and go to the loop thread instead."""
+        if self.applied < self._import_queued_at:
+            return False
+        unapplied = self.applied < self.forwarded
+        hold_at_gate("transfer")
+        reply = run_command(self.engine, fold_command(header), received)
+        if not reply["ok"] and reply["etype"] == "CapacityExhausted" and unapplied:
+            return False
+        wire.apply_fold(header, reply)
+        return True
 
     def _transfer(self, header: dict[str, Any], received: float) -> dict[str, Any] | None:
         """The reply, or None when the import must wait for forwarded commands (module docstring)."""

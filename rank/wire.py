@@ -12,7 +12,8 @@ nothing per token is JSON-encoded. One ``step`` message carries every output of 
 
 Commands (backend -> rank): ``add`` (+ prompt frame), ``abort``, ``release``, ``export``,
 ``import``, ``shutdown``. ``release``/``export``/``import`` carry a command id ``cid`` that the
-``reply`` echoes; an ``add`` the engine rejects is answered by ``reject`` with its handle.
+``reply`` echoes; an ``add`` the engine rejects is answered by ``reject`` with its handle. An
+``add`` may carry an L1 import to run first (``im``, ``apply_fold``): its reply echoes that ``cid``.
 Other rank messages: ``hb`` (heartbeat, with load progress), ``ready`` (geometry), ``fatal``.
 """
 
@@ -43,17 +44,35 @@ def unpack_header(frame: bytes) -> dict[str, Any]:
     return header
 
 
-def encode_add(request: EngineRequest, handle: int) -> tuple[dict[str, Any], bytes]:
-    """An ``add`` command: its header and its prompt frame."""
+def encode_add(request: EngineRequest, handle: int, fold_cid: int = 0) -> tuple[dict[str, Any], bytes]:
+    """An ``add`` command: its header and its prompt frame. A request with a ``fold`` carries it
+    as ``im`` (``fold_cid``: the id its reply echoes; ``apply_fold``)."""
     sp = request.sampling
-    header = {
+    header: dict[str, Any] = {
         "op": "add", "rid": request.request_id, "h": handle,
         "sp": [sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.ignore_eos],
         "pb": [int(b) for b in request.prefix_blocks], "nc": request.num_cached_tokens,
         "kb": request.keep_blocks,
     }
+    fold = request.fold
+    if fold is not None:
+        header["im"] = {"cid": fold_cid, "slot": int(fold.host_slot), "n": int(fold.num_blocks),
+                        "fb": int(fold.fallback_blocks), "fnc": int(fold.fallback_tokens)}
     prompt = np.ascontiguousarray(request.prompt_ids, dtype="<i4")
     return header, prompt.tobytes()
+
+
+def apply_fold(header: dict[str, Any], reply: dict[str, Any]) -> None:
+    """An ``add`` whose ``im`` import ran (``reply``, as ``rank/transfers.py`` ``run_command``
+    returns it): its prefix gets the imported blocks, or, if the import failed, shrinks to the
+    fallback; the reply moves to ``imr`` (sent by the loop thread once the add is applied)."""
+    im = header.pop("im")
+    if reply["ok"]:
+        header["pb"] = [*header["pb"], *reply["result"]]
+    else:
+        header["pb"] = header["pb"][: im["fb"]]
+        header["nc"] = im["fnc"]
+    header["imr"] = reply
 
 
 def decode_add(header: dict[str, Any], prompt_frame: bytes) -> EngineRequest:

@@ -14,6 +14,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from cache.l1_restores import FOLD_ENV
 from cache.sessions import StopKind
 from cache.turns import Tier
 from rank.engine import CapacityExhausted, SamplingParams
@@ -34,7 +35,9 @@ def _ledger_free(mgr: object, rank: int) -> int:
     return mgr.loads()[rank].num_free_blocks  # type: ignore[attr-defined]
 
 
-def test_failed_restore_keeps_the_blocks_the_turn_computes_reserved() -> None:
+def test_failed_restore_keeps_the_blocks_the_turn_computes_reserved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FOLD_ENV, "0")  # the awaited restore; a folded one: test_cache_folded_restores
+
     async def main() -> None:
         rng = np.random.default_rng(3)
         a1, b1 = tokens(rng, 100), tokens(rng, 320)

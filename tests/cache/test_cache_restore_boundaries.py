@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cache.config import CacheConfig
+from cache.l1_restores import FOLD_ENV
 from cache.manager import CacheManager
 from cache.metrics import CacheMetrics
 from cache.sessions import StopKind
@@ -69,7 +70,10 @@ class SteppedClient:
             await self.boundary()
 
 
-def test_evict_release_and_restore_share_one_step_boundary() -> None:
+def test_evict_release_and_restore_share_one_step_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The awaited restore (a big one); a small one rides in the turn's add: no boundary of its own.
+    monkeypatch.setenv(FOLD_ENV, "0")
+
     async def main() -> None:
         rng = np.random.default_rng(31)
         group = await make_group("null", num_blocks=24, num_ranks=1, host_slots=96)

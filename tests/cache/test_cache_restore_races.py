@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
+from cache.l1_restores import FOLD_ENV
 from cache.manager import CacheManager
 from cache.sessions import SessionId, StopKind
 from protocol.errors import Overloaded
@@ -31,6 +32,13 @@ from rank.local_group import LocalRankGroup
 from tests.cache.cache_harness import make_group, make_manager, next_prompt, run_turn, settle, tokens
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _restores_awaited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These races are the awaited restore's (big restores, fills from L2); a small one is folded
+    into the turn's add instead (``tests/cache/test_cache_folded_restores.py``)."""
+    monkeypatch.setenv(FOLD_ENV, "0")
 
 Import = Callable[[Rank, HostSlot, int], Awaitable[list[BlockId]]]
 

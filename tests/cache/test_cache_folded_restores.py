@@ -23,7 +23,15 @@ from rank.engine import CapacityExhausted, EngineRequest
 from rank.errors import RankFailed
 from rank.ids import BlockId, Rank
 from rank.local_group import LocalRankGroup
-from tests.cache.cache_harness import BLOCK_SIZE, make_group, make_manager, next_prompt, run_turn, settle, tokens
+from tests.cache.cache_harness import (
+    BLOCK_SIZE,
+    make_group,
+    make_manager,
+    next_prompt,
+    run_turn,
+    settle,
+    tokens,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

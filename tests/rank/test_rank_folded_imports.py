@@ -22,7 +22,14 @@ import numpy as np
 import pytest
 
 from rank.client import RequestStream
-from rank.engine import CapacityExhausted, EngineMisuse, EngineRequest, FoldedImport, SamplingParams, usable_prefix_blocks
+from rank.engine import (
+    CapacityExhausted,
+    EngineMisuse,
+    EngineRequest,
+    FoldedImport,
+    SamplingParams,
+    usable_prefix_blocks,
+)
 from rank.errors import RankFailed
 from rank.group import RankGroup
 from rank.ids import BlockId, HostSlot
@@ -40,7 +47,8 @@ def _group(engine: str, gate: Path) -> RankGroup:
     env = {**os.environ, GATE_ENV: str(gate), TEST_ENGINE_WRAPPER_ENV: "standins.step_gate",
            ENABLE_ENV: "0" if engine == "reference-no-thread" else "1"}
     if engine == "deepinfer":
-        return RankGroup(_deepinfer_config(patched=True, ep=1).rank_config(), python=sys.executable, base_env=env)
+        return RankGroup(_deepinfer_config(patched=True, ep=1).rank_config(), python=sys.executable,
+                         base_env=env)
     config = WorkloadConfig(reference_model="tiny", ep=1, block_size=16, reference_num_blocks=64,
                             max_num_batched_tokens=256, l1_host_gb=0.005)
     return RankGroup(config.rank_config(), base_env=env)
@@ -85,8 +93,8 @@ async def _spilled_session(group: RankGroup) -> tuple[np.ndarray, int]:
 
 
 async def _cold(group: RankGroup, ids: np.ndarray, max_tokens: int) -> list[int]:
-    tokens, _ = await asyncio.wait_for(collect(group.submit(0, _request("cold", ids, max_tokens, keep=False))),
-                                       WAIT_S)
+    cold = group.submit(0, _request("cold", ids, max_tokens, keep=False))
+    tokens, _ = await asyncio.wait_for(collect(cold), WAIT_S)
     return tokens
 
 
@@ -138,7 +146,8 @@ def test_a_folded_import_that_fails_leaves_the_add_its_fallback_prefix(engine: s
         prompt, _ = await _spilled_session(group)
         # One block of the prompt is resident (L0); the import asks for more blocks than the pool
         # has, so it fails: the add keeps its one block and computes the rest.
-        _, first = await asyncio.wait_for(collect(group.submit(0, _request("l0", prompt[: 2 * bs], 1))), WAIT_S)
+        l0 = group.submit(0, _request("l0", prompt[: 2 * bs], 1))
+        _, first = await asyncio.wait_for(collect(l0), WAIT_S)
         resident = list(first.kept_blocks[:1])
         await group.release(0, list(first.kept_blocks[1:]))
         too_many = group.num_blocks

@@ -60,18 +60,20 @@ class TransferTiming:
     engine_s: float  # the engine call: block allocation, the copy, its synchronize
     back_s: float  # -> the backend's receive task read the reply: stats, send, zmq, that task waking
     resume_s: float  # -> the awaiting coroutine ran again (the backend's event loop)
+    num_blocks: int = 0  # a folded import's (op "fold": its add was ``sent``; the add left for the
+    # loop thread at ``to_rank_s + wait_s + engine_s``, the turn's cost of the restore)
 
     PHASES: ClassVar[tuple[str, ...]] = ("to_rank_s", "wait_s", "engine_s", "back_s", "resume_s")
 
     @classmethod
     def of(cls, op: str, rank: int, sent: float, reply: dict[str, Any],
-           resumed: float) -> TransferTiming | None:
+           resumed: float, num_blocks: int = 0) -> TransferTiming | None:
         ts, read = reply.get("ts"), reply.get("read")
         if not isinstance(ts, list) or len(ts) != 3 or not isinstance(read, float):
             return None
         received, started, done = (float(t) for t in ts)
         return cls(op, rank, sent, received - sent, started - received, done - started, read - done,
-                   resumed - read)
+                   resumed - read, num_blocks)
 
     @property
     def total_s(self) -> float:

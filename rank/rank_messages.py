@@ -48,8 +48,8 @@ class RankMessenger:
         self.on_status = on_status
         self.transfer_log: deque[TransferTiming] = deque(maxlen=4096)  # the latest round trips
         self._pending: dict[int, asyncio.Future[Any]] = {}
-        # Folded imports in flight (also in ``_pending``): their reply future and when the add left.
-        self._folds: dict[int, tuple[asyncio.Future[Any], float]] = {}
+        # Folded imports in flight (also in ``_pending``): when the add left, its number of blocks.
+        self._folds: dict[int, tuple[float, int]] = {}
         self._cids = itertools.count(1)
 
     @property
@@ -91,7 +91,7 @@ class RankMessenger:
         if fold is not None and header["ok"]:
             now = time.monotonic()
             header["read"] = now
-            if (timing := TransferTiming.of("fold", r.rank, fold[1], header, now)) is not None:
+            if (timing := TransferTiming.of("fold", r.rank, fold[0], header, now, fold[1])) is not None:
                 self.transfer_log.append(timing)
             fut.set_result(list(header["result"]))
         elif header["ok"]:
@@ -121,7 +121,7 @@ class RankMessenger:
         else:
             cid = next(self._cids)
             self._pending[cid] = fold.reply
-            self._folds[cid] = (fold.reply, time.monotonic())
+            self._folds[cid] = (time.monotonic(), fold.num_blocks)
             try:
                 self.send(r, *wire.encode_add(request, handle, cid))
             except RankUnavailable:

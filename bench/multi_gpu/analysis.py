@@ -156,6 +156,16 @@ def restore_table(restores: list[dict[str, Any]], limits: dict[int, CopyLimit],
     }
 
 
+def folded_restores(timings: Iterable[TransferTiming]) -> list[dict[str, Any]]:
+    """The restores folded into their turn's add (``RankGroup.transfer_log`` op "fold"), as rows
+    like the ``Recorder``'s timed ``import_blocks``. Their wall is the turn's cost: from the add's
+    send to the import's end on the rank, when the add goes on to the loop thread (the reply
+    itself leaves only once the add is applied, and nothing waits for it)."""
+    return [{"t": t.sent, "rank": t.rank, "num_blocks": t.num_blocks, "ok": True, "folded": True,
+             "wall_s": t.to_rank_s + t.wait_s + t.engine_s}
+            for t in timings if t.op == "fold"]
+
+
 def phase_table(timings: Iterable[TransferTiming], op: str, t_from: float = -math.inf,
                 t_to: float = math.inf) -> dict[str, Any]:
     """One op's round trips (``RankGroup.transfer_log``) split by phase: p50 / p95 / mean per

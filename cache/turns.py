@@ -24,6 +24,7 @@ manager's ``Admission`` (its use refs, reservations and room are the cache's to 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -209,6 +210,16 @@ class Turn:
     # -- what the caller does ------------------------------------------------------------------
     def engine_request(self, request_id: str, sampling: SamplingParams) -> EngineRequest:
         return self._admission.engine_request(request_id, self._prompt_ids, sampling)
+
+    async def settle_fold(self) -> None:
+        """After ``engine_request`` was submitted: wait for its folded L1 restore's reply, if it
+        has one (it comes before the turn's first output), then take the admission's final
+        figures. A failed fold lowers the cached count (the rank computes that part), and the
+        usage a client is told must say what was really cached."""
+        fold = self._admission.fold
+        if fold is not None:
+            await asyncio.wait([fold.reply])
+        self._view = AdmissionView.of(self._admission)
 
     def feed(self, output: RequestOutput) -> None:
         """One output of the turn's engine stream arrived: keep it, grow the KV room."""

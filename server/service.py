@@ -208,6 +208,9 @@ class ChatService:
                 log.info("request %s: rank group unavailable: %s", flight.request_id, exc)
                 raise Overloaded("the engine is restarting; retry shortly",
                                  retry_after_s=RESTART_RETRY_AFTER_S) from None
+            await turn.settle_fold()  # the cached count is final from here (a fold may fail)
+            admission = turn.admission
+            self._count_cached(admission, flight)
             if write is not None:
                 flight.started = True  # from here on, errors go out as the stream's error event
                 await write(rs.start(admission.num_cached_tokens))
@@ -321,10 +324,13 @@ class ChatService:
 
     # -- helpers -------------------------------------------------------------------------------
     def _count_admission(self, admission: AdmissionView, flight: _Flight) -> None:
-        flight.num_cached_tokens = admission.num_cached_tokens
         flight.rank = admission.rank
         flight.session = admission.session_id
         self._metrics.queue_time.observe(admission.queue_time_s)
+
+    def _count_cached(self, admission: AdmissionView, flight: _Flight) -> None:
+        """What was cached, once final (``Turn.settle_fold``)."""
+        flight.num_cached_tokens = admission.num_cached_tokens
         for tier, num_tokens in admission.cached_tokens_by_tier.items():
             if num_tokens:
                 self._metrics.cached_tokens.labels(tier.value).inc(num_tokens)

@@ -29,6 +29,7 @@ class AdmitAllAdmission:
         self.max_output_tokens = max_output_tokens
         self.session_id = "admit-all"
         self.keep_blocks = False
+        self.fold = None  # no folded L1 restore (``Turn.settle_fold`` has nothing to wait for)
 
     def engine_request(self, request_id: str, prompt_ids: np.ndarray, sampling: object) -> str:
         return request_id  # the stand-in rank clients take the request id alone

@@ -19,7 +19,7 @@ from cache.manager import CacheManager
 from cache.sessions import SessionId, StopKind
 from cache.turns import Tier
 from rank.client import RequestStream
-from rank.engine import CapacityExhausted, EngineRequest
+from rank.engine import CapacityExhausted, EngineRequest, SamplingParams
 from rank.errors import RankFailed
 from rank.ids import BlockId, Rank
 from rank.local_group import LocalRankGroup
@@ -168,6 +168,41 @@ def test_a_folded_restore_whose_import_fails_lowers_the_cached_prefix_and_the_tu
             assert turn.output_ids and len(turn.output_ids) == 8
             await settle(mgr, group)
             await run_turn(mgr, group, a2, "a")  # and the next turn works from what it computed
+            await settle(mgr, group)
+        finally:
+            await group.close()
+
+    asyncio.run(main())
+
+
+def test_the_cached_count_a_client_is_told_is_the_one_after_a_failed_fold() -> None:
+    """The service builds usage from ``turn.admission`` after ``settle_fold``: a fold that fails
+    after the turn started must not be reported as cached (the rank computed that part)."""
+    async def main() -> None:
+        group, mgr, head, a2 = await _setup(22)
+        try:
+            engine = group.engines[0]
+            real = engine.import_blocks
+
+            def short(*_: Any) -> list[BlockId]:
+                raise CapacityExhausted("import: 0 free")
+
+            engine.import_blocks = short  # type: ignore[method-assign]
+            async with mgr.turn(a2, "a", 8) as turn:
+                planned = turn.admission.num_cached_tokens
+                assert turn.admission.cached_tokens_by_tier[Tier.L1] > 0  # the plan: an L1 restore
+                stream = group.submit(turn.rank, turn.engine_request("r-fold", SamplingParams(
+                    max_tokens=8, ignore_eos=True)))
+                await asyncio.sleep(0)  # the failed reply is filed by the cache ...
+                assert turn.admission.num_cached_tokens == planned  # ... but the view is the plan's
+                await turn.settle_fold()
+                num_kept = len(head) // BLOCK_SIZE - 1
+                assert turn.admission.num_cached_tokens == BLOCK_SIZE * num_kept < planned
+                assert turn.admission.cached_tokens_by_tier[Tier.L1] == 0
+                async for out in stream:
+                    turn.feed(out)
+                turn.stop_kind = StopKind.END_TURN
+            engine.import_blocks = real  # type: ignore[method-assign]
             await settle(mgr, group)
         finally:
             await group.close()

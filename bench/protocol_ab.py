@@ -3,10 +3,13 @@
 Run: ``python -m bench.protocol_ab DIR [DIR ...] [--rounds 3] [--repeats 9] [--tokens 500000]``
 (``--quick``: this checkout alone, a 40K-token session, one round of one repeat), each DIR a checkout
 (``git worktree add --detach DIR <commit>``, its ``.venv`` a link to this
-one's). Each round runs every checkout's own ``bench.protocol_bench.bench_prepare`` once in a
-subprocess from its root (its product and bench code), in an order that rotates by round; prints
-per checkout the median over rounds of the per-round medians (CPU ms, ``time.process_time``) of
-parsed request -> ids and body bytes -> ids, with their range, and the load average. Unlike
+one's). Each round runs, in a subprocess from every checkout's root (its product code and its
+``bench.protocol_bench.build_session``), in an order that rotates by round, the same
+measurement: turn N of the session with the caches the checkout has warm from turn N-1 only,
+``prepare_anthropic`` on the parsed dict (parsed -> ids: every check it makes included) and
+orjson's parse before it (body -> ids), and a whole pydantic validation of the body apart, for
+reference. Prints per checkout the median over rounds of the per-round medians (CPU ms,
+``time.process_time``) with their range, and the load average. Unlike
 ``bench.perf_guard`` it compares any number of trees at full size (a 474K-token session) and
 skips the whole-prompt and streaming parts of the benchmark.
 """
@@ -24,15 +27,36 @@ from pathlib import Path
 from bench.support.quick import add_quick
 
 _CHILD = """
-import json, sys
+import json, statistics, sys, time
+import orjson
 import bench.protocol_bench as B
+from protocol import anthropic_schema as A
 from protocol.api import Protocol
 from protocol.ledger import OutputLedger
 from protocol.tokenize import PromptTokenizer
 proto = Protocol(PromptTokenizer.load(), OutputLedger(), [B.MODEL], 1_064_960)
 body, _ = B.build_session(int(sys.argv[1]))
-r = B.bench_prepare(proto, body, int(sys.argv[2]))
-print(json.dumps({"parsed": r["parsed_to_ids_ms"], "body": r["bytes_to_ids_ms"] + r["validate_ms"]}))
+prev = dict(body, messages=body["messages"][:-2])
+raw = orjson.dumps(body)
+parsed, total, validate = [], [], []
+for _ in range(int(sys.argv[2])):
+    for cache in ("chunks", "history"):  # what this tree has, warm from turn N-1 only
+        if hasattr(proto, cache):
+            getattr(proto, cache).clear()
+    proto.tokenizer.cache.clear()
+    proto.prepare_anthropic(prev, {})
+    t0 = time.process_time()
+    data = orjson.loads(raw)
+    t1 = time.process_time()
+    proto.prepare_anthropic(data, {})
+    t2 = time.process_time()
+    A.MessagesRequest.model_validate(data)
+    t3 = time.process_time()
+    parsed.append((t2 - t1) * 1e3)
+    total.append((t2 - t0) * 1e3)
+    validate.append((t3 - t2) * 1e3)
+print(json.dumps({"parsed": statistics.median(parsed), "body": statistics.median(total),
+                  "validate": statistics.median(validate)}))
 """
 
 
@@ -54,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     add_quick(ap, argv, tokens=40_000, rounds=1, repeats=1)
     args = ap.parse_args(argv)
     args.trees = args.trees or [Path(".")]
-    samples: dict[Path, dict[str, list[float]]] = {t: {"parsed": [], "body": []} for t in args.trees}
+    samples: dict[Path, dict[str, list[float]]] = {t: {"parsed": [], "body": [], "validate": []}
+                                                   for t in args.trees}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         order = args.trees[r % len(args.trees):] + args.trees[: r % len(args.trees)]
@@ -64,10 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             load.append(os.getloadavg()[0])
     print(f"{args.rounds} rounds x {args.repeats} repeats, {args.tokens:,}-token session; "
           f"load average (1 min) {min(load):.1f}-{max(load):.1f}")
-    print(f"  {'tree':<40}{'parsed -> ids ms':>24}{'body -> ids ms':>24}")
+    print(f"  {'tree':<40}{'parsed -> ids ms':>24}{'body -> ids ms':>24}{'whole validation ms':>24}")
     for tree, figs in samples.items():
         cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for v in figs.values()]
-        print(f"  {tree!s:<40}{cells[0]:>24}{cells[1]:>24}")
+        print(f"  {tree!s:<40}{cells[0]:>24}{cells[1]:>24}{cells[2]:>24}")
 
 
 if __name__ == "__main__":

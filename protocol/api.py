@@ -26,6 +26,7 @@ Anthropic thinking blocks carry the ledger handle as their ``signature``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
@@ -35,13 +36,22 @@ from pydantic import BaseModel, ValidationError
 from protocol import anthropic_schema as A, openai_schema as O
 from protocol.api_types import PreparedRequest, check_tool_choice
 from protocol.bound_prompt import BoundPrompt, encode_bound
-from protocol.conversation import Conversation, anthropic_conversation, openai_conversation
+from protocol.conversation import (
+    Conversation,
+    anthropic_conversation,
+    anthropic_head,
+    anthropic_messages,
+    openai_conversation,
+    openai_head,
+    openai_messages,
+)
 from protocol.depth import check_json_depth
 from protocol.detokenize import TokenTable
 from protocol.errors import InvalidRequest, ModelNotAvailable, PromptTooLong, ProtocolError, lower_headers
+from protocol.history_memo import HistoryMemo, Reuse, build_history, tool_refs
 from protocol.ledger import OutputLedger
 from protocol.prompt_chunks import ChunkCache
-from protocol.render import AssistantSpan, ToolsTextCache, render
+from protocol.render import AssistantSpan, RenderCut, Resume, Segment, ToolsTextCache, render, render_from
 from protocol.responses_api import prepare_responses
 from protocol.responses_store import ResponseStore
 from protocol.sampling import EngineSampling, engine_sampling
@@ -82,7 +92,36 @@ def _validate(model: type[_Req], data: dict[str, Any]) -> _Req:
         raise InvalidRequest.from_validation(exc) from None
 
 
-def _load_body(body: bytes | dict[str, Any]) -> dict[str, Any]:
+def _validate_rest(model: type[_Req], data: dict[str, Any], start: int) -> _Req | None:
+    """The wire model for ``data`` with its messages from ``start`` on (the earlier ones were
+    validated in a request before), or None when that is invalid: the whole validation then
+    gives the error that names the message by its index in the request."""
+    try:
+        return model.model_validate(dict(data, messages=data["messages"][start:]))
+    except ValidationError:
+        return None
+
+
+def _context(head: Conversation) -> tuple[Any, ...]:
+    """What conversion and rendering take from outside the messages (``History.context``)."""
+    return (tuple(m.content for m in head.messages), head.tools, head.tool_catalog, head.thinking,
+            head.effort, head.response_format)
+
+
+@dataclass(slots=True)
+class _Turn:
+    """A request's conversation and what it takes from (and leaves for) the history memo."""
+
+    conv: Conversation
+    context: tuple[Any, ...]  # of the conversation before its messages (``_context``)
+    key: tuple[str, bytes, str | None]
+    raw: list[Any]  # the wire messages
+    head: int  # conversation messages before wire message 0
+    loaded: list[tuple[int, str]]
+    reuse: Reuse | None
+
+
+def _load_body(body: bytes | dict[str, Any], check_depth: bool = True) -> dict[str, Any]:
     if isinstance(body, dict):
         data = body
     else:
@@ -92,7 +131,8 @@ def _load_body(body: bytes | dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
-    check_json_depth(data)  # 400 here, not RecursionError in render or the ledger
+    if check_depth:
+        check_json_depth(data)  # 400 here, not RecursionError in render or the ledger
     return data
 
 
@@ -118,17 +158,19 @@ class Protocol:
         self.responses_store = ResponseStore()  # previous_response_id / item_reference (bounded)
         self._tools_text = ToolsTextCache()  # tool schema text by tools hash (bounded LRU)
         self.chunks = ChunkCache()  # ids of prompt chunks by their segments (protocol/prompt_chunks.py)
+        self.history = HistoryMemo()  # earlier requests' conversions and renders (protocol/history_memo.py)
 
     # --- requests ----------------------------------------------------------------------------------
     def prepare_anthropic(self, body: bytes | dict[str, Any],
                           headers: Mapping[str, str] | None = None, scope: bytes = b"") -> PreparedRequest:
         """``scope``: the caller's (``server/auth.caller_scope``; b"" where callers cannot be told
         apart); the output ledger serves a turn only to the scope and prefix it was made in."""
-        data = _load_body(body)
-        req = _validate(A.MessagesRequest, data)
+        data = _load_body(body, check_depth=False)
+        reuse, key = self._find_history("anthropic", data, headers, scope)
+        req, turn = self._anthropic_turn(data, reuse, key)
         self.check_model(req.model)
-        conv = anthropic_conversation(req, data.get("tools"))
-        bound = self.encode_prompt(conv, scope, strict_parts=True)
+        conv = turn.conv
+        bound = self._encode_turn(turn, scope, strict_parts=True)
         tool_choice, tool_name = "auto", None
         if req.tool_choice is not None:
             tool_choice = {"auto": "auto", "any": "required", "tool": "named",
@@ -149,11 +191,12 @@ class Protocol:
 
     def prepare_openai(self, body: bytes | dict[str, Any],
                        headers: Mapping[str, str] | None = None, scope: bytes = b"") -> PreparedRequest:
-        data = _load_body(body)
-        req = _validate(O.ChatCompletionRequest, data)
+        data = _load_body(body, check_depth=False)
+        reuse, key = self._find_history("openai", data, headers, scope)
+        req, turn = self._openai_turn(data, reuse, key)
         self.check_model(req.model)
-        conv = openai_conversation(req, data.get("tools"))
-        bound = self.encode_prompt(conv, scope, strict_parts=False)
+        conv = turn.conv
+        bound = self._encode_turn(turn, scope, strict_parts=False)
         requested = req.max_completion_tokens or req.max_tokens
         tool_choice, tool_name = "auto", None
         if isinstance(req.tool_choice, str):
@@ -203,12 +246,95 @@ class Protocol:
         length. ``strict_parts``: compare text blocks one by one (Anthropic), not joined."""
         spans: list[AssistantSpan] = []
         segments = render(conv, self.table.end_think_id, self.table.eos_id, self._tools_text.text, spans)
+        return self._encode_segments(segments, spans, scope, strict_parts)
+
+    def _encode_segments(self, segments: list[Segment], spans: list[AssistantSpan], scope: bytes,
+                         strict_parts: bool) -> BoundPrompt:
         limit = self.max_model_len - 1
         try:
             return encode_bound(self.tokenizer, self.ledger, segments, spans, scope, limit, strict_parts,
                                 self.table.end_think_id, self.table.eos_id, self.chunks)
         except TokenBudgetExceeded as exc:
             raise PromptTooLong(exc.num_tokens, limit) from None
+
+    # --- incremental preparation (protocol/history_memo.py) ------------------------------------------
+    def _find_history(self, api: str, data: dict[str, Any], headers: Mapping[str, str] | None,
+                      scope: bytes) -> tuple[Reuse | None, tuple[str, bytes, str | None]]:
+        """The kept history this request extends, if any, after the depth check of the rest of
+        the body (the messages before the history's cut were checked when it was kept, by this
+        caller: they are equal values)."""
+        key = (api, scope, session_hint(lower_headers(headers)))
+        messages = data.get("messages")
+        reuse = self.history.find(key, messages) if isinstance(messages, list) else None
+        if reuse is None:
+            check_json_depth(data)
+        else:
+            check_json_depth(dict(data, messages=messages[reuse.wire_index:]))  # type: ignore[index]
+        return reuse, key
+
+    def _anthropic_turn(self, data: dict[str, Any], reuse: Reuse | None,
+                        key: tuple[str, bytes, str | None]) -> tuple[A.MessagesRequest, _Turn]:
+        raw: list[Any] = data["messages"] if isinstance(data.get("messages"), list) else []
+        if reuse is not None:
+            req = _validate_rest(A.MessagesRequest, data, reuse.wire_index)
+            if req is not None:
+                conv = anthropic_head(req, data.get("tools"))
+                context = _context(conv)
+                if context == reuse.history.context:
+                    loaded = reuse.loaded()
+                    names = dict.fromkeys(name for _, name in loaded)
+                    new = anthropic_messages(req.messages, reuse.wire_index, conv.tool_catalog, names)
+                    loaded += tool_refs(new, reuse.wire_index, {name for _, name in loaded})
+                    head = len(conv.messages)
+                    conv.messages = reuse.messages() + new
+                    conv.loaded_tools = [name for _, name in loaded]
+                    self.history.count(reuse)
+                    return req, _Turn(conv, context, key, raw, head, loaded, reuse)
+        req = _validate(A.MessagesRequest, data)
+        conv = anthropic_conversation(req, data.get("tools"))
+        head = len(conv.messages) - len(req.messages)
+        context = _context(Conversation(conv.messages[:head], conv.tools, conv.thinking, conv.effort,
+                                        conv.response_format, conv.tool_catalog))
+        return req, _Turn(conv, context, key, raw, head, tool_refs(conv.messages[head:], 0, set()), None)
+
+    def _openai_turn(self, data: dict[str, Any], reuse: Reuse | None,
+                     key: tuple[str, bytes, str | None]) -> tuple[O.ChatCompletionRequest, _Turn]:
+        raw: list[Any] = data["messages"] if isinstance(data.get("messages"), list) else []
+        if reuse is not None:
+            req = _validate_rest(O.ChatCompletionRequest, data, reuse.wire_index)
+            if req is not None:
+                conv = openai_head(req, data.get("tools"))
+                context = _context(conv)
+                if context == reuse.history.context:
+                    conv.messages = reuse.messages() + openai_messages(req.messages)
+                    self.history.count(reuse)
+                    return req, _Turn(conv, context, key, raw, 0, [], reuse)
+        req = _validate(O.ChatCompletionRequest, data)
+        conv = openai_conversation(req, data.get("tools"))
+        context = _context(Conversation([], conv.tools, conv.thinking, conv.effort, conv.response_format))
+        return req, _Turn(conv, context, key, raw, 0, [], None)
+
+    def _encode_turn(self, turn: _Turn, scope: bytes, *, strict_parts: bool) -> BoundPrompt:
+        """``encode_prompt`` of the turn's conversation, rendered from its history's cut where it
+        has one; the turn is kept for the next one once its prompt is encoded."""
+        conv, reuse = turn.conv, turn.reuse
+        cuts: list[RenderCut] = []
+        segments: list[Segment] | None = None
+        spans: list[AssistantSpan] = []
+        if reuse is not None:
+            spans = reuse.spans()
+            resume = Resume(reuse.segments(), reuse.cut.index, turn.head + reuse.wire_index)
+            segments = render_from(resume, conv, self.table.end_think_id, self.table.eos_id,
+                                   self._tools_text.text, spans, cuts)
+        if segments is None:
+            reuse, spans, cuts = None, [], []
+            segments = render(conv, self.table.end_think_id, self.table.eos_id, self._tools_text.text, spans,
+                              cuts)
+        bound = self._encode_segments(segments, spans, scope, strict_parts)
+        history = build_history(turn.context, list(turn.raw), conv.messages, turn.head, turn.loaded,
+                                segments, spans, cuts, reuse)
+        self.history.keep(turn.key, history, reuse.history if reuse is not None else None)
+        return bound
 
     def engine_sampling(self, temperature: float | None, top_p: float | None, top_k: int | None,
                         seed: int | None) -> EngineSampling:

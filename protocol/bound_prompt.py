@@ -114,7 +114,6 @@ def encode_bound(tokenizer: PromptTokenizer, ledger: OutputLedger | None, segmen
                                      strict_parts) if possible else None
                 ids = entry.render_ids(with_reasoning, end_think_id, eos_id) if entry is not None else None
                 if entry is not None and ids is not None:
-                    m.ledger_entry = entry
                     hits += 1
                     if num_ids + len(ids) > limit:
                         raise TokenBudgetExceeded(num_ids + len(ids), limit)

@@ -152,18 +152,41 @@ def _anthropic_system_text(system: str | list[A.TextBlock] | None) -> str | None
 def anthropic_conversation(
     req: A.MessagesRequest | A.CountTokensRequest, raw_tools: list[dict[str, Any]] | None
 ) -> Conversation:
+    conv = anthropic_head(req, raw_tools)
+    loaded: dict[str, None] = {}  # an ordered set
+    conv.messages += anthropic_messages(req.messages, 0, conv.tool_catalog, loaded)
+    conv.loaded_tools = list(loaded)
+    return conv
+
+
+def anthropic_head(
+    req: A.MessagesRequest | A.CountTokensRequest, raw_tools: list[dict[str, Any]] | None
+) -> Conversation:
+    """The conversation of everything but ``req.messages``: tools, catalog, modes, and the system
+    message when there is one (``anthropic_messages`` converts the messages)."""
     raw: list[dict[str, Any] | None] = list(raw_tools) if raw_tools else [None] * len(req.tools or [])
     declared = [_anthropic_tool(t, raw[k]) for k, t in enumerate(req.tools or [])]
     tools = [fn for t, fn in zip(req.tools or [], declared) if not t.defer_loading]
     catalog: dict[str, dict[str, Any]] = {}
     for fn in declared:
         catalog.setdefault(fn["name"], fn)
-    loaded: dict[str, None] = {}  # an ordered set
     msgs: list[Message] = []
     sys_text = _anthropic_system_text(req.system)
     if sys_text is not None and (sys_text or req.tools):
         msgs.append(Message(role="system", content=sys_text))
-    for i, m in enumerate(req.messages):
+    thinking = req.thinking is not None and req.thinking.type != "disabled"
+    effort = effort_value(req.output_config.effort if req.output_config else None)
+    fmt = req.output_config.format if req.output_config else None
+    return Conversation(messages=msgs, tools=tools, thinking=thinking, effort=effort, response_format=fmt,
+                        tool_catalog=catalog)
+
+
+def anthropic_messages(messages: list[A.Message], first_index: int, catalog: dict[str, dict[str, Any]],
+                       loaded: dict[str, None]) -> list[Message]:
+    """One ``Message`` per wire message; ``first_index``: the request index of ``messages[0]``
+    (errors name it); tool references are checked against ``catalog`` and added to ``loaded``."""
+    msgs: list[Message] = []
+    for i, m in enumerate(messages, first_index):
         if m.role == "assistant":
             msgs.append(_anthropic_assistant(m.content))
         elif m.role == "system":
@@ -174,11 +197,7 @@ def anthropic_conversation(
             msgs.append(Message(role="system", content=text))
         else:
             msgs.append(Message(role="user", blocks=_anthropic_user_blocks(m.content, i, catalog, loaded)))
-    thinking = req.thinking is not None and req.thinking.type != "disabled"
-    effort = effort_value(req.output_config.effort if req.output_config else None)
-    fmt = req.output_config.format if req.output_config else None
-    return Conversation(messages=msgs, tools=tools, thinking=thinking, effort=effort, response_format=fmt,
-                        tool_catalog=catalog, loaded_tools=list(loaded))
+    return msgs
 
 
 def _anthropic_user_blocks(
@@ -296,8 +315,15 @@ def openai_thinking(req: O.ChatCompletionRequest) -> tuple[bool, int]:
 
 
 def openai_conversation(req: O.ChatCompletionRequest, raw_tools: list[dict[str, Any]] | None) -> Conversation:
+    conv = openai_head(req, raw_tools)
+    conv.messages = openai_messages(req.messages)
+    return conv
+
+
+def openai_messages(messages: list[O.ChatMessage]) -> list[Message]:
+    """One ``Message`` per wire message (each converts on its own)."""
     msgs: list[Message] = []
-    for m in req.messages:
+    for m in messages:
         role = m.role
         if role in ("system", "developer"):
             # "developer" is OpenAI's newer name for the system role (not V4.1's developer turn,
@@ -317,6 +343,11 @@ def openai_conversation(req: O.ChatCompletionRequest, raw_tools: list[dict[str, 
                 Message(role="assistant", content=text, text_parts=[text] if text else [],
                         reasoning=reasoning, tool_calls=calls)
             )
+    return msgs
+
+
+def openai_head(req: O.ChatCompletionRequest, raw_tools: list[dict[str, Any]] | None) -> Conversation:
+    """The conversation of everything but ``req.messages`` (``openai_messages`` converts those)."""
     tools: list[dict[str, Any]] = []
     for k, t in enumerate(req.tools or []):
         raw = raw_tools[k].get("function") if raw_tools and isinstance(raw_tools[k], dict) else None
@@ -325,4 +356,4 @@ def openai_conversation(req: O.ChatCompletionRequest, raw_tools: list[dict[str, 
     fmt = None
     if req.response_format is not None and req.response_format.type != "text":
         fmt = req.response_format.model_dump(exclude_none=True)
-    return Conversation(messages=msgs, tools=tools, thinking=thinking, effort=effort, response_format=fmt)
+    return Conversation(messages=[], tools=tools, thinking=thinking, effort=effort, response_format=fmt)

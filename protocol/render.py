@@ -26,6 +26,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -219,42 +220,102 @@ def _drop_thinking(messages: list[Message]) -> list[Message]:
 
 
 # --- rendering ------------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class RenderCut:
+    """Where an assistant turn's rendering starts: a later request whose conversation is the same
+    up to and including this turn may take ``segments[:num_segments]`` and ``spans[:num_spans]``
+    as they are and render from here (``render_from``, ``protocol/history_memo.py``).
+
+    Recorded only where that holds whatever follows: the turn comes right after a user turn
+    (nothing before it merges with or is re-sorted by what follows), the conversation has no
+    developer turns (neither chat API converts into one), and in a prompt without tools in
+    thinking mode (where the last user turn decides reasoning and headers) a user turn follows it
+    (``render_from`` resumes only a request with a user turn after the cut too)."""
+
+    message: Message  # the assistant message (its conversation index is found by identity)
+    index: int  # among the preprocessed messages
+    num_segments: int  # segments before it (the generation header in front of it included)
+    num_spans: int  # spans before it
+
+
+@dataclass(slots=True, frozen=True)
+class Resume:
+    """Render from a ``RenderCut`` of an earlier request: ``segments`` are its segments before the
+    cut, ``conv_index`` is the cut turn's index in this request's ``conv.messages``."""
+
+    segments: list[Segment]
+    index: int
+    conv_index: int
+
+
 def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | None = None,
            schema_text: SchemaText = tools_schema_text,
-           spans: list[AssistantSpan] | None = None) -> list[Segment]:
+           spans: list[AssistantSpan] | None = None, cuts: list[RenderCut] | None = None) -> list[Segment]:
     """Segments of the whole prompt, BOS first, generation header last.
 
     ``end_think_id`` / ``eos_id`` are needed only to splice ledger ids (IDS segments);
     ``schema_text`` prints tool schemas (the protocol passes its ``ToolsTextCache.text``);
     ``spans``, when given, receives each assistant turn rendered from the client's view right
-    after a generation header (the turns the ledger may replace, ``AssistantSpan``)."""
-    msgs = _preprocess(conv.messages)
+    after a generation header (the turns the ledger may replace, ``AssistantSpan``); ``cuts``
+    receives the places a later request may resume from (``RenderCut``)."""
+    out = _render(conv, end_think_id, eos_id, schema_text, spans, cuts, None)
+    assert out is not None  # only a resumed render can decline
+    return out
+
+
+def render_from(resume: Resume, conv: Conversation, end_think_id: int | None, eos_id: int | None,
+                schema_text: SchemaText, spans: list[AssistantSpan],
+                cuts: list[RenderCut] | None = None) -> list[Segment] | None:
+    """``render`` of ``conv`` whose messages up to ``resume``'s cut are those of the earlier
+    request the cut comes from, rendering only the messages from the cut on (``spans`` holds the
+    earlier request's spans before the cut): exactly the segments ``render`` gives, or None when
+    this request cannot resume there (a prompt without tools in thinking mode whose last user turn
+    lies before the cut: the generation header in front of the cut differs)."""
+    return _render(conv, end_think_id, eos_id, schema_text, spans, cuts, resume)
+
+
+def _render(conv: Conversation, end_think_id: int | None, eos_id: int | None, schema_text: SchemaText,
+            spans: list[AssistantSpan] | None, cuts: list[RenderCut] | None,
+            resume: Resume | None) -> list[Segment] | None:
     has_tools = bool(conv.tools or conv.tool_catalog)  # deferred tools count: they can be loaded
-    needs_system = has_tools or conv.response_format is not None
-    if needs_system and (not msgs or msgs[0].role != "system"):
-        msgs.insert(0, Message(role="system", content=""))
     drop = not has_tools
     thinking = conv.thinking
+    if resume is None:
+        msgs = _preprocess(conv.messages)
+        needs_system = has_tools or conv.response_format is not None
+        if needs_system and (not msgs or msgs[0].role != "system"):
+            msgs.insert(0, Message(role="system", content=""))
+        offset = 0
+        out: list[Segment] = [(OURS, BOS)]
+    else:  # the cut turn is an assistant turn after a user turn: nothing before it merges or moves
+        msgs = _preprocess(conv.messages[resume.conv_index:])
+        offset = resume.index
+        out = list(resume.segments)
     if thinking and drop:
         msgs = _drop_thinking(msgs)
+    # indices below are into ``msgs``; a resumed render's last user turn may lie before the cut
+    # (-1), which compares with every index from the cut on as the whole render's index would
     last_user = _last_user_index(msgs)
-    out: list[Segment] = [(OURS, BOS)]
+    if resume is not None and thinking and drop and last_user < 0:
+        return None
+    record = cuts is not None and not any(m.role == "developer" for m in msgs)
     n = len(msgs)
     for i, m in enumerate(msgs):
-        if i == 0 and (thinking or m.role == "system"):
+        first = offset + i == 0
+        if first and (thinking or m.role == "system"):
             out.append((OURS, SYSTEM))
-        if i == 0 and thinking:
+        if first and thinking:
             out.append((OURS, EFFORT_TEMPLATE.format(conv.effort)))
         role = m.role
         if role == "system":
-            if i > 0:
+            if not first:
                 out.append((OURS, SYSTEM))
             out.append((CLIENT, m.content))
-            if i == 0 and has_tools:
+            if first and has_tools:
                 out.append((OURS, "\n\n" + TOOLS_HEAD))
                 out.append((CLIENT, schema_text(conv.tools)))
                 out.append((OURS, TOOLS_TAIL))
-            if i == 0 and conv.response_format is not None:
+            if first and conv.response_format is not None:
                 out.append((OURS, "\n\n" + RESPONSE_FORMAT_HEAD))
                 out.append((CLIENT, to_json(conv.response_format)))
         elif role == "developer":
@@ -266,6 +327,10 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
         elif role == "assistant":
             with_reasoning = thinking and (not drop or i > last_user)
             start = len(out)
+            if (record and not first and (i == 0 or msgs[i - 1].role == "user")
+                    and not (thinking and drop and i > last_user)):
+                assert cuts is not None
+                cuts.append(RenderCut(m, offset + i, start, len(spans) if spans is not None else 0))
             _render_assistant(m, with_reasoning, out, end_think_id, eos_id)
             if (spans is not None and out[start][0] != IDS and out[start - 1][0] == OURS
                     and out[start - 1][1] in GENERATION_HEADERS):
@@ -276,7 +341,7 @@ def render(conv: Conversation, end_think_id: int | None = None, eos_id: int | No
         if i + 1 < n and msgs[i + 1].role != "assistant":
             continue
         is_last = i == n - 1
-        if (role in ("user", "developer") or (role == "system" and i > 0)
+        if (role in ("user", "developer") or (role == "system" and not first)
                 or (is_last and role in ("system", "assistant"))):
             open_think = thinking and (not drop or i >= last_user)
             out.append((OURS, ASSISTANT + (THINK if open_think else END_THINK)))

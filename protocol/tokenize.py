@@ -23,9 +23,10 @@ Long pieces and the event loop: a piece longer than ``_CHUNK_CHARS`` is encoded 
 cut only where the V4 pre-tokenizer always splits (after a newline that precedes a non-space
 character, or else between two ASCII letters separated by one space), so the ids equal the
 single-call encoding; every piece longer than ``_SMALL_PIECE_CHARS`` goes through
-``Tokenizer.encode_batch``, which releases the GIL while it encodes (``encode`` holds it), so a
-worker thread tokenizing megabytes leaves the event loop running. With ``max_tokens`` set,
-``encode_segments`` stops as soon as the prompt is known to be longer and raises
+``Tokenizer.encode_batch_fast``, which releases the GIL while it encodes (``encode`` holds it), so a
+worker thread tokenizing megabytes leaves the event loop running; the ``_fast`` form computes no
+character offsets (none are used here): a quarter less time on a 2K-token tool result. With
+``max_tokens`` set, ``encode_segments`` stops as soon as the prompt is known to be longer and raises
 ``TokenBudgetExceeded``: "prompt too long" costs at most ``max_tokens`` tokens of encoding plus one
 chunk, however large the body.
 """
@@ -312,7 +313,7 @@ class PromptTokenizer:
             end = len(text) if len(text) - pos <= _CHUNK_CHARS else safe_cut(text, pos + _CHUNK_CHARS // 2,
                                                                                pos + _CHUNK_CHARS)
             chunk = text if pos == 0 and end == len(text) else text[pos:end]
-            ids = np.asarray(self.plain.encode_batch([chunk], add_special_tokens=False)[0].ids,
+            ids = np.asarray(self.plain.encode_batch_fast([chunk], add_special_tokens=False)[0].ids,
                              dtype=np.int32)
             parts.append(ids)
             num_ids += len(ids)

@@ -44,6 +44,10 @@ class CountingEncoder:
         self.num_chars += sum(len(t) for t in texts)
         return self.inner.encode_batch(texts, **kw)
 
+    def encode_batch_fast(self, texts: list[str], **kw: Any) -> Any:
+        self.num_chars += sum(len(t) for t in texts)
+        return self.inner.encode_batch_fast(texts, **kw)
+
 
 def code_text(seed: int, num_chars: int) -> str:
     rng = random.Random(seed)

@@ -180,3 +180,61 @@ def test_pool_bytes_survive_a_rank_sigkill() -> None:
         assert not os.path.exists(path)
 
     asyncio.run(scenario())
+
+
+class _FakeCudart:
+    """Records ``cudaHostRegister`` / ``cudaHostUnregister`` calls; ``fail_at``: the call that fails."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            return 2
+        assert not any(p <= ptr < p + n or ptr <= p < ptr + size for p, n in self.registered.items())
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        del self.registered[ptr]
+        return 0
+
+
+@pytest.mark.parametrize("fail_at", [None, 3])
+def test_the_pin_registers_page_aligned_chunks_covering_the_pool_once(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, fail_at: int | None) -> None:
+    fake = _FakeCudart(fail_at)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(host_pool_module, "PIN_CHUNK_BYTES", 1 << 16)
+    host = HostPool(os.path.join(str(tmp_path), "l1"), 5 * (1 << 16) + 4096, pin=True)
+    if fail_at is not None:
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            host.open(4096)
+        assert fake.registered == {} and not host.pinned  # what was registered is given back
+        host.close()
+        return
+    host.open(4096)
+    assert host.tensor is not None and host.pinned
+    base, size = host.tensor.data_ptr(), host.tensor.numel()
+    assert sorted(fake.registered) == list(range(base, base + size, 1 << 16))
+    assert sum(fake.registered.values()) == size
+    host.close()
+    assert fake.registered == {}
+
+
+def test_a_background_pin_starts_only_when_asked_and_stops_at_close(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    host = HostPool(os.path.join(str(tmp_path), "l1"), 8 * 4096, pin=True, background_pin=True)
+    host.open(4096)
+    assert fake.calls == 0 and not host.pinned  # the engine's CUDA work comes first
+    host.start_pin()
+    assert host.wait_pinned(10.0)
+    host.start_pin()  # once
+    assert fake.calls == 1
+    host.close()
+    assert fake.registered == {}

@@ -36,13 +36,8 @@ Pinning is its own phase (``_pin``), slow at the seed's sizes: ``cudaHostRegiste
 ``/dev/shm`` mapping took 0.46-0.58 s per GiB on an H200 host, minutes for a 128 GiB share at
 every rank start and every group restart. With ``background_pin`` (the rank worker's choice) the
 pool serves at once, pageable (copies are then synchronous host copies: correct, about a third of
-the link's speed), and a thread registers it once the rank has built its engine and joined its
-group (``start_pin``); copies take the pinned path once it is done (the rank logs ``pinned in N
-s``). A register holds the CUDA driver while it runs: one call for a 48 GiB pool held the engine's
-build for the whole 36 s on the H200 host (a rank kill came back in 13.8 s against 3.3 s with a
-1 GiB pool). So the thread first allocates the file's pages (``posix_fallocate``, no CUDA), then
-registers ``PIN_CHUNK_BYTES`` at a time and rests as long as each call took, so the step's CUDA
-calls run between chunks. ``DIB_HOST_POOL_PIN_S_PER_GIB`` (TEST ONLY, read in ``_pin``)
+the link's speed), and a thread registers it; copies take the pinned path once it is done (the
+rank logs ``pinned in N s``). ``DIB_HOST_POOL_PIN_S_PER_GIB`` (TEST ONLY, read in ``_pin``)
 stretches the phase by that many seconds per GiB, so the behaviour shows on a CPU host too.
 """
 
@@ -66,8 +61,6 @@ log = logging.getLogger(__name__)
 DIRECT_MIN_RUN_BYTES = 1 << 20
 PIN_DELAY_ENV = "DIB_HOST_POOL_PIN_S_PER_GIB"  # TEST ONLY (module docstring)
 PIN_JOIN_S = 5.0  # close() waits this long for a pin in progress, then leaves the mapping to exit
-# One cudaHostRegister call per chunk (page-aligned); the pin thread rests as long as the call took.
-PIN_CHUNK_BYTES = 256 << 20
 
 
 def runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -157,9 +150,7 @@ class HostPool:
         self.background_pin = background_pin
         self.tensor: torch.Tensor | None = None
         self._registered_ptr: int | None = None  # set once the whole mapping is registered
-        self._registered_chunks: list[int] = []  # start of each registered chunk, in order
         self._pin_thread: threading.Thread | None = None
-        self._pin_stop = threading.Event()  # close() asks a pin in progress to stop between chunks
         self.pin_seconds: float | None = None  # how long the pin phase took, once it is done
 
     @property
@@ -189,20 +180,12 @@ class HostPool:
         self.tensor = flat.view(num_slots, bytes_per_block)
         background = self.background_pin and (self.pin or os.environ.get(PIN_DELAY_ENV))
         log.info("L1 host pool %s: %d slots x %d bytes (%.2f GiB)%s", self.path, num_slots,
-                 bytes_per_block, nbytes / GIB, ", to be pinned once the rank is up"
-                 if background else "")
-        if not background:
+                 bytes_per_block, nbytes / GIB, ", pinning in the background" if background else "")
+        if background:
+            self._pin_thread = threading.Thread(target=self._pin_logged, name="l1-pin", daemon=True)
+            self._pin_thread.start()
+        else:
             self._pin()
-
-    def start_pin(self) -> None:
-        """Start the background pin (``background_pin`` pools; once, after the engine is built:
-        module docstring). Does nothing for a pool pinned in ``open`` or not open."""
-        background = self.background_pin and (self.pin or os.environ.get(PIN_DELAY_ENV))
-        if not background or self.tensor is None or self.num_slots == 0 or self._pin_thread is not None:
-            return
-        log.info("L1 host pool %s: pinning in the background", self.path)
-        self._pin_thread = threading.Thread(target=self._pin_logged, name="l1-pin", daemon=True)
-        self._pin_thread.start()
 
     @property
     def pinned(self) -> bool:
@@ -232,44 +215,14 @@ class HostPool:
         delay_s = float(os.environ.get(PIN_DELAY_ENV) or 0) * size / GIB
         if delay_s > 0:
             log.warning("%s: TEST knob, the L1 pool's pin takes %.1f s longer", PIN_DELAY_ENV, delay_s)
-            self._pin_stop.wait(delay_s)
+            time.sleep(delay_s)
         if self.pin:
-            if self._pin_thread is not None:  # pages first, off the CUDA driver (module docstring)
-                fd = os.open(self.path, os.O_RDWR)
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                finally:
-                    os.close(fd)
-            self._register(ptr, size)
-        self.pin_seconds = time.monotonic() - started
-
-    def _register(self, ptr: int, size: int) -> None:
-        """``cudaHostRegister`` chunk by chunk (module docstring); on a failure, or a ``close``
-        in between, what was registered is unregistered and the pool stays pageable."""
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        rest = self._pin_thread is not None
-        for offset in range(0, size, PIN_CHUNK_BYTES):
-            if self._pin_stop.is_set():
-                self._unregister()
-                return
-            n = min(PIN_CHUNK_BYTES, size - offset)
-            t0 = time.monotonic()
-            err = cudart.cudaHostRegister(ptr + offset, n, 0)
+            err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)  # type: ignore[no-untyped-call]
             if int(err) != 0:
-                self._unregister()
-                raise RuntimeError(f"cudaHostRegister of the L1 host pool ({n} bytes at offset {offset}) "
-                                   f"failed: error {int(err)}")
-            self._registered_chunks.append(ptr + offset)
-            if rest:
-                self._pin_stop.wait(time.monotonic() - t0)
-        self._registered_ptr = ptr
-
-    def _unregister(self) -> None:
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        for chunk in self._registered_chunks:
-            cudart.cudaHostUnregister(chunk)
-        self._registered_chunks.clear()
-        self._registered_ptr = None
+                raise RuntimeError(
+                    f"cudaHostRegister of the L1 host pool ({size} bytes) failed: error {int(err)}")
+            self._registered_ptr = ptr
+        self.pin_seconds = time.monotonic() - started
 
     def slot(self, host_slot: int) -> torch.Tensor:
         """One slot's bytes (a writable view into the shared mapping)."""
@@ -333,11 +286,11 @@ class HostPool:
 
     def close(self) -> None:
         if self._pin_thread is not None:
-            self._pin_stop.set()  # a pin in progress stops after its current chunk
             self._pin_thread.join(PIN_JOIN_S)
             if self._pin_thread.is_alive():  # unmapping under cudaHostRegister would crash
                 log.warning("L1 host pool %s: pin still running at close; left mapped", self.path)
                 return
-        if self._registered_chunks:
-            self._unregister()
+        if self._registered_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)  # type: ignore[no-untyped-call]
+            self._registered_ptr = None
         self.tensor = None  # the storage unmaps when the last reference goes

@@ -115,8 +115,6 @@ def build_rank(args: argparse.Namespace, ctx: Context, status: RankStatus) -> Ra
         host_pool.open(engine.bytes_per_block)
     status.progress = "joining the rank group"
     dist, vote, control_group = _join_group(config, args, engine)
-    if host_pool is not None:
-        host_pool.start_pin()  # after the engine's CUDA work: a register holds the driver
     profile = step_profile.from_environment(args.rank)  # benchmarks only (DIB_RANK_PROFILE)
     profile.wrap_engine_step(engine)
     engine = _test_wrapper(engine, args.rank)

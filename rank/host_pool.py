@@ -40,8 +40,9 @@ the link's speed), and a thread registers it; copies take the pinned path once i
 rank logs ``pinned in N s``). On a GPU the register holds the CUDA driver, so the rank's engine
 build waits for it (a 48 GiB pool: ready in 38 s instead of 5.8 s on an H200). Registering in
 chunks is no way out as such: a copy whose host range spans two registrations fails with
-``cudaErrorInvalidValue`` (measured there), so copies would have to be cut at chunk boundaries. ``DIB_HOST_POOL_PIN_S_PER_GIB`` (TEST ONLY, read in ``_pin``)
-stretches the phase by that many seconds per GiB, so the behaviour shows on a CPU host too.
+``cudaErrorInvalidValue`` (measured there), so copies would have to be cut at chunk boundaries.
+``DIB_HOST_POOL_PIN_S_PER_GIB`` (TEST ONLY, read in ``_pin``) stretches the phase by that many
+seconds per GiB, so the behaviour shows on a CPU host too.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -120,9 +121,26 @@ def _items(body: dict[str, Any]) -> list[str]:
             + [_hash(["message", m]) for m in body.get("messages", [])])
 
 
-def summarize(records: list[dict[str, Any]], scrub: dict[str, str]) -> list[dict[str, Any]]:
+def _system_texts(body: dict[str, Any]) -> list[str]:
+    system = body.get("system")
+    blocks = system if isinstance(system, list) else [{"text": system}] if system else []
+    return [str(b.get("text", "")) if isinstance(b, dict) else "" for b in blocks]
+
+
+def _output_format(body: dict[str, Any]) -> list[str] | None:
+    """The properties of a structured-output schema (``output_config.format``), if any."""
+    fmt = (body.get("output_config") or {}).get("format")
+    if not isinstance(fmt, dict):
+        return None
+    return sorted((fmt.get("schema") or {}).get("properties") or {})
+
+
+def summarize(records: list[dict[str, Any]], scrub: dict[str, str],
+              anchor: Callable[[dict[str, Any]], bool] = lambda _body: True) -> list[dict[str, Any]]:
     """Small, scrubbed rows (one per request, in arrival order). ``scrub``: text -> placeholder
-    (paths, ids) replaced in every string kept."""
+    (paths, ids) replaced in every string kept. ``anchor(body)``: which requests may be their
+    session's first (what ``items_shared_with_first_request`` compares with): the main thread's
+    where a one-off side request (a title) comes first."""
     def clean(value: str) -> str:
         for old, new in scrub.items():
             value = value.replace(old, new)
@@ -130,7 +148,11 @@ def summarize(records: list[dict[str, Any]], scrub: dict[str, str]) -> list[dict
 
     rows = []
     firsts: dict[str, list[str]] = {}
-    for rec in sorted(records, key=lambda r: r["t"]):
+    ordered = sorted(records, key=lambda r: r["t"])
+    for rec in ordered:
+        if anchor(rec["body"]):
+            firsts.setdefault(rec["headers"].get("x-claude-code-session-id", ""), _items(rec["body"]))
+    for rec in ordered:
         body, headers = rec["body"], rec["headers"]
         session = headers.get("x-claude-code-session-id", "")
         items = _items(body)
@@ -147,11 +169,16 @@ def summarize(records: list[dict[str, Any]], scrub: dict[str, str]) -> list[dict
             "request_id": rec.get("request_id", ""),
             "status": rec.get("status"),
             "claude_code_headers": {k: clean(v) for k, v in sorted(headers.items())
-                                    if k.startswith("x-claude-code-") and k != "x-claude-code-session-id"},
+                                    if k.startswith(("x-claude-code-", "x-claude-1p-"))
+                                    and k != "x-claude-code-session-id"},
             "session": "<session>" if session else None,
             "metadata_user_id": sorted(uid) if isinstance(uid, dict) else ("<string>" if user_id else None),
             "system_hash": _hash(system)[:12] if system else None,
             "system_blocks": len(system) if isinstance(system, list) else int(bool(system)),
+            "system_text": [clean(t)[:80] for t in _system_texts(body)],
+            "model": body.get("model"),
+            "stream": body.get("stream"),
+            "output_format": _output_format(body),
             "tools": [t.get("name") for t in body.get("tools", [])],
             "tools_hash": _hash(body.get("tools", []))[:12],
             "num_messages": len(body.get("messages", [])),

@@ -96,7 +96,8 @@ class TuiSession:
     A fresh HOME gets the ``~/.claude.json`` the TUI needs offline (reference section 0):
     onboarding done, the API key approved, the project trusted."""
 
-    def __init__(self, binary: Path, project: Path, base_url: str, name: str) -> None:
+    def __init__(self, binary: Path, project: Path, base_url: str, name: str,
+                 extra_env: dict[str, str] | None = None) -> None:
         if shutil.which("tmux") is None:
             raise RuntimeError("tmux is not installed")
         self.name = name
@@ -109,7 +110,7 @@ class TuiSession:
             "projects": {str(project): {"hasTrustDialogAccepted": True,
                                         "hasCompletedProjectOnboarding": True}},
         }))
-        env = claude_env(base_url, home, extra={"TERM": "xterm-256color"})
+        env = claude_env(base_url, home, extra={"TERM": "xterm-256color", **(extra_env or {})})
         command = "env -i " + " ".join(shlex.quote(f"{k}={v}")
                                        for k, v in env.items()) + " " + shlex.quote(str(binary))
         self._tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "50", "-c", str(project), command)

@@ -261,7 +261,9 @@ def assert_success(run: ClaudeRun, num_turns: int | None = None) -> None:
 
 def claude_env(base_url: str, home: Path, *, model: str = MODEL,
                extra: dict[str, str] | None = None) -> dict[str, str]:
-    """A clean environment: only what the CLI needs (no inherited ANTHROPIC_* or proxies)."""
+    """A clean environment: only what the CLI needs (no inherited ANTHROPIC_* or proxies).
+    ``extra`` adds variables; one given as "" is left out (``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC``
+    for the auxiliary requests, ``test_claude_auxiliary.py``)."""
     env = {
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
         "HOME": str(home),
@@ -277,7 +279,7 @@ def claude_env(base_url: str, home: Path, *, model: str = MODEL,
         "IS_SANDBOX": "1",  # we run as root; this lets --dangerously-skip-permissions through
     }
     env.update(extra or {})
-    return env
+    return {k: v for k, v in env.items() if v != ""}
 
 
 def make_project(root: Path, files: dict[str, str] | None = None, copy_from: str | None = None) -> Path:

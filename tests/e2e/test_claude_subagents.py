@@ -39,10 +39,11 @@ def _version(binary: Path) -> str:
     return out.stdout.split()[0] if out.stdout.strip() else "unknown"
 
 
-def _rows(proxy: CaptureProxy, log: str, scrub: dict[str, str]) -> list[dict[str, Any]]:
-    """The summarised requests, each with the rank, prompt and cached tokens the backend logged."""
+def _rows(proxy: CaptureProxy, log: str, scrub: dict[str, str], **kw: Any) -> list[dict[str, Any]]:
+    """The summarised requests (``kw``: ``summarize``'s), each with the rank, prompt and cached
+    tokens the backend logged."""
     by_id = {m.group(2): m for m in _LOG_ROW.finditer(log)}
-    rows = summarize(proxy.records, scrub)
+    rows = summarize(proxy.records, scrub, **kw)
     for row in rows:
         m = by_id.get(row["request_id"])
         if m is not None:

@@ -91,3 +91,30 @@ def test_captured_codex_requests_map_to_their_branches(capture: Path) -> None:
     assert {i for i, sub in zip(ids, subagent) if sub} == {"hint:<session>/agent:<thread-1>",
                                                           "hint:<session>/agent:<thread-2>"}
     assert [r["routing_unit"] for r in rows] == ids
+
+
+@pytest.mark.parametrize("capture", sorted(CAPTURES.glob("claude-*-auxiliary.json")), ids=lambda p: p.stem)
+def test_captured_title_requests_classified_by_their_headers(capture: Path) -> None:
+    """The real CLI's session-title requests (tests/e2e/captures, from test_claude_auxiliary.py):
+    with CLAUDE_CODE_GATEWAY_HINT_HEADERS=1, 2.1.332 labels them ``auxiliary`` (an auxiliary unit
+    of their own beside the session, as the backend ran them) and its main turns ``main``
+    (x-claude-1p-request-class is not read); by default, and from 2.1.197 at all, a title
+    carries only the session id and is read as a main-thread turn."""
+    data = json.loads(capture.read_text())
+    labelled = data["cli_version"].startswith("2.1.3")
+    for run in ("tui", "tui_hint_headers"):
+        rows = data[run]
+        titles = [r for r in rows if r["output_format"] == ["title"] and not r["tools"]]
+        mains = [r for r in rows if r["tools"]]
+        assert len(titles) == len(mains) == 2
+        hints = [replace(agent_hint(r["claude_code_headers"]), key="<session>") for r in rows]
+        ids = [session_id_for_hint(h) for h in hints]
+        title_ids = {i for i, r in zip(ids, rows) if r in titles}
+        assert {i for i, r in zip(ids, rows) if r in mains} == {"hint:<session>"}
+        if run == "tui_hint_headers" and labelled:
+            assert title_ids == {"hint:<session>/aux:auxiliary"}
+            assert all(h.prompt_id for h, r in zip(hints, rows) if r in mains)  # x-claude-code-prompt-id
+            assert [r["routing_unit"] for r in rows] == ids
+        else:
+            assert title_ids == {"hint:<session>"}
+            assert all(r["claude_code_headers"] == {} for r in titles)

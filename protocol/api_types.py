@@ -77,13 +77,16 @@ class PreparedRequest:
     # (protocol/ledger.py); b"" (a request built by hand): the reply is not recorded
     ledger_binding: bytes = b""
     caller_scope: bytes = b""  # the caller's scope (server/auth.caller_scope); b"": not told apart
+    # A one-off beside its session, not a turn of it: a structured output with no tools offered
+    # (Claude Code's session titles, which carry no class header by default: docs/claude-code.md)
+    one_off: bool = False
 
     @classmethod
     def build(cls, api: ApiName, model: str, stream: bool, *, prompt: BoundPrompt, conv: Conversation,
               session_key: str, max_tokens: int, sampling: EngineSampling, tool_choice: str,
               tool_choice_name: str | None, include_usage: bool, scope: bytes,
               max_tokens_is_default: bool = False, stop: tuple[str, ...] = (), show_reasoning: bool = True,
-              responses: ResponsesOptions | None = None) -> PreparedRequest:
+              responses: ResponsesOptions | None = None, one_off: bool = False) -> PreparedRequest:
         """The request of a validated body: ``prompt`` (``Protocol.encode_prompt``) gives the
         ids and their ledger binding, ``conv`` the thinking mode and the tools the model is
         offered, ``scope`` the caller's scope; the rest is the API's own reading of its body."""
@@ -123,6 +126,7 @@ class PreparedRequest:
             responses=responses,
             ledger_binding=prompt.binding,
             caller_scope=scope,
+            one_off=one_off,
         )
 
 

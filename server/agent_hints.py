@@ -30,6 +30,7 @@ fall back to the main thread, so a malformed header never fails a request.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from cache.sessions import RequestClass, SessionHint
 
@@ -95,3 +96,16 @@ def agent_hint(headers: Mapping[str, str] | None) -> SessionHint:
         context_compacted=(_get(headers, "context-compacted") or "").lower() in _TRUE,
         auxiliary_type=auxiliary_type,
     )
+
+
+def with_body_class(hint: SessionHint, one_off: bool) -> SessionHint:
+    """A request no header labels (main thread, no agent id) whose body marks it a one-off
+    (``PreparedRequest.one_off``: a structured output offering no tools, as Claude Code's session
+    titles are) is auxiliary. Without this, a title sent before the first main turn opened the
+    session and gave it its first prompt, and the next title, sharing half of it and extending
+    none of its tails, read as a compaction's first turn: the main thread's prefix was retired
+    (seen with 2.1.197; ``docs/claude-code.md``)."""
+    if one_off and hint.request_class is RequestClass.MAIN and hint.agent_id is None:
+        return replace(hint, request_class=RequestClass.AUXILIARY,
+                       auxiliary_type=hint.auxiliary_type or "one-off")
+    return hint

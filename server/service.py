@@ -45,6 +45,7 @@ from protocol.errors import (
 from rank.client import GroupState, RequestStream
 from rank.engine import EngineMisuse, FinishReason, RequestOutput, SamplingParams
 from rank.errors import RankFailed, RankUnavailable
+from server.agent_hints import with_body_class
 from server.config import WorkloadConfig
 from server.metrics import ServerMetrics
 from server.scheduling import SubmitGate
@@ -176,7 +177,8 @@ class ChatService:
             raise Overloaded(f"rank group is {client.state.value}; retry shortly",
                              retry_after_s=RESTART_RETRY_AFTER_S)
         # the agent headers (server/agent_hints.py) with the protocol layer's session key
-        session_hint = replace(hint or SessionHint(), key=prepared.session_key)
+        session_hint = with_body_class(replace(hint or SessionHint(), key=prepared.session_key),
+                                       prepared.one_off)
         salt = prepared.caller_scope if self._salt_per_caller else b""
         async with self._cache.turn(prepared.prompt_ids, session_hint, prepared.max_tokens,
                                     max_tokens_is_default=prepared.max_tokens_is_default,

@@ -16,7 +16,7 @@ from cache.admission import AdmissionConfig, AdmissionQueue, AdmitLevel
 from cache.router import RankLoad, Router, RouterConfig, RouteReason
 from cache.sessions import RequestClass, SessionHint, SessionTable, StopKind
 from rank.ids import Rank, SessionId
-from server.agent_hints import agent_hint
+from server.agent_hints import agent_hint, with_body_class
 from tests.cache.cache_harness import (
     BLOCK_SIZE,
     TurnResult,
@@ -206,7 +206,9 @@ def _replay(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[TurnResult
         last_main: TurnResult | None = None
         try:
             for row in rows:
-                hint = replace(agent_hint(row["claude_code_headers"]), key="s")
+                # as the service does: the headers' hint, then the body's one-off class
+                one_off = bool(row["output_format"]) and not row["tools"]
+                hint = with_body_class(replace(agent_hint(row["claude_code_headers"]), key="s"), one_off)
                 size = row["prompt_tokens"] // SCALE
                 if row["tools"]:
                     prompt = (tokens(rng, size) if last_main is None else
@@ -219,7 +221,7 @@ def _replay(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[TurnResult
                 prompt = np.concatenate([title_head, tokens(rng, size - len(title_head))])
                 turns.append(await run_turn(mgr, group, prompt, hint, stop=StopKind.END_TURN))
                 main_after = mgr.sessions.get(SessionId("hint:s"))
-                aux = mgr.sessions.get(SessionId("hint:s/aux:auxiliary"))
+                aux = mgr.sessions.get(SessionId(f"hint:s/aux:{hint.auxiliary_type or 'auxiliary'}"))
                 seen["aux_class"].append(None if aux is None else aux.request_class)
                 seen["main_home_after_title"].append(None if main_after is None else main_after.home_rank)
                 kept = not tails if main_after is None else all(t in main_after.tail_hashes for t in tails)
@@ -253,29 +255,29 @@ def test_captured_titles_with_class_headers_never_pin_or_move_the_main_session()
 
 
 @pytest.mark.parametrize("version", ["2.1.197", "2.1.332"])
-def test_captured_titles_without_class_headers_run_in_the_main_session(version: str) -> None:
-    """What both versions send by default: a title carries only the session id, so the backend
-    takes it for a turn of the main session (the first title, sent before the first main turn,
-    even opens it and gives the session its home). The main thread's second turn is still
-    served from its own prefix: its blocks are where its first turn left them."""
+def test_captured_titles_without_class_headers_are_told_from_their_body(version: str) -> None:
+    """What both versions send by default: a title carries only the session id. Its body (a
+    structured output, no tools) makes it a one-off (``server/agent_hints.with_body_class``), so
+    it runs as an auxiliary unit: the first title (sent before the first main turn) does not open
+    the main session, and the main thread's second turn is served from its own prefix."""
     rows = _captured(version, "tui")
     seen, turns = _replay(rows)
-    assert seen["sessions"] == ["hint:s"]  # no auxiliary unit: the titles ran as main-session turns
-    mains = [t for t, r in zip(turns, rows) if r["tools"]]
+    assert seen["sessions"] == ["hint:s", "hint:s/aux:one-off"]
+    assert seen["aux_class"] == [RequestClass.AUXILIARY, RequestClass.AUXILIARY]
+    mains = [t for t, r in zip(turns, rows, strict=True) if r["tools"]]
     assert len(mains) == 2
+    assert seen["main_home_after_title"] == [None, mains[0].admission.rank]
+    assert mains[1].admission.rank == mains[0].admission.rank
     assert mains[1].admission.num_cached_tokens >= len(mains[0].prompt) - 2 * BLOCK_SIZE  # all but its last
 
 
-@pytest.mark.xfail(strict=True, reason="a title without a class header, after the first title opened "
-                   "the session, is taken for a compaction's first turn (docs/claude-code.md)")
 @pytest.mark.parametrize("version", ["2.1.197", "2.1.332"])
 def test_captured_title_without_class_header_is_not_a_compaction(version: str) -> None:
-    """The rule an auxiliary turn should keep (it never evicts a main session): the second
-    title must leave the main thread's prefix owned. Without the header it does not: the first
-    title opened the session, so the session's first prompt is a title's; the second title
-    shares half of it on the session's rank and extends none of its tails, which is how
-    ``Branches.prefix_broken`` tells a compaction's first turn, so the main thread's chain is
-    retired (its blocks go first). A label from the body (a ``title`` structured output, no
-    tools, one message) or a first prompt taken only from a turn with tools would keep it."""
+    """The rule an auxiliary turn keeps (it never evicts a main session): the second title
+    leaves the main thread's prefix owned. Taken as main-session turns (before the body's
+    one-off class), the first title opened the session, so its first prompt was a title's; the
+    second shared half of it on the session's rank and extended none of its tails, which is how
+    ``Branches.prefix_broken`` tells a compaction's first turn, and the main thread's chain was
+    retired (its blocks go first; 2.1.197 logged it in sessions that never compacted)."""
     seen, _turns = _replay(_captured(version, "tui"))
     assert seen["tails_kept"] == [True, True]

@@ -128,9 +128,10 @@ def test_auxiliary_requests_captured(claude_bin, tmp_path: Path):
             assert {r["routing_unit"] for r in titles} == {"hint:<session>/aux:auxiliary"}
             assert all(r["claude_code_headers"]["x-claude-code-request-class"] == "main" for r in mains)
             assert {r["routing_unit"] for r in mains} == {"hint:<session>"}
-        else:  # only the session id: the backend cannot tell a title from a main-thread turn
+        else:  # only the session id: the body tells a title (a structured output, no tools)
             assert all(r["claude_code_headers"] == {} for r in titles), titles
-            assert all(h.request_class is RequestClass.MAIN for h in hints)
-        # the main thread's second turn is served from its first (whatever unit it was given:
-        # without the class header 2.1.197's sometimes became a detected branch, docs/claude-code.md)
+            assert all(h.request_class is RequestClass.MAIN for h in hints)  # by the headers alone
+            assert {r["routing_unit"] for r in titles} == {"hint:<session>/aux:one-off"}, titles
+            assert {r["routing_unit"] for r in mains} == {"hint:<session>"}, mains
+        # the main thread's second turn is served from its first
         assert mains[1]["cached_tokens"] >= 0.95 * mains[1]["prompt_tokens"], mains[1]

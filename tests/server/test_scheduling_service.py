@@ -48,7 +48,7 @@ class _Protocol:
 def prepared(num_tokens: int) -> Any:
     return SimpleNamespace(api="anthropic", num_prompt_tokens=num_tokens, prompt_ids=np.arange(num_tokens),
                            session_key=None, max_tokens=4, max_tokens_is_default=False,
-                           temperature=1.0, top_p=1.0, top_k=0, seed=None)
+                           temperature=1.0, top_p=1.0, top_k=0, seed=None, one_off=False)
 
 
 async def _settle() -> None:

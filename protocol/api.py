@@ -136,15 +136,6 @@ def _load_body(body: bytes | dict[str, Any], check_depth: bool = True) -> dict[s
     return data
 
 
-def _asks_structured_output(data: dict[str, Any]) -> bool:
-    """An Anthropic body asking for a structured output: ``output_config.format`` (what Claude
-    Code sends for its session titles) or the older ``output_format``."""
-    config = data.get("output_config")
-    if isinstance(config, dict) and isinstance(config.get("format"), dict):
-        return True
-    return bool(data.get("output_format"))
-
-
 class Protocol:
     """Holds the tokenizer (with its piece cache), the prompt chunk cache, the token table, the
     ledger and the tool schema text cache."""
@@ -196,7 +187,10 @@ class Protocol:
             tool_choice=tool_choice, tool_choice_name=tool_name, include_usage=True,
             show_reasoning=req.thinking is None or req.thinking.display not in HIDDEN_REASONING_DISPLAYS,
             scope=scope,
-            one_off=_asks_structured_output(data) and not conv.tools and not conv.tool_catalog,
+            # a structured output (output_config.format, read into the conversation; or the
+            # older output_format) and no tools: Claude Code's session titles
+            one_off=(conv.response_format is not None or bool(data.get("output_format")))
+            and not conv.tools and not conv.tool_catalog,
         )
 
     def prepare_openai(self, body: bytes | dict[str, Any],

@@ -10,6 +10,8 @@ fails it, as ``RankMessenger.fail_all`` does at a restart), so each race is repl
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -89,6 +91,22 @@ class HeldFold:
         self.group.submit = self.real  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _imports_fail(group: LocalRankGroup) -> Iterator[None]:
+    """Rank 0's imports fail as on a pool with no free block, until the block ends."""
+    engine = group.engines[0]
+    real = engine.import_blocks
+
+    def short(*_: Any) -> list[BlockId]:
+        raise CapacityExhausted("import: 0 free")
+
+    engine.import_blocks = short  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        engine.import_blocks = real  # type: ignore[method-assign]
+
+
 def _no_round_trip(group: LocalRankGroup) -> None:
     async def import_blocks(*_: Any) -> list[BlockId]:
         raise AssertionError("a small restore made an import round trip")
@@ -150,16 +168,9 @@ def test_a_folded_restore_whose_import_fails_lowers_the_cached_prefix_and_the_tu
     async def main() -> None:
         group, mgr, head, a2 = await _setup(22)
         try:
-            engine = group.engines[0]
-            real = engine.import_blocks
-
-            def short(*_: Any) -> list[BlockId]:
-                raise CapacityExhausted("import: 0 free")
-
-            engine.import_blocks = short  # type: ignore[method-assign]
             adds = Adds(group)
-            turn = await run_turn(mgr, group, a2, "a")
-            engine.import_blocks = real  # type: ignore[method-assign]
+            with _imports_fail(group):
+                turn = await run_turn(mgr, group, a2, "a")
             request = adds.requests[-1]
             # the head's blocks but its last, now the replayed one (as for a failed awaited restore)
             num_kept = len(head) // BLOCK_SIZE - 1
@@ -181,28 +192,21 @@ def test_the_cached_count_a_client_is_told_is_the_one_after_a_failed_fold() -> N
     async def main() -> None:
         group, mgr, head, a2 = await _setup(22)
         try:
-            engine = group.engines[0]
-            real = engine.import_blocks
-
-            def short(*_: Any) -> list[BlockId]:
-                raise CapacityExhausted("import: 0 free")
-
-            engine.import_blocks = short  # type: ignore[method-assign]
-            async with mgr.turn(a2, "a", 8) as turn:
-                planned = turn.admission.num_cached_tokens
-                assert turn.admission.cached_tokens_by_tier[Tier.L1] > 0  # the plan: an L1 restore
-                stream = group.submit(turn.rank, turn.engine_request("r-fold", SamplingParams(
-                    max_tokens=8, ignore_eos=True)))
-                await asyncio.sleep(0)  # the failed reply is filed by the cache ...
-                assert turn.admission.num_cached_tokens == planned  # ... but the view is the plan's
-                await turn.settle_fold()
-                num_kept = len(head) // BLOCK_SIZE - 1
-                assert turn.admission.num_cached_tokens == BLOCK_SIZE * num_kept < planned
-                assert turn.admission.cached_tokens_by_tier[Tier.L1] == 0
-                async for out in stream:
-                    turn.feed(out)
-                turn.stop_kind = StopKind.END_TURN
-            engine.import_blocks = real  # type: ignore[method-assign]
+            with _imports_fail(group):
+                async with mgr.turn(a2, "a", 8) as turn:
+                    planned = turn.admission.num_cached_tokens
+                    assert turn.admission.cached_tokens_by_tier[Tier.L1] > 0  # the plan: an L1 restore
+                    stream = group.submit(turn.rank, turn.engine_request("r-fold", SamplingParams(
+                        max_tokens=8, ignore_eos=True)))
+                    await asyncio.sleep(0)  # the failed reply is filed by the cache ...
+                    assert turn.admission.num_cached_tokens == planned  # ... but the view is the plan's
+                    await turn.settle_fold()
+                    num_kept = len(head) // BLOCK_SIZE - 1
+                    assert turn.admission.num_cached_tokens == BLOCK_SIZE * num_kept < planned
+                    assert turn.admission.cached_tokens_by_tier[Tier.L1] == 0
+                    async for out in stream:
+                        turn.feed(out)
+                    turn.stop_kind = StopKind.END_TURN
             await settle(mgr, group)
         finally:
             await group.close()

@@ -32,17 +32,15 @@ row size; every rank computes the same ``num_slots = budget_bytes // bytes_per_b
 can create/size the file concurrently without a handshake (O_CREAT + ftruncate to the same size
 are idempotent).
 
-Pinning is its own phase (``_pin``), slow at the seed's sizes: ``cudaHostRegister`` of a fresh
-``/dev/shm`` mapping took 0.46-0.58 s per GiB on an H200 host, minutes for a 128 GiB share at
-every rank start and every group restart. With ``background_pin`` (the rank worker's choice) the
-pool serves at once, pageable (copies are then synchronous host copies: correct, about a third of
-the link's speed), and a thread registers it; copies take the pinned path once it is done (the
-rank logs ``pinned in N s``). On a GPU the register holds the CUDA driver, so the rank's engine
-build waits for it (a 48 GiB pool: ready in 38 s instead of 5.8 s on an H200). Registering in
-chunks is no way out as such: a copy whose host range spans two registrations fails with
-``cudaErrorInvalidValue`` (measured there), so copies would have to be cut at chunk boundaries.
-``DIB_HOST_POOL_PIN_S_PER_GIB`` (TEST ONLY, read in ``_pin``) stretches the phase by that many
-seconds per GiB, so the behaviour shows on a CPU host too.
+Pinning is its own phase, slow at the seed's sizes and done in chunks (``rank/host_pin.py``):
+``cudaHostRegister`` of a fresh ``/dev/shm`` mapping took 0.46-0.58 s per GiB on an H200 host and
+holds the CUDA driver while it runs. Without ``background_pin`` ``open`` pins every chunk before it
+returns (benchmarks, tests). With it (the rank worker's choice) the pool serves at once, pageable
+(copies are then synchronous host copies: correct, about a third of the link's speed), and
+``start_pin`` (called once the engine is built) starts a thread that registers chunk after chunk;
+each copy takes the pinned path once the chunk it lies in is registered, and the rank logs
+``pinned in N s`` when all are. Every copy is cut where a chunk ends (``_copy``): a copy whose
+host range spans two registrations fails.
 """
 
 from __future__ import annotations
@@ -50,21 +48,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from rank.host_budget import GIB
+from rank.host_pin import PAGE, PIN_CHUNK_BYTES, PIN_DELAY_ENV, ChunkPin, chunk_pieces, chunk_slots
 
 log = logging.getLogger(__name__)
 
 # A run of at least this many bytes is copied by itself (module docstring); below it a copy's fixed
 # cost (~10 us of launch) outweighs what its share of the kernel path costs.
 DIRECT_MIN_RUN_BYTES = 1 << 20
-PIN_DELAY_ENV = "DIB_HOST_POOL_PIN_S_PER_GIB"  # TEST ONLY (module docstring)
-PIN_JOIN_S = 5.0  # close() waits this long for a pin in progress, then leaves the mapping to exit
+PIN_JOIN_S = 5.0  # close() waits this long for the chunk being pinned, then leaves the mapping to exit
 
 
 def runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -138,12 +135,12 @@ class HostPool:
     """A rank's view of the shared L1 pool (see the module docstring).
 
     Invariants: ``tensor`` exists exactly while open; ``num_slots * bytes_per_block`` bytes of the
-    file are mapped; when pinned, the mapping is registered with CUDA exactly once and
-    unregistered before it is unmapped.
+    file are mapped; when pinned, each chunk of the mapping is registered with CUDA at most once
+    and unregistered before the mapping goes; no copy's host range spans two chunks.
     """
 
     def __init__(self, path: str, budget_bytes: int, *, pin: bool | None = None,
-                 background_pin: bool = False) -> None:
+                 background_pin: bool = False, pin_chunk_bytes: int = PIN_CHUNK_BYTES) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.path = path
@@ -152,10 +149,11 @@ class HostPool:
         self.bytes_per_block = 0
         self.num_slots = 0
         self.background_pin = background_pin
+        self.pin_chunk_bytes = pin_chunk_bytes
+        self.slots_per_chunk = 1  # copies are cut every this many slots (``_copy``)
         self.tensor: torch.Tensor | None = None
-        self._registered_ptr: int | None = None  # set once the whole mapping is registered
+        self._chunks: ChunkPin | None = None  # the pin phase, where there is one
         self._pin_thread: threading.Thread | None = None
-        self.pin_seconds: float | None = None  # how long the pin phase took, once it is done
 
     @property
     def is_open(self) -> bool:
@@ -171,6 +169,7 @@ class HostPool:
         num_slots = self.budget_bytes // bytes_per_block
         nbytes = num_slots * bytes_per_block
         self.bytes_per_block, self.num_slots = bytes_per_block, num_slots
+        self.slots_per_chunk = max(1, num_slots)
         if num_slots == 0:
             self.tensor = torch.empty(0, bytes_per_block, dtype=torch.uint8)
             return
@@ -182,18 +181,37 @@ class HostPool:
             os.close(fd)
         flat = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
         self.tensor = flat.view(num_slots, bytes_per_block)
-        background = self.background_pin and (self.pin or os.environ.get(PIN_DELAY_ENV))
-        log.info("L1 host pool %s: %d slots x %d bytes (%.2f GiB)%s", self.path, num_slots,
-                 bytes_per_block, nbytes / GIB, ", pinning in the background" if background else "")
-        if background:
-            self._pin_thread = threading.Thread(target=self._pin_logged, name="l1-pin", daemon=True)
-            self._pin_thread.start()
-        else:
-            self._pin()
+        if self.pin or os.environ.get(PIN_DELAY_ENV):
+            ptr = flat.data_ptr()
+            if ptr % PAGE == 0:  # a mapping is page-aligned; one registration otherwise
+                self.slots_per_chunk = min(num_slots, chunk_slots(bytes_per_block, self.pin_chunk_bytes))
+            self._chunks = ChunkPin(ptr, nbytes, self.slots_per_chunk * bytes_per_block, registers=self.pin)
+        log.info("L1 host pool %s: %d slots x %d bytes (%.2f GiB)", self.path, num_slots, bytes_per_block,
+                 nbytes / GIB)
+        if self._chunks is not None and not self.background_pin:
+            self._chunks.run()
+
+    def start_pin(self) -> None:
+        """Start the background pin (``background_pin``): once the engine is built, so the build
+        never waits on the driver behind a register. Idempotent; a no-op with nothing to pin."""
+        if self._chunks is None or self._pin_thread is not None or self._chunks.complete:
+            return
+        chunks = self._chunks
+        log.info("L1 host pool %s: pinning in the background, %d chunks of %d MiB", self.path,
+                 chunks.num_chunks, chunks.chunk_bytes >> 20)
+        self._pin_thread = threading.Thread(target=self._pin_logged, args=(chunks,), name="l1-pin",
+                                            daemon=True)
+        self._pin_thread.start()
 
     @property
     def pinned(self) -> bool:
-        return self._registered_ptr is not None
+        """Every chunk registered: copies anywhere in the pool are DMA."""
+        return self._chunks is not None and self._chunks.registers and self._chunks.complete
+
+    @property
+    def pin_seconds(self) -> float | None:
+        """How long the pin phase took, once it has ended."""
+        return self._chunks.seconds if self._chunks is not None else None
 
     def wait_pinned(self, timeout_s: float | None = None) -> bool:
         """Wait for a background pin (benchmarks that measure pinned copies). True when pinned."""
@@ -201,32 +219,15 @@ class HostPool:
             self._pin_thread.join(timeout_s)
         return self.pinned
 
-    def _pin_logged(self) -> None:
+    def _pin_logged(self, chunks: ChunkPin) -> None:
         try:
-            self._pin()
-        except Exception:  # copies stay pageable: slower, still correct
-            log.exception("pinning the L1 host pool failed; it stays pageable")
+            chunks.run()
+        except Exception:  # the chunks not registered stay pageable: slower, still correct
+            log.exception("pinning the L1 host pool failed after %d of %d chunks; the rest stays pageable",
+                          chunks.done, chunks.num_chunks)
             return
-        log.info("L1 host pool %s pinned in %.1f s%s", self.path, self.pin_seconds or 0.0,
-                 "" if self.pinned else " (simulated: no CUDA)")
-
-    def _pin(self) -> None:
-        """The pin phase: ``cudaHostRegister`` of the whole mapping (where ``pin``), stretched by
-        the test knob (module docstring)."""
-        assert self.tensor is not None
-        started = time.monotonic()
-        ptr, size = self.tensor.data_ptr(), self.tensor.numel()
-        delay_s = float(os.environ.get(PIN_DELAY_ENV) or 0) * size / GIB
-        if delay_s > 0:
-            log.warning("%s: TEST knob, the L1 pool's pin takes %.1f s longer", PIN_DELAY_ENV, delay_s)
-            time.sleep(delay_s)
-        if self.pin:
-            err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)  # type: ignore[no-untyped-call]
-            if int(err) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister of the L1 host pool ({size} bytes) failed: error {int(err)}")
-            self._registered_ptr = ptr
-        self.pin_seconds = time.monotonic() - started
+        if chunks.complete:
+            log.info("L1 host pool %s pinned %s", self.path, chunks.summary())
 
     def slot(self, host_slot: int) -> torch.Tensor:
         """One slot's bytes (a writable view into the shared mapping)."""
@@ -253,7 +254,7 @@ class HostPool:
             return
         stream = stream if stream is not None else torch.cuda.current_stream(device_pool.device)
         with torch.cuda.stream(stream):
-            self._copy(device_pool, dst, block_ids, to_device=False)
+            self._copy(device_pool, dst, block_ids, host_slot, to_device=False)
         stream.synchronize()
 
     def copy_to_device(self, device_pool: torch.Tensor, block_ids: Sequence[int], host_slot: int, *,
@@ -271,30 +272,36 @@ class HostPool:
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
-            self._copy(device_pool, src, block_ids, to_device=True)
+            self._copy(device_pool, src, block_ids, host_slot, to_device=True)
         # Waiting here puts the data in place before the caller replies (so before any step
         # that reads these blocks is even queued), and frees the host slots for reuse.
         stream.synchronize()
 
-    def _copy(self, rows: torch.Tensor, slots: torch.Tensor, block_ids: Sequence[int], *,
+    def _copy(self, rows: torch.Tensor, slots: torch.Tensor, block_ids: Sequence[int], host_slot: int, *,
               to_device: bool) -> None:
-        """Queue the copy on the current stream (module docstring: per run, or by a kernel)."""
-        pinned = self._registered_ptr is not None
+        """Queue the copy of ``slots`` (from ``host_slot`` on) on the current stream: cut where a pin
+        chunk ends, then per run or by a kernel (module docstring). DMA where the chunk is pinned."""
         min_run = -(-DIRECT_MIN_RUN_BYTES // self.bytes_per_block)
-        for direct, start, end in copy_plan(block_ids, min_run):
-            ids = block_ids[start:end]
-            if direct:
-                by_runs(rows, slots[start:end], runs(ids), to_device, pinned)
-            else:
-                by_kernel(rows, slots[start:end], ids, to_device, pinned)
+        chunks, per_chunk = self._chunks, self.slots_per_chunk
+        for a, b in chunk_pieces(host_slot, len(block_ids), per_chunk):
+            pinned = chunks is not None and chunks.is_pinned((host_slot + a) // per_chunk)
+            piece, piece_ids = slots[a:b], block_ids[a:b]
+            for direct, start, end in copy_plan(piece_ids, min_run):
+                ids = piece_ids[start:end]
+                if direct:
+                    by_runs(rows, piece[start:end], runs(ids), to_device, pinned)
+                else:
+                    by_kernel(rows, piece[start:end], ids, to_device, pinned)
 
     def close(self) -> None:
+        if self._chunks is not None:
+            self._chunks.stop()
         if self._pin_thread is not None:
             self._pin_thread.join(PIN_JOIN_S)
             if self._pin_thread.is_alive():  # unmapping under cudaHostRegister would crash
                 log.warning("L1 host pool %s: pin still running at close; left mapped", self.path)
                 return
-        if self._registered_ptr is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)  # type: ignore[no-untyped-call]
-            self._registered_ptr = None
+        if self._chunks is not None:
+            self._chunks.unregister_all()
+            self._chunks = None
         self.tensor = None  # the storage unmaps when the last reference goes

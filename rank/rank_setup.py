@@ -1,8 +1,9 @@
 """Building one rank process's parts before its loop runs (``build_rank``, used by ``rank/worker.py``).
 
 In order: the sockets to the backend, the ``RankConfig`` the supervisor wrote, the shared L1 host
-pool (pinned in the background: a restart is ready in seconds, ``rank/host_pool.py``), the engine
-(``rank/engines.py``), the lockstep group, then the transfer thread (``rank/transfers.py``), which
+pool, the engine (``rank/engines.py``), the lockstep group, the L1 pool's pin (chunk by chunk in a
+thread, started only now: a register holds the CUDA driver, which the engine build needs;
+``rank/host_pin.py``), then the transfer thread (``rank/transfers.py``), which
 takes the backend's command socket and leaves the loop an inproc one. ``rank/rank_loop.py`` runs
 the loop over what comes out (``RankParts``); of this module only the collectives handed to the
 engine (``step_collective``, ``group_min``) run once the loop has started.
@@ -92,7 +93,7 @@ def load_config(path: str) -> RankConfig:
 
 
 def build_rank(args: argparse.Namespace, ctx: Context, status: RankStatus) -> RankParts:
-    """Sockets, config, host pool, engine, group and transfer thread, in that order (module docstring)."""
+    """Sockets, config, host pool, engine, group, pin, transfer thread: in that order (module docstring)."""
     import torch
     import zmq
 
@@ -115,6 +116,8 @@ def build_rank(args: argparse.Namespace, ctx: Context, status: RankStatus) -> Ra
         host_pool.open(engine.bytes_per_block)
     status.progress = "joining the rank group"
     dist, vote, control_group = _join_group(config, args, engine)
+    if host_pool is not None:
+        host_pool.start_pin()
     profile = step_profile.from_environment(args.rank)  # benchmarks only (DIB_RANK_PROFILE)
     profile.wrap_engine_step(engine)
     engine = _test_wrapper(engine, args.rank)

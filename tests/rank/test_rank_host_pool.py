@@ -86,8 +86,8 @@ def test_long_runs_are_copied_directly_and_adjacent_short_runs_together(
     host.open(block_bytes)
     try:
         assert host.tensor is not None
-        host._copy(torch.empty(0), host.tensor, ids, to_device=True)
-        host._copy(torch.empty(0), host.tensor, ids, to_device=False)
+        host._copy(torch.empty(0), host.tensor, ids, 0, to_device=True)
+        host._copy(torch.empty(0), host.tensor, ids, 0, to_device=False)
     finally:
         host.close()
     assert [c for c, _ in chosen] == calls + calls

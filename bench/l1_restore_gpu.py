@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         # Fragment the free list so the imported rows are scattered, as in a busy pool.
         held = engine.blocks.allocate(args.spare_blocks, cache_ref=True)
         engine.release(held[::2])
-        flat_host = host.tensor.view(-1)
+        # The reference copy reads a pinned buffer of its own: the pool is registered in chunks
+        # (rank/host_pin.py), and one copy may not span two registrations.
+        flat_host = host.tensor.view(-1).pin_memory() if device.type == "cuda" else host.tensor.view(-1)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
         def contiguous() -> None:
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         import_s = statistics.median(t_import)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"device: {name}; torch {torch.__version__}; host pool pinned: "
-              f"{host._registered_ptr is not None}")
+              f"{host.pinned}")
         print(f"session: {args.tokens:,} tokens = {num_blocks:,} blocks x {bpb:,} B = {nbytes / 1e6:,.1f} "
               "MB; "
               f"restored bytes identical: {ok}")

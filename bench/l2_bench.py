@@ -287,7 +287,7 @@ def bench_prefill(directory: str, args: argparse.Namespace) -> dict[str, Any]:
             "warmup_prefill_s": warm_s, "prefill_s": prefill_s, "export_gpu_to_host_s": export_s,
             "l2_save_s": save_s, "l2_load_s": load_s, "import_host_to_gpu_s": import_s,
             "restore_s": load_s + import_s, "saved_blocks": saved, "loaded_blocks": loaded,
-            "restored_identical": identical, "host_pinned": host._registered_ptr is not None,
+            "restored_identical": identical, "host_pinned": host.pinned,
         }
     finally:
         engine.host_pool = None

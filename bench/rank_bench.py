@@ -114,7 +114,7 @@ def bench_host_pool(model: str, device: str, num_blocks: int) -> None:
                 _sync(device)
                 best = min(best, time.perf_counter() - t)
             timings[name] = best
-        print(f"L1 host pool ({'pinned' if pool._registered_ptr else 'pageable'}), {num_blocks} blocks x "
+        print(f"L1 host pool ({'pinned' if pool.pinned else 'pageable'}), {num_blocks} blocks x "
               f"{engine.bytes_per_block} bytes = {nbytes / 1e6:.0f} MB, best of 5:")
         for name, seconds in timings.items():
             print(f"  {name:34s} {seconds * 1e3:7.2f} ms  {nbytes / seconds / 1e9:6.1f} GB/s")

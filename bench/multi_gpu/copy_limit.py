@@ -64,12 +64,15 @@ def measure(bytes_per_block: int, sizes_blocks: list[int], repeats: int, device_
         for n in sizes_blocks:
             nbytes = n * bytes_per_block
             src = host.tensor[:n]
+            # the reference copy reads a pinned buffer of its own: one copy may not span two of
+            # the pool's pin chunks (rank/host_pin.py)
+            ref = src.pin_memory() if device.type == "cuda" else src
             dst = torch.empty(n, bytes_per_block, dtype=torch.uint8, device=device)
             # Scattered destination rows, as in a busy pool.
             ids = (torch.randperm(pool_rows - 1, generator=gen)[:n] + 1).tolist()
 
             # bound now, for this size (the timed callables must not see a later iteration's tensors)
-            contiguous = functools.partial(dst.copy_, src, non_blocking=device.type == "cuda")
+            contiguous = functools.partial(dst.copy_, ref, non_blocking=device.type == "cuda")
             restore = functools.partial(host.copy_to_device, pool, ids, 0)
 
             contiguous()
@@ -83,10 +86,10 @@ def measure(bytes_per_block: int, sizes_blocks: list[int], repeats: int, device_
             rows.append({"blocks": n, "bytes": nbytes, "contiguous_s": c, "import_s": i,
                          "contiguous_gb_s": nbytes / c / 1e9, "import_gb_s": nbytes / i / 1e9,
                          "import_over_copy": i / c, "bytes_identical": ok})
-            del dst, contiguous
+            del dst, ref, contiguous
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         return {"device": name, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                "pinned": host._registered_ptr is not None, "bytes_per_block": bytes_per_block,
+                "pinned": host.pinned, "bytes_per_block": bytes_per_block,
                 "repeats": repeats, "sizes": rows}
     finally:
         host.close()

@@ -56,6 +56,7 @@ ENTRIES = (
     Entry("bench.multi_gpu_run", ("--quick", "--out", "{tmp}"), r"^## Rank SIGKILL under load",
           slow="its CPU check spans a 50 s agent load with a session move and a rank SIGKILL and restart "
                "(3 min on 2 shared cores); tests/multigpu/test_multigpu_run_script.py asserts its phases"),
+    Entry("bench.pin_stall", ("--quick",), r"^chunked, re-pin +[\d.]+ +\d+ ", device=True),
     Entry("bench.perf_guard", ("--quick",), r"^perf guard: pass"),
     Entry("bench.protocol_bench", ("--quick",), r"parsed request -> prompt ids .*: [\d.]+ ms median"),
     Entry("bench.protocol_ab", ("--quick",), r"^  \S+ +[\d.]+ \([\d.]+-[\d.]+\) +[\d.]+ \("),

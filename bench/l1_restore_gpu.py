@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.release(held[::2])
         # The reference copy reads a pinned buffer of its own: the pool is registered in chunks
         # (rank/host_pin.py), and one copy may not span two registrations.
-        flat_host = host.tensor.view(-1).pin_memory() if device.type == "cuda" else host.tensor.view(-1)
+        flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        flat_host.copy_(host.tensor.view(-1))  # (pin_memory() of a registered range returns the range)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
         def contiguous() -> None:

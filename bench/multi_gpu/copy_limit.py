@@ -65,8 +65,8 @@ def measure(bytes_per_block: int, sizes_blocks: list[int], repeats: int, device_
             nbytes = n * bytes_per_block
             src = host.tensor[:n]
             # the reference copy reads a pinned buffer of its own: one copy may not span two of
-            # the pool's pin chunks (rank/host_pin.py)
-            ref = src.pin_memory() if device.type == "cuda" else src
+            # the pool's pin chunks (rank/host_pin.py); .pin_memory() of a registered range returns it
+            ref = torch.empty_like(src, pin_memory=device.type == "cuda").copy_(src)  # not .pin_memory()
             dst = torch.empty(n, bytes_per_block, dtype=torch.uint8, device=device)
             # Scattered destination rows, as in a busy pool.
             ids = (torch.randperm(pool_rows - 1, generator=gen)[:n] + 1).tolist()

@@ -14,11 +14,11 @@ chunk is either registered or not; a copy into one that is not yet registered is
 (synchronous) copy, correct and slower.
 
 Why prefault first: on a fresh ``/dev/shm`` file most of a register's time is the kernel
-allocating and zeroing the file's pages as the driver faults them in (0.46-0.58 s per GiB there,
-against 0.13 s per GiB to register the same pages again after a restart).
-``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) faults them in first, outside the driver, and
-leaves their bytes as they are: a restarted group's pool keeps what L1 held. Where the kernel
-lacks it the register faults the pages itself, as before.
+allocating and zeroing the file's pages as the driver faults them in. On the H200 host, 8 GiB:
+``madvise(MADV_POPULATE_WRITE)`` 3.3 s, then the register 0.3 s (0.7 s with a first-use
+warm-up), unregister 0.1 s (transparent huge pages for shmem were off there). The madvise
+(Linux 5.14+) runs outside the driver and leaves the bytes as they are: a restarted group's pool
+keeps what L1 held. Where the kernel lacks it the register faults the pages itself, as before.
 
 ``DIB_HOST_POOL_PIN_S_PER_GIB`` (TEST ONLY) stretches each chunk's phase by that many seconds
 per GiB, so the behaviour shows on a host without CUDA; ``registers`` is then false and nothing
@@ -40,7 +40,7 @@ from rank.host_budget import GIB
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
-PIN_CHUNK_BYTES = 128 << 20  # one register holds the driver for ~17 ms at 0.13 s/GiB
+PIN_CHUNK_BYTES = 128 << 20  # one prefaulted register held the driver <= 16 ms on the H200 host
 PIN_DELAY_ENV = "DIB_HOST_POOL_PIN_S_PER_GIB"  # TEST ONLY (module docstring)
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only from 3.13
 

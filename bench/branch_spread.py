@@ -19,7 +19,8 @@ its own, where ``separate-off`` (four session ids again) is its reference. It pr
 shape:
 the median wall time of a round, its ratio to ``separate``, the
 turns routed to each rank (``deepinfer_cache_routed_turns_total``) and the peak number of
-requests running on one rank (``deepinfer_rank_num_running``, polled every 10 ms).
+requests running on one rank (``deepinfer_rank_num_running``, polled every 10 ms), and what the
+rounds made the cache do (tokens served from cache, prefix copies, L1 writes and restores).
 Figures are in ``docs/cache.md`` ("Routing rules"). On a machine whose cores are fewer than the
 ranks, the ranks share cores and the spread gains less than it would with one GPU per rank.
 """
@@ -57,6 +58,21 @@ async def _poll_running(url: str, stop: asyncio.Event, peak: list[int]) -> None:
                 rank, value = int(m.group(1)), int(float(m.group(2)))
                 peak[rank] = max(peak[rank], value)
             await asyncio.sleep(0.01)
+
+
+# what else a round made the cache do, summed over labels: a difference between shapes that place
+# alike shows here (a prefix copied through L1, a write-through, a restore)
+COUNTERS = {"cached": "deepinfer_cache_cached_tokens_total", "copies": "deepinfer_cache_prefix_copies_total",
+            "written": "deepinfer_cache_l1_written_blocks_total",
+            "restored": "deepinfer_cache_l1_restored_tokens_total"}
+
+
+def _counters(text: str) -> dict[str, int]:
+    out = {}
+    for key, name in COUNTERS.items():
+        out[key] = int(sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)", text,
+                                                                   re.MULTILINE)))
+    return out
 
 
 def _routed(text: str, ranks: int) -> list[int]:
@@ -105,20 +121,24 @@ async def _shapes(url: str, shapes: tuple[str, ...], rounds: int, prompt_tokens:
     rng = random.Random(seed)
     walls: dict[str, list[float]] = {shape: [] for shape in shapes}
     routed = {shape: [0] * ranks for shape in shapes}
+    counts = {shape: dict.fromkeys(COUNTERS, 0) for shape in shapes}
     peaks = {shape: [0] * ranks for shape in shapes}
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         for n in range(rounds):
             for k in range(len(shapes)):
                 shape = shapes[(n + k) % len(shapes)]
-                before = _routed((await client.get("/metrics")).text, ranks)
+                text = (await client.get("/metrics")).text
+                before, c_before = _routed(text, ranks), _counters(text)
                 wall, peak = await _round(url, shape, rng, prompt_tokens, f"{shape}-{seed}-{n}", max_tokens,
                                           ranks)
-                after = _routed((await client.get("/metrics")).text, ranks)
+                text = (await client.get("/metrics")).text
+                after, c_after = _routed(text, ranks), _counters(text)
+                counts[shape] = {k: v + c_after[k] - c_before[k] for k, v in counts[shape].items()}
                 walls[shape].append(wall)
                 routed[shape] = [r + a - b for r, a, b in zip(routed[shape], after, before)]
                 peaks[shape] = [max(a, b) for a, b in zip(peaks[shape], peak)]
     return [{"shape": shape, "walls": walls[shape], "median": statistics.median(walls[shape]),
-             "routed": routed[shape], "peak": peaks[shape]} for shape in shapes]
+             "routed": routed[shape], "peak": peaks[shape], "counts": counts[shape]} for shape in shapes]
 
 
 def _serve(tmp: Path, args: argparse.Namespace, branch_routing: bool) -> tuple[object, str]:
@@ -161,12 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"4 branches x ~{args.prompt_tokens} prompt tokens, model {args.model!r}, {args.ranks} reference "
           f"ranks on {args.device}, {args.rounds} rounds each (median wall; shapes interleaved per server), "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end")
-    print(f"{'shape':<12} {'wall s':>7} {'vs separate':>11}  routed per rank   peak running per rank  walls")
+    print(f"{'shape':<12} {'wall s':>7} {'vs separate':>11}  routed per rank   peak running per rank  "
+          f"{'walls':<25} cache counters over the rounds")
     for r in results:
         walls = " ".join(f"{w:.2f}" for w in r["walls"])  # type: ignore[attr-defined]
         ref = base["separate-off" if r["shape"] in ("separate-off", "stacked") else "separate"]
         print(f"{r['shape']:<12} {r['median']:>7.2f} {r['median'] / ref:>10.2f}x  "  # type: ignore[operator]
-              f"{r['routed']!s:<17} {r['peak']!s:<22} {walls}")
+              f"{r['routed']!s:<17} {r['peak']!s:<22} {walls:<25} {r['counts']}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from rank.host_budget import GIB
 
@@ -97,7 +98,8 @@ class ChunkPin:
     Invariants: chunks ``0 .. done - 1`` are registered (when ``registers``), no other chunk is;
     ``done`` only grows until ``unregister_all``; ``run`` checks ``stop`` between chunks."""
 
-    def __init__(self, ptr: int, nbytes: int, chunk_bytes: int, *, registers: bool) -> None:
+    def __init__(self, ptr: int, nbytes: int, chunk_bytes: int, *, registers: bool,
+                 on_progress: Callable[[int, int], None] | None = None) -> None:
         if chunk_bytes <= 0 or nbytes <= 0:
             raise ValueError(f"chunk_bytes and nbytes must be positive, got {chunk_bytes}, {nbytes}")
         self.ptr, self.nbytes, self.chunk_bytes = ptr, nbytes, chunk_bytes
@@ -109,6 +111,7 @@ class ChunkPin:
         self.longest_hold_s = 0.0  # the longest single register: how long the driver was held
         self.prefaulted = True
         self._stop = threading.Event()
+        self.on_progress = on_progress  # (chunks done, chunks) after each chunk: the rank's heartbeat
 
     @property
     def complete(self) -> bool:
@@ -144,6 +147,8 @@ class ChunkPin:
                 self.prefault_s += t1 - t0
                 self.longest_hold_s = max(self.longest_hold_s, time.monotonic() - t1)
             self.done = chunk + 1
+            if self.on_progress is not None:
+                self.on_progress(self.done, self.num_chunks)
         self.seconds = time.monotonic() - started
 
     def summary(self) -> str:

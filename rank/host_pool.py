@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -191,12 +191,14 @@ class HostPool:
         if self._chunks is not None and not self.background_pin:
             self._chunks.run()
 
-    def start_pin(self) -> None:
+    def start_pin(self, on_progress: Callable[[int, int], None] | None = None) -> None:
         """Start the background pin (``background_pin``): once the engine is built, so the build
-        never waits on the driver behind a register. Idempotent; a no-op with nothing to pin."""
+        never waits on the driver behind a register. ``on_progress(done, chunks)`` is called after
+        each chunk, on the pin's thread. Idempotent; a no-op with nothing to pin."""
         if self._chunks is None or self._pin_thread is not None or self._chunks.complete:
             return
         chunks = self._chunks
+        chunks.on_progress = on_progress
         log.info("L1 host pool %s: pinning in the background, %d chunks of %d MiB", self.path,
                  chunks.num_chunks, chunks.chunk_bytes >> 20)
         self._pin_thread = threading.Thread(target=self._pin_logged, args=(chunks,), name="l1-pin",

@@ -117,7 +117,7 @@ def build_rank(args: argparse.Namespace, ctx: Context, status: RankStatus) -> Ra
     status.progress = "joining the rank group"
     dist, vote, control_group = _join_group(config, args, engine)
     if host_pool is not None:
-        host_pool.start_pin()
+        host_pool.start_pin(lambda done, chunks: _pin_progress(status, done, chunks))
     profile = step_profile.from_environment(args.rank)  # benchmarks only (DIB_RANK_PROFILE)
     profile.wrap_engine_step(engine)
     engine = _test_wrapper(engine, args.rank)
@@ -134,6 +134,11 @@ def build_rank(args: argparse.Namespace, ctx: Context, status: RankStatus) -> Ra
     poller.register(cmd, zmq.POLLIN)
     return RankParts(args.rank, engine, host_pool, cmd, out, poller, dist, vote, control_group, thread,
                      profile)
+
+
+def _pin_progress(status: RankStatus, done: int, chunks: int) -> None:
+    """The pin's progress in the rank's heartbeat (``/healthz`` shows it per rank) until it ends."""
+    status.progress = f"L1 pool pinned {done}/{chunks} chunks" if done < chunks else ""
 
 
 def _build_engine(config: RankConfig, rank: int, host_pool: HostPool | None) -> Engine:

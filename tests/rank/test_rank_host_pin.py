@@ -193,3 +193,24 @@ def test_the_simulated_pin_registers_nothing(tmp_path: Path, driver: Driver,
     assert pool.pin_seconds is not None and driver.calls == []
     assert ChunkPin(1 << 12, 1, 1, registers=False).summary().endswith("(simulated: no CUDA)")
     pool.close()
+
+
+def test_the_heartbeat_shows_the_pin_until_it_ends(tmp_path: Path, driver: Driver) -> None:
+    """Each chunk reports (done, chunks) on the pin's thread; the rank puts it in its heartbeat's
+    progress (``/healthz``, per rank) and clears it when the last chunk is in."""
+    from rank.rank_setup import RankStatus, _pin_progress
+
+    status = RankStatus()
+    status.phase = "ready"
+    seen: list[str] = []
+
+    def progress(done: int, chunks: int) -> None:
+        _pin_progress(status, done, chunks)
+        seen.append(status.progress)
+
+    pool = _pool(tmp_path, 100, background_pin=True)
+    pool.open(BPB)
+    pool.start_pin(progress)
+    assert pool.wait_pinned(10)
+    pool.close()
+    assert seen == [f"L1 pool pinned {n}/4 chunks" for n in (1, 2, 3)] + [""]

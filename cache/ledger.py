@@ -9,7 +9,8 @@ index whose release has not landed (``cache/releases.py``), and ``reserved`` the
 to turns and prefetches that may still allocate them. The ledger also counts the router's and
 the output room's per-rank load: ``running_tokens`` (context tokens of admitted, unfinished
 turns), ``num_open`` (open admissions) and ``worst_blocks`` (their prompt + ``max_tokens``,
-``cache/output_room.py``).
+``cache/output_room.py``). ``worst_fits`` counts a block that several open turns' prefixes pin
+once: the engine holds it once (a system prompt and tools every subagent starts with, say).
 
 Every change goes through a method here, and each keeps the invariants it can see:
 
@@ -37,9 +38,10 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Sequence
 
     from cache.config import CacheConfig
+    from cache.hashing import BlockHash
     from cache.l0_index import RankIndex
     from cache.turns import Admission
 
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 class RankLedger:
     """One rank's reservations and load (see the module docstring). One event loop."""
 
-    __slots__ = ("_index", "_keep_out", "_num_open", "_releasing", "_reserved", "_running",
+    __slots__ = ("_index", "_keep_out", "_num_open", "_open", "_releasing", "_reserved", "_running",
                  "_unowned_blocks", "_unowned_tokens", "_usable", "_worst", "capacity_blocks")
 
     def __init__(self, capacity_blocks: int, config: CacheConfig, index: RankIndex,
@@ -63,6 +65,7 @@ class RankLedger:
         self._running = 0
         self._num_open = 0
         self._worst = 0
+        self._open: set[Admission] = set()  # whose prefixes ``worst_fits`` counts once
         self._unowned_blocks = 0  # reserved by committed plans and prefetches, no admission yet
         self._unowned_tokens = 0  # running tokens of committed plans, no admission yet
 
@@ -114,9 +117,20 @@ class RankLedger:
             return 1.0
         return (len(self._index) + self._reserved) / self._usable
 
-    def worst_fits(self, worst_blocks: int) -> bool:
-        """Would a turn whose worst case is ``worst_blocks`` fit beside the open ones' worst cases?"""
-        return self._worst + worst_blocks <= self.usable_blocks()
+    def worst_fits(self, worst_blocks: int, hashes: Sequence[BlockHash] = (), num_prefix: int = 0) -> bool:
+        """Would a turn whose worst case is ``worst_blocks`` fit beside the open ones' worst cases?
+        It would pin ``hashes[:num_prefix]`` from the rank's L0 index. Each worst case counts its
+        prefix, but a block in several open turns' prefixes exists once, so when the plain sum
+        does not fit, the prefixes' blocks are counted again, each shared one once
+        (``distinct_blocks``); the rest of a prompt and the reply are each turn's own blocks."""
+        usable = self.usable_blocks()
+        if self._worst + worst_blocks <= usable:
+            return True
+        prefixes = [a.hashes[: a.num_used_blocks] for a in self._open]
+        if num_prefix:
+            prefixes.append(list(hashes[:num_prefix]))
+        counted = sum(len(p) for p in prefixes)
+        return self._worst + worst_blocks - counted + distinct_blocks(prefixes) <= usable
 
     # ------------------------------------------------------------------ plans and prefetches
 
@@ -161,6 +175,7 @@ class RankLedger:
         adm.worst_blocks = worst_blocks
         self._worst += worst_blocks
         self._num_open += 1
+        self._open.add(adm)
 
     def restored(self, adm: Admission, num_blocks: int) -> None:
         """``num_blocks`` of ``adm``'s reservation were imported and filed in the index: they
@@ -186,6 +201,7 @@ class RankLedger:
         self._running -= adm.running_tokens
         self._worst -= adm.worst_blocks
         self._num_open -= 1
+        self._open.discard(adm)
         assert min(self._reserved, self._running, self._worst, self._num_open) >= 0, (
             self._reserved, self._running, self._worst, self._num_open)
 
@@ -200,7 +216,26 @@ class RankLedger:
         assert self._running == self._unowned_tokens + running, (
             f"running {self._running} != {self._unowned_tokens} unowned + {running} of open admissions")
         assert self._worst == sum(a.worst_blocks for a in admissions)
-        assert self._num_open == len(admissions), (self._num_open, len(admissions))
+        assert self._num_open == len(admissions) == len(self._open), (self._num_open, len(admissions))
         if quiet:
             assert self._unowned_blocks == 0 and self._unowned_tokens == 0, (
                 f"reserved {self._unowned_blocks} blocks / {self._unowned_tokens} tokens with no admission")
+
+
+def distinct_blocks(prefixes: list[list[BlockHash]]) -> int:
+    """Blocks in the union of chain prefixes. A chain hash names its block and every block before
+    it, so two prefixes share exactly their common head: sorted, each prefix adds its length less
+    the head it shares with the one before it (the node count of their trie)."""
+    total = 0
+    prev: list[BlockHash] = []
+    for chain in sorted(p for p in prefixes if p):
+        lo, hi = 0, min(len(prev), len(chain))  # chain[:lo] == prev[:lo]; the common head is <= hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chain[mid - 1] == prev[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        total += len(chain) - lo
+        prev = chain
+    return total

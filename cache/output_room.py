@@ -24,7 +24,8 @@ concurrency (Claude Code asks for 32,000 and most replies are short), so admissi
 * **Admitted replies finish** (``RankAdmitter.admit_on``): each rank also counts its open
   turns' worst case, prompt + ``max_tokens`` in blocks (``RankLedger.worst_blocks``,
   ``cache/ledger.py``); a turn is
-  admitted only while its worst case fits next to theirs in the usable pool, else it waits in the
+  admitted only while its worst case fits next to theirs in the usable pool (a prefix block
+  several of them pin from L0 counted once: the engine holds it once), else it waits in the
   queue (and gets the queue's 503 before its first token if none ends in time). So running
   sequences alone never outgrow the pool, and growth always finds its blocks among free or idle
   ones (evicted to L1 where L1 lacks them). It costs concurrency only where turns ask for more

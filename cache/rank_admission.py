@@ -67,9 +67,9 @@ class RankAdmitter:
         def try_admit(rank: int, level: AdmitLevel) -> bool:
             if s.epoch != epoch:
                 return True  # the group restarted: admit and fail below
-            if not s.ledgers[rank].worst_fits(worst_blocks):
-                return False
             plan = self._planner.ask(Rank(rank), hashes, num_prompt, total_blocks)
+            if not s.ledgers[rank].worst_fits(worst_blocks, hashes, plan.num_l0):
+                return False
             res = self._planner.commit(plan, hashes, sid, level)
             if res is not None:
                 taken.append(res)

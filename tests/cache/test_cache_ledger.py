@@ -9,6 +9,7 @@ import pytest
 
 from cache.config import CacheConfig
 from cache.hashing import BlockHash
+from cache.ledger import distinct_blocks
 from cache.state import CacheState
 from cache.turns import Admission, TierTokens
 from rank.ids import Epoch, Rank, SessionId
@@ -21,10 +22,11 @@ def _state() -> CacheState:
     return CacheState(client, config, None, clock=lambda: 0.0)  # type: ignore[arg-type]
 
 
-def _admission() -> Admission:
+def _admission(hashes: tuple[int, ...] = (), num_used: int = 0) -> Admission:
     return Admission(rank=Rank(0), prefix_blocks=[], num_cached_tokens=0, cached_tokens_by_tier=TierTokens(),
                      queue_time_s=0.0, restore_s=0.0, session_id=SessionId("s"), epoch=Epoch(0),
-                     keep_blocks=True, num_prompt_tokens=8, hashes=[])
+                     keep_blocks=True, num_prompt_tokens=8, hashes=[BlockHash(h) for h in hashes],
+                     num_used_blocks=num_used)
 
 
 def test_a_plan_becomes_an_admission_and_gives_everything_back() -> None:
@@ -57,6 +59,35 @@ def test_a_planned_reservation_never_exceeds_the_pool() -> None:
     ledger.reserve(8)  # 4 indexed + 8 reserved == capacity: allowed
     with pytest.raises(AssertionError, match="capacity"):
         ledger.reserve(1)
+
+
+def test_a_prefix_block_open_turns_share_counts_once_in_their_worst_case() -> None:
+    """Two open turns pin the same 3-block head (a system prompt every subagent starts with): the
+    engine holds those blocks once, so a third turn on that head fits where the plain sum of worst
+    cases (5 + 5 + 3 > 10 usable) said it did not; the own part of each worst case still counts."""
+    ledger = _state().ledgers[0]  # 10 usable blocks
+    a, b = _admission((1, 2, 3, 4), 3), _admission((1, 2, 3, 5), 3)
+    ledger.open(a, 0, 0, 5)
+    ledger.open(b, 0, 0, 5)
+    assert ledger.worst_blocks == 10 and ledger.worst_fits(0)
+    head = [BlockHash(h) for h in (1, 2, 3, 6)]
+    assert ledger.worst_fits(3, head, 3)  # 13 counted, 3 of a, b and this one's head counted once: 7
+    assert not ledger.worst_fits(7, head, 3)  # 11 with the head once: still too many
+    other = [BlockHash(h) for h in (7, 8)]
+    assert ledger.worst_fits(3, other, 2) and not ledger.worst_fits(4, other, 2)  # only a and b share
+    ledger.close(a)
+    assert ledger.worst_fits(8, head, 3) and not ledger.worst_fits(9, head, 3)  # 5 + 8 - 3
+    ledger.check([b], quiet=True)
+
+
+def test_distinct_blocks_counts_each_block_of_shared_chain_heads_once() -> None:
+    def chains(*ps: tuple[int, ...]) -> list[list[BlockHash]]:
+        return [[BlockHash(h) for h in p] for p in ps]
+
+    assert distinct_blocks(chains((1, 2, 3), (1, 2, 4), (1, 5), (6,), ())) == 6
+    assert distinct_blocks(chains((1, 2), (1, 2), (1, 2, 3))) == 3
+    assert distinct_blocks(chains((9, 8, 7), (1, 2, 3))) == 6
+    assert distinct_blocks([]) == 0
 
 
 def test_a_grown_reply_may_overcommit_the_pool_and_free_goes_negative() -> None:

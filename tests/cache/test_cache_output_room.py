@@ -173,6 +173,30 @@ def test_admitted_replies_fit_the_pool_together_so_a_second_long_one_waits() -> 
     _run("reference", body)
 
 
+def test_replies_on_one_shared_head_count_it_once_and_run_together() -> None:
+    """Two replies of 200 tokens on prompts that start with the same 400 tokens (a system prompt
+    and tools every session sends), filed in L0 by an earlier turn: each worst case is 40 blocks,
+    80 together against 61 usable, but the head blocks both pin (24-25) exist once, so both
+    run at once and reach max_tokens with no growth over the pool. Before, the second waited for
+    the first to end."""
+
+    async def body(mgr: CacheManager, group: Any) -> None:
+        head = _ids_for("reference", 400, 20)
+
+        def prompt(seed: int, n: int) -> np.ndarray:
+            return np.concatenate([head, _ids_for("reference", n, seed)])
+
+        await _turn(mgr, group, prompt(21, 16), "warm", 1)
+        assert mgr.queue.num_queued == 0
+        both = [asyncio.create_task(_turn(mgr, group, prompt(22 + i, 40), f"h{i}", 200)) for i in range(2)]
+        results = await asyncio.gather(*both)
+        assert all(r[0] == 200 and r[1].finish_reason is FinishReason.LENGTH for r in results), results
+        assert all(r[1].num_cached_tokens >= 384 for r in results), results  # the head, from L0
+        assert mgr.queue.num_queued == 0 and mgr.output_room.num_short_blocks == 0
+
+    _run("reference", body)
+
+
 def test_growth_over_a_pool_held_by_running_replies_is_counted_and_new_turns_wait() -> None:
     """Two long replies whose max_tokens was a default (counted at their admission reserve only)
     and whose growth no idle block can cover: the shortfall is reserved anyway (counted), so a

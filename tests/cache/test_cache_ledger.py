@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from cache.config import CacheConfig
 from cache.hashing import BlockHash
-from cache.ledger import distinct_blocks
+from cache.ledger import shared_blocks
 from cache.state import CacheState
 from cache.turns import Admission, TierTokens
 from rank.ids import Epoch, Rank, SessionId
@@ -80,14 +81,32 @@ def test_a_prefix_block_open_turns_share_counts_once_in_their_worst_case() -> No
     ledger.check([b], quiet=True)
 
 
-def test_distinct_blocks_counts_each_block_of_shared_chain_heads_once() -> None:
-    def chains(*ps: tuple[int, ...]) -> list[list[BlockHash]]:
-        return [[BlockHash(h) for h in p] for p in ps]
+def _chain(path: tuple[int, ...]) -> list[BlockHash]:
+    """Chain hashes of a path of block contents: equal at i exactly where the heads are equal."""
+    return [BlockHash(hash(path[: i + 1]) & ((1 << 62) - 1)) for i in range(len(path))]
 
-    assert distinct_blocks(chains((1, 2, 3), (1, 2, 4), (1, 5), (6,), ())) == 6
-    assert distinct_blocks(chains((1, 2), (1, 2), (1, 2, 3))) == 3
-    assert distinct_blocks(chains((9, 8, 7), (1, 2, 3))) == 6
-    assert distinct_blocks([]) == 0
+
+def test_shared_blocks_counts_each_shared_head_block_once() -> None:
+    def shared(*ps: tuple[tuple[int, ...], int]) -> int:
+        return shared_blocks([(_chain(p), n) for p, n in ps])
+
+    assert shared(((1, 2, 3), 3), ((1, 2, 4), 3), ((1, 5), 2), ((6,), 1), ((), 0)) == 3  # 9 counted, 6 exist
+    assert shared(((1, 2), 2), ((1, 2), 2), ((1, 2, 3), 3)) == 4  # 7 counted, 3 exist
+    assert shared(((9, 8, 7), 3), ((1, 2, 3), 3)) == 0
+    assert shared(((1, 2, 3, 4), 2), ((1, 2, 3, 5), 4)) == 2  # only the pinned head counts
+    # a short pin sorted between two chains that share more: (1, 2, 3) and (1, 2, 4) share 2
+    assert shared(((1, 2, 3), 3), ((1, 2, 3, 9), 1), ((1, 2, 4), 3)) == 3
+    assert shared_blocks([]) == 0
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), max_size=6).map(tuple), st.integers(0, 6)), max_size=8))
+def test_shared_blocks_is_what_the_union_of_the_prefixes_saves(
+        paths: list[tuple[tuple[int, ...], int]]) -> None:
+    """Exactly what the union saves, with any pinned heads (a turn pinning fewer blocks than
+    its chain's neighbours share included): never more, or a worst case would be under-counted."""
+    chains = [(_chain(p), min(n, len(p))) for p, n in paths]
+    union = {h for hashes, n in chains for h in hashes[:n]}
+    assert shared_blocks(chains) == sum(n for _, n in chains) - len(union)
 
 
 def test_a_grown_reply_may_overcommit_the_pool_and_free_goes_negative() -> None:

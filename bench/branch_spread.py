@@ -122,6 +122,7 @@ async def _shapes(url: str, shapes: tuple[str, ...], rounds: int, prompt_tokens:
     walls: dict[str, list[float]] = {shape: [] for shape in shapes}
     routed = {shape: [0] * ranks for shape in shapes}
     counts = {shape: dict.fromkeys(COUNTERS, 0) for shape in shapes}
+    crowded = dict.fromkeys(shapes, 0)  # the most of a round's four turns routed to one rank
     peaks = {shape: [0] * ranks for shape in shapes}
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         for n in range(rounds):
@@ -134,11 +135,13 @@ async def _shapes(url: str, shapes: tuple[str, ...], rounds: int, prompt_tokens:
                 text = (await client.get("/metrics")).text
                 after, c_after = _routed(text, ranks), _counters(text)
                 counts[shape] = {k: v + c_after[k] - c_before[k] for k, v in counts[shape].items()}
+                crowded[shape] = max(crowded[shape], *(a - b for a, b in zip(after, before)))
                 walls[shape].append(wall)
                 routed[shape] = [r + a - b for r, a, b in zip(routed[shape], after, before)]
                 peaks[shape] = [max(a, b) for a, b in zip(peaks[shape], peak)]
     return [{"shape": shape, "walls": walls[shape], "median": statistics.median(walls[shape]),
-             "routed": routed[shape], "peak": peaks[shape], "counts": counts[shape]} for shape in shapes]
+             "routed": routed[shape], "peak": peaks[shape],
+             "counts": counts[shape] | {"most on one rank in a round": crowded[shape]}} for shape in shapes]
 
 
 def _serve(tmp: Path, args: argparse.Namespace, branch_routing: bool) -> tuple[object, str]:

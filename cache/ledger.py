@@ -17,7 +17,9 @@ Every change goes through a method here, and each keeps the invariants it can se
 * no counter is ever negative, and neither is an admission's share of one;
 * ``reserved == unowned + sum of the open admissions' reserved_blocks``, where ``unowned`` is
   what committed plans (``cache/planner.py``, until the admission is built) and prefetches hold;
-  likewise for ``running_tokens``. ``open`` takes a plan's hold over as the admission's, so the
+  likewise for ``running_tokens`` and ``worst_blocks`` (a committed turn's worst case counts from
+  its commit on, while it still evicts for itself: a turn admitted meanwhile must see it).
+  ``open`` takes a plan's hold over as the admission's, so the
   sums hold at every instant, not only when the cache is quiet (``check``);
 * a reservation that was planned to fit (``reserve``) leaves ``indexed + reserved <= capacity``:
   every promised block exists once the pending releases land. ``free`` itself may be below zero
@@ -50,7 +52,8 @@ class RankLedger:
     """One rank's reservations and load (see the module docstring). One event loop."""
 
     __slots__ = ("_index", "_keep_out", "_num_open", "_open", "_releasing", "_reserved", "_running",
-                 "_unowned_blocks", "_unowned_tokens", "_usable", "_worst", "capacity_blocks")
+                 "_unowned_blocks", "_unowned_tokens", "_unowned_worst", "_usable", "_worst",
+                 "capacity_blocks")
 
     def __init__(self, capacity_blocks: int, config: CacheConfig, index: RankIndex,
                  releasing: Callable[[], int]) -> None:
@@ -68,6 +71,7 @@ class RankLedger:
         self._open: set[Admission] = set()  # whose prefixes ``worst_fits`` counts once
         self._unowned_blocks = 0  # reserved by committed plans and prefetches, no admission yet
         self._unowned_tokens = 0  # running tokens of committed plans, no admission yet
+        self._unowned_worst = 0  # worst cases of committed plans, no admission yet
 
     # ------------------------------------------------------------------ reads
 
@@ -149,31 +153,38 @@ class RankLedger:
         self._unowned_blocks -= num_blocks
         assert 0 <= self._unowned_blocks <= self._reserved, (self._unowned_blocks, self._reserved)
 
-    def count_running(self, num_tokens: int) -> None:
-        """A committed plan's turn counts in the router's load from now on (before its admission
-        exists: a turn routed meanwhile must see this rank busy)."""
+    def count_running(self, num_tokens: int, worst_blocks: int = 0) -> None:
+        """A committed plan's turn counts in the router's load and, with its worst case, in the
+        output room's from now on (before its admission exists: a turn routed or admitted
+        meanwhile must see this rank busy and its room promised)."""
         self._running += num_tokens
         self._unowned_tokens += num_tokens
+        self._worst += worst_blocks
+        self._unowned_worst += worst_blocks
 
-    def uncount_running(self, num_tokens: int) -> None:
+    def uncount_running(self, num_tokens: int, worst_blocks: int = 0) -> None:
         self._running -= num_tokens
         self._unowned_tokens -= num_tokens
+        self._worst -= worst_blocks
+        self._unowned_worst -= worst_blocks
         assert 0 <= self._unowned_tokens <= self._running, (self._unowned_tokens, self._running)
+        assert 0 <= self._unowned_worst <= self._worst, (self._unowned_worst, self._worst)
 
     # ------------------------------------------------------------------ admissions
 
     def open(self, adm: Admission, reserved_blocks: int, running_tokens: int, worst_blocks: int) -> None:
-        """``adm`` takes over a committed plan's ``reserved_blocks`` and ``running_tokens`` (both
-        counted already) and adds its worst case."""
+        """``adm`` takes over a committed plan's ``reserved_blocks``, ``running_tokens`` and
+        ``worst_blocks`` (all counted already)."""
         assert not adm.reserved_blocks and not adm.running_tokens and not adm.worst_blocks, adm
         self._unowned_blocks -= reserved_blocks
         self._unowned_tokens -= running_tokens
-        assert self._unowned_blocks >= 0 and self._unowned_tokens >= 0, (
-            f"an admission took over {reserved_blocks} blocks / {running_tokens} tokens no plan held")
+        self._unowned_worst -= worst_blocks
+        assert self._unowned_blocks >= 0 and self._unowned_tokens >= 0 and self._unowned_worst >= 0, (
+            f"an admission took over {reserved_blocks} blocks / {running_tokens} tokens / worst case "
+            f"{worst_blocks} no plan held")
         adm.reserved_blocks = reserved_blocks
         adm.running_tokens = running_tokens
         adm.worst_blocks = worst_blocks
-        self._worst += worst_blocks
         self._num_open += 1
         self._open.add(adm)
 
@@ -215,11 +226,12 @@ class RankLedger:
             f"reserved {self._reserved} != {self._unowned_blocks} unowned + {reserved} of open admissions")
         assert self._running == self._unowned_tokens + running, (
             f"running {self._running} != {self._unowned_tokens} unowned + {running} of open admissions")
-        assert self._worst == sum(a.worst_blocks for a in admissions)
+        assert self._worst == self._unowned_worst + sum(a.worst_blocks for a in admissions)
         assert self._num_open == len(admissions) == len(self._open), (self._num_open, len(admissions))
         if quiet:
-            assert self._unowned_blocks == 0 and self._unowned_tokens == 0, (
-                f"reserved {self._unowned_blocks} blocks / {self._unowned_tokens} tokens with no admission")
+            assert self._unowned_blocks == 0 and self._unowned_tokens == 0 and self._unowned_worst == 0, (
+                f"reserved {self._unowned_blocks} blocks / {self._unowned_tokens} tokens / worst case "
+                f"{self._unowned_worst} with no admission")
 
 
 def shared_blocks(chains: list[tuple[list[BlockHash], int]]) -> int:

@@ -89,9 +89,10 @@ class RankAdmitter:
         rank = Rank(got)
         res = taken[0] if taken else None
         context_tokens = num_prompt + num_output
-        # Counted in the router's load from the commit on, not only once the victims' release
-        # was sent: a turn routed meanwhile must see this rank busy.
-        s.ledgers[rank].count_running(context_tokens)
+        # Counted in the router's load and the output room from the commit on, not only once the
+        # victims' release was sent: a turn routed or admitted meanwhile must see this rank busy
+        # and this turn's worst case promised.
+        s.ledgers[rank].count_running(context_tokens, worst_blocks if res is not None else 0)
         if res is not None and res.victims:  # the release rides with the next command: one boundary
             try:
                 await self._retirer.retire(rank, list(res.victims), epoch, wait_release=False,
@@ -99,11 +100,11 @@ class RankAdmitter:
             except BaseException:  # cancelled (client gone): give back what the commit took
                 if s.epoch == epoch:
                     self._planner.undo(res, hashes)
-                    s.ledgers[rank].uncount_running(context_tokens)
+                    s.ledgers[rank].uncount_running(context_tokens, worst_blocks)
                 raise
         if s.epoch != epoch or res is None:
             if s.epoch == epoch:
-                s.ledgers[rank].uncount_running(context_tokens)
+                s.ledgers[rank].uncount_running(context_tokens, worst_blocks if res is not None else 0)
             raise _restarted()
         plan = res.plan
         adm = Admission(

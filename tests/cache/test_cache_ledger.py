@@ -35,7 +35,7 @@ def test_a_plan_becomes_an_admission_and_gives_everything_back() -> None:
     ledger = state.ledgers[0]
     assert (ledger.free_blocks(), ledger.plannable_free_blocks(), ledger.usable_blocks()) == (12, 10, 10)
     ledger.reserve(6)  # a committed plan
-    ledger.count_running(24)
+    ledger.count_running(24, 9)
     assert ledger.free_blocks() == 6 and ledger.running_tokens == 24
     with pytest.raises(AssertionError, match="with no admission"):
         ledger.check([], quiet=True)  # the plan's hold is not an admission's yet
@@ -62,14 +62,40 @@ def test_a_planned_reservation_never_exceeds_the_pool() -> None:
         ledger.reserve(1)
 
 
+def test_a_committed_turns_worst_case_counts_before_its_admission_opens() -> None:
+    """A turn that evicts for itself awaits its victims' release between its commit and its
+    admission; a turn admitted meanwhile must see its worst case (else both replies may outgrow
+    the pool together). It counts from ``count_running`` on, and ``open`` takes it over."""
+    ledger = _state().ledgers[0]  # 10 usable blocks
+    ledger.reserve(3)
+    ledger.count_running(24, 7)  # committed, still evicting for itself
+    assert ledger.worst_blocks == 7 and ledger.worst_fits(3) and not ledger.worst_fits(4)
+    with pytest.raises(AssertionError, match="with no admission"):
+        ledger.check([], quiet=True)
+    adm = _admission()
+    ledger.open(adm, 3, 24, 7)
+    assert ledger.worst_blocks == 7 and adm.worst_blocks == 7
+    ledger.check([adm], quiet=True)
+    ledger.close(adm)
+    ledger.reserve(2)
+    ledger.count_running(8, 5)
+    ledger.uncount_running(8, 5)  # the commit undone (client gone while it evicted)
+    ledger.unreserve(2)
+    assert ledger.worst_blocks == 0
+    ledger.check([], quiet=True)
+    with pytest.raises(AssertionError, match="no plan held"):
+        _state().ledgers[0].open(_admission(), 0, 0, 1)  # a worst case no commit counted
+
+
 def test_a_prefix_block_open_turns_share_counts_once_in_their_worst_case() -> None:
     """Two open turns pin the same 3-block head (a system prompt every subagent starts with): the
     engine holds those blocks once, so a third turn on that head fits where the plain sum of worst
     cases (5 + 5 + 3 > 10 usable) said it did not; the own part of each worst case still counts."""
     ledger = _state().ledgers[0]  # 10 usable blocks
     a, b = _admission((1, 2, 3, 4), 3), _admission((1, 2, 3, 5), 3)
-    ledger.open(a, 0, 0, 5)
-    ledger.open(b, 0, 0, 5)
+    for adm in (a, b):
+        ledger.count_running(0, 5)
+        ledger.open(adm, 0, 0, 5)
     assert ledger.worst_blocks == 10 and ledger.worst_fits(0)
     head = [BlockHash(h) for h in (1, 2, 3, 6)]
     assert ledger.worst_fits(3, head, 3)  # 13 counted, 3 of a, b and this one's head counted once: 7
@@ -113,6 +139,7 @@ def test_a_grown_reply_may_overcommit_the_pool_and_free_goes_negative() -> None:
     state = _state()
     ledger = state.ledgers[0]
     ledger.reserve(10)
+    ledger.count_running(0, 10)
     adm = _admission()
     ledger.open(adm, 10, 0, 10)
     ledger.grow(adm, 5)  # eviction could not cover it: the output room's short case
@@ -136,7 +163,7 @@ def test_what_no_plan_held_cannot_be_taken_over_or_given_back() -> None:
 def test_the_check_sees_an_admission_share_out_of_step() -> None:
     ledger = _state().ledgers[0]
     ledger.reserve(4)
-    ledger.count_running(16)
+    ledger.count_running(16, 4)
     adm = _admission()
     ledger.open(adm, 4, 16, 4)
     adm.reserved_blocks = 3  # what the structure check forbids outside cache/ledger.py

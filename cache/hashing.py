@@ -56,6 +56,19 @@ def filed_prefix_length(hashes: Sequence[BlockHash], filed: Container[BlockHash]
     return lo
 
 
+def common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    """Length of the longest common prefix of two chains. Chain hashes name a block *and* its
+    whole prefix, so equal hashes at index i mean equal prefixes up to i: a binary search."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def chain_hashes(
     token_ids: np.ndarray | Sequence[int],
     block_size: int,

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache.extents import ExtentAllocator
-from cache.hashing import BlockHash, filed_prefix_length
+from cache.hashing import BlockHash, common_prefix, filed_prefix_length
 from cache.sessions import SessionId
 from rank.ids import HostSlot
 
@@ -165,7 +165,7 @@ class L1Index:
         regrow = False
         if old is not None:
             old.last_used_s = now_s
-            k = _common_prefix(old.hashes, hashes)
+            k = common_prefix(old.hashes, hashes)
             if k == n:
                 return None  # the entry holds the chain already
             if k > 0 and n > old.capacity_blocks:
@@ -405,16 +405,3 @@ class L1Index:
         assert n_refs == sum(len(set(e.hashes)) for e in self.entries.values())
         for entry in self._unlinked:
             assert not entry.is_linked and entry.num_holds > 0
-
-
-def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
-    """Length of the longest common prefix of two chains. Chain hashes name a block *and* its
-    whole prefix, so equal hashes at index i mean equal prefixes up to i: a binary search."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

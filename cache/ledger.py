@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from cache.hashing import common_prefix
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
@@ -247,15 +249,7 @@ def shared_blocks(chains: list[tuple[list[BlockHash], int]]) -> int:
     items = sorted((c for c in chains if c[1] > 0), key=lambda c: c[0])
     adjacent = [0] * len(items)  # adjacent[i]: the common head of items i - 1 and i (whole chains)
     for i in range(1, len(items)):
-        a, b = items[i - 1][0], items[i][0]
-        lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; the common head is <= hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if a[mid - 1] == b[mid - 1]:
-                lo = mid
-            else:
-                hi = mid - 1
-        adjacent[i] = lo
+        adjacent[i] = common_prefix(items[i - 1][0], items[i][0])
     saved = 0
     for i in range(1, len(items)):
         best, head = 0, items[i][1]  # head: the common head with item j, capped at this n

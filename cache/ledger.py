@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 class RankLedger:
     """One rank's reservations and load (see the module docstring). One event loop."""
 
-    __slots__ = ("_index", "_keep_out", "_num_open", "_open", "_releasing", "_reserved", "_running",
+    __slots__ = ("_index", "_keep_out", "_open", "_releasing", "_reserved", "_running",
                  "_unowned_blocks", "_unowned_tokens", "_unowned_worst", "_usable", "_worst",
                  "capacity_blocks")
 
@@ -68,9 +68,8 @@ class RankLedger:
         self._keep_out = config.reserve_blocks + (capacity_blocks - self._usable)
         self._reserved = 0
         self._running = 0
-        self._num_open = 0
         self._worst = 0
-        self._open: set[Admission] = set()  # whose prefixes ``worst_fits`` counts once
+        self._open: set[Admission] = set()  # open admissions (``worst_fits`` reads their prefixes)
         self._unowned_blocks = 0  # reserved by committed plans and prefetches, no admission yet
         self._unowned_tokens = 0  # running tokens of committed plans, no admission yet
         self._unowned_worst = 0  # worst cases of committed plans, no admission yet
@@ -90,7 +89,7 @@ class RankLedger:
     @property
     def num_open(self) -> int:
         """Open admissions."""
-        return self._num_open
+        return len(self._open)
 
     @property
     def worst_blocks(self) -> int:
@@ -187,7 +186,6 @@ class RankLedger:
         adm.reserved_blocks = reserved_blocks
         adm.running_tokens = running_tokens
         adm.worst_blocks = worst_blocks
-        self._num_open += 1
         self._open.add(adm)
 
     def restored(self, adm: Admission, num_blocks: int) -> None:
@@ -213,10 +211,10 @@ class RankLedger:
         self._reserved -= adm.reserved_blocks
         self._running -= adm.running_tokens
         self._worst -= adm.worst_blocks
-        self._num_open -= 1
-        self._open.discard(adm)
-        assert min(self._reserved, self._running, self._worst, self._num_open) >= 0, (
-            self._reserved, self._running, self._worst, self._num_open)
+        assert adm in self._open, f"close of an admission not open here: {adm}"
+        self._open.remove(adm)
+        assert min(self._reserved, self._running, self._worst) >= 0, (
+            self._reserved, self._running, self._worst)
 
     def check(self, open_here: Iterable[Admission], quiet: bool) -> None:
         """Assert the sums (module docstring) against the rank's open admissions; ``quiet``: no
@@ -229,7 +227,7 @@ class RankLedger:
         assert self._running == self._unowned_tokens + running, (
             f"running {self._running} != {self._unowned_tokens} unowned + {running} of open admissions")
         assert self._worst == self._unowned_worst + sum(a.worst_blocks for a in admissions)
-        assert self._num_open == len(admissions) == len(self._open), (self._num_open, len(admissions))
+        assert set(admissions) == self._open, (len(self._open), len(admissions))
         if quiet:
             assert self._unowned_blocks == 0 and self._unowned_tokens == 0 and self._unowned_worst == 0, (
                 f"reserved {self._unowned_blocks} blocks / {self._unowned_tokens} tokens / worst case "

@@ -104,7 +104,7 @@ class RankAdmitter:
                 raise
         if s.epoch != epoch or res is None:
             if s.epoch == epoch:
-                s.ledgers[rank].uncount_running(context_tokens, worst_blocks if res is not None else 0)
+                s.ledgers[rank].uncount_running(context_tokens)  # res is None: nothing was committed
             raise _restarted()
         plan = res.plan
         adm = Admission(
